@@ -1,0 +1,1 @@
+"""Lightning callbacks that work for every model family."""

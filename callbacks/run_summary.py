@@ -1,0 +1,117 @@
+"""End-of-run summary (rank 0): where everything is, final metrics, throughput and peak memory."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.utilities import rank_zero_only
+from rich.console import Console
+from rich.table import Table
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, dict):
+        for value in batch.values():
+            if isinstance(value, torch.Tensor) and value.ndim > 0:
+                return int(value.shape[0])
+    if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], torch.Tensor):
+        return int(batch[0].shape[0])
+    return 0
+
+
+def peak_host_memory_mb() -> float:
+    """Peak resident set size of this process in MiB."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 1024 / 1024 if sys.platform == "darwin" else rss / 1024
+
+
+class RunSummary(pl.Callback):
+    """Counts training samples and time, then writes `summary.json` and prints a table at the end.
+
+    Samples/s is over all ranks (per-rank count x world size) and counts only time spent in
+    training batches (validation excluded).
+
+    Args:
+        output_dir: the run directory.
+        optimized_metric: the metric the run is judged by (shown first).
+    """
+
+    def __init__(self, output_dir: str, optimized_metric: str | None = None) -> None:
+        self.output_dir = Path(output_dir)
+        self.optimized_metric = optimized_metric
+        self.samples = 0
+        self.train_seconds = 0.0
+        self._batch_start: float | None = None
+        self.fit_metrics: dict[str, float] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch_start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._batch_start is not None:
+            self.train_seconds += time.perf_counter() - self._batch_start
+            self.samples += _batch_size(batch) * trainer.world_size
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.fit_metrics = self._metrics(trainer)
+        self._report(trainer, "fit")
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._report(trainer, "test")
+
+    @staticmethod
+    def _metrics(trainer: pl.Trainer) -> dict[str, float]:
+        return {k: float(v) for k, v in sorted(trainer.callback_metrics.items()) if torch.is_tensor(v) and v.numel() == 1}
+
+    def summary(self, trainer: pl.Trainer) -> dict[str, Any]:
+        checkpoint = trainer.checkpoint_callback
+        tensorboard = next((lg.log_dir for lg in trainer.loggers if type(lg).__name__ == "TensorBoardLogger"), None)
+        metrics = {**self.fit_metrics, **self._metrics(trainer)}
+        peak_gpu = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+        return {
+            "run_dir": str(self.output_dir),
+            "best_checkpoint": getattr(checkpoint, "best_model_path", None) or None,
+            "best_score": float(checkpoint.best_model_score) if getattr(checkpoint, "best_model_score", None) is not None else None,
+            "last_checkpoint": getattr(checkpoint, "last_model_path", None) or None,
+            "tensorboard": tensorboard,
+            "optimized_metric": self.optimized_metric,
+            "metrics": metrics,
+            "epochs": trainer.current_epoch,
+            "global_step": trainer.global_step,
+            "world_size": trainer.world_size,
+            "train_samples": self.samples,
+            "train_seconds": round(self.train_seconds, 3),
+            "samples_per_second": round(self.samples / self.train_seconds, 3) if self.train_seconds else None,
+            "peak_host_memory_mb": round(peak_host_memory_mb(), 1),
+            "peak_gpu_memory_mb": round(peak_gpu, 1) if peak_gpu is not None else None,
+        }
+
+    @rank_zero_only
+    def _report(self, trainer: pl.Trainer, stage: str) -> None:
+        summary = self.summary(trainer)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        table = Table(title=f"medvol run summary ({stage})", show_header=False)
+        table.add_column("what", style="bold")
+        table.add_column("value", overflow="fold")
+        for key in ("run_dir", "best_checkpoint", "last_checkpoint", "tensorboard"):
+            table.add_row(key, str(summary[key]))
+        metrics = summary["metrics"]
+        shown = [self.optimized_metric] if self.optimized_metric in metrics else []
+        shown += [k for k in metrics if k.startswith(("val/", "test/")) and k not in shown]
+        for key in shown:
+            table.add_row(key, f"{metrics[key]:.4f}")
+        table.add_row("samples/s (train)", str(summary["samples_per_second"]))
+        table.add_row("peak host memory", f"{summary['peak_host_memory_mb']} MiB")
+        if summary["peak_gpu_memory_mb"] is not None:
+            table.add_row("peak GPU memory", f"{summary['peak_gpu_memory_mb']} MiB")
+        Console(width=max(Console().width, 120)).print(table)

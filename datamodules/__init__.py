@@ -1,0 +1,1 @@
+"""LightningDataModules, datasets, transforms, caching and data checks."""

@@ -1,0 +1,75 @@
+"""Subject-level train/val/test split, reproducible from a seed and recorded as `split.json`."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+from medvol.errors import MedvolError
+
+STAGES = ("train", "val", "test")
+
+
+def make_split(subjects: Sequence[str], val_fraction: float, test_fraction: float, seed: int) -> dict[str, list[str]]:
+    """Shuffle unique subject ids with `seed` and cut them into train/val/test.
+
+    Every non-zero fraction gets at least one subject, as long as train keeps one.
+    """
+    for name, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+        if not 0.0 <= value < 1.0:
+            raise MedvolError(f"`dataset.{name}` must be in [0, 1), got {value}")
+    if val_fraction + test_fraction >= 1.0:
+        raise MedvolError(
+            f"`dataset.val_fraction` + `dataset.test_fraction` must be < 1, got {val_fraction} + {test_fraction}"
+        )
+    unique = sorted(set(subjects))
+    if len(unique) != len(subjects):
+        raise MedvolError("subject ids must be unique; the dataset lists some subjects twice")
+    order = unique[:]
+    random.Random(seed).shuffle(order)
+    n = len(order)
+
+    def count(fraction: float) -> int:
+        return 0 if fraction == 0 else max(1, round(fraction * n))
+
+    n_val, n_test = count(val_fraction), count(test_fraction)
+    if n - n_val - n_test < 1:
+        raise MedvolError(
+            f"{n} subjects are too few for val_fraction={val_fraction} and test_fraction={test_fraction}; "
+            "at least one subject must remain for training"
+        )
+    return {
+        "val": sorted(order[:n_val]),
+        "test": sorted(order[n_val : n_val + n_test]),
+        "train": sorted(order[n_val + n_test :]),
+    }
+
+
+def load_split(path: Path, subjects: Sequence[str]) -> dict[str, list[str]]:
+    """Read a recorded split and check it still matches the dataset."""
+    try:
+        split = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise MedvolError(f"`dataset.split_file`: cannot read {path} ({err}); expected JSON with train/val/test lists") from err
+    if not isinstance(split, dict) or any(not isinstance(split.get(s), list) for s in STAGES):
+        raise MedvolError(f"`dataset.split_file`: {path} must hold lists under 'train', 'val' and 'test'")
+    listed = [s for stage in STAGES for s in split[stage]]
+    if len(set(listed)) != len(listed):
+        raise MedvolError(f"`dataset.split_file`: {path} puts a subject in more than one split (leakage)")
+    unknown = sorted(set(listed) - set(subjects))
+    if unknown:
+        raise MedvolError(
+            f"`dataset.split_file`: {path} lists subjects the dataset does not have (first: {unknown[:3]}); "
+            "the data changed since the split was made: remove the file or point to the original data"
+        )
+    return {stage: list(split[stage]) for stage in STAGES}
+
+
+def save_split(path: Path, split: dict[str, list[str]], seed: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"seed": seed, **split}, indent=2) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,131 @@
+"""The embedded default dataset: synthetic head phantoms, generated on the fly (no download)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from datamodules.phantom import MODALITIES, make_phantom
+from datamodules.volume_datamodule import Record, VolumeDataModule
+from medvol.errors import MedvolError
+
+
+def _to_unit_range(volume: np.ndarray, modality: str, ct_window: Sequence[float]) -> np.ndarray:
+    """MR: scale the 99.5th percentile of the head to 1; CT: clip to the HU window. Both then to [-1, 1]."""
+    if modality == "ct":
+        low, high = ct_window
+        unit = (np.clip(volume, low, high) - low) / (high - low)
+    else:
+        top = np.percentile(volume, 99.5)
+        unit = np.clip(volume / max(top, 1e-6), 0, 1)
+    return (unit * 2 - 1).astype(np.float32)
+
+
+class SyntheticPhantomDataset(Dataset):
+    """Phantoms for `records` as batch dicts.
+
+    Keys: `image` (C, D, H, W) in [-1, 1] from `image_modalities`; `cond` from
+    `cond_modalities` when given (e.g. T1 -> T2 translation); `label` (1, D, H, W) int64
+    (0 background, 1 lesion core, 2 oedema); `time` (months), `event` (0/1),
+    `lesion_fraction`, `subject`, `affine` (4x4, RAS mm).
+    """
+
+    def __init__(
+        self,
+        records: list[Record],
+        size: Sequence[int],
+        image_modalities: Sequence[str],
+        cond_modalities: Sequence[str],
+        seed: int,
+        spacing: float,
+        ct_window: Sequence[float],
+    ) -> None:
+        self.records = records
+        self.size = tuple(size)
+        self.image_modalities = list(image_modalities)
+        self.cond_modalities = list(cond_modalities)
+        self.seed = seed
+        self.ct_window = ct_window
+        self.affine = np.diag([spacing, spacing, spacing, 1.0])
+        self.affine[:3, 3] = -spacing * (np.array(self.size) - 1) / 2
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        record = self.records[i]
+        phantom = make_phantom(self.seed, record["index"], self.size)
+
+        def stack(names: Sequence[str]) -> torch.Tensor:
+            return torch.from_numpy(np.stack([_to_unit_range(phantom.channels[n], n, self.ct_window) for n in names]))
+
+        item: dict[str, Any] = {
+            "image": stack(self.image_modalities),
+            "label": torch.from_numpy(phantom.label.astype(np.int64))[None],
+            "time": torch.tensor(phantom.time, dtype=torch.float32),
+            "event": torch.tensor(float(phantom.event), dtype=torch.float32),
+            "lesion_fraction": torch.tensor(phantom.lesion_fraction, dtype=torch.float32),
+            "subject": record["subject"],
+            "affine": torch.from_numpy(self.affine),
+        }
+        if self.cond_modalities:
+            item["cond"] = stack(self.cond_modalities)
+        return item
+
+
+class SyntheticDataModule(VolumeDataModule):
+    """Deterministic synthetic phantoms: `num_subjects` subjects of `size` voxels.
+
+    Args:
+        num_subjects: how many phantoms the dataset holds.
+        size: edge length (int) or (D, H, W) of each volume.
+        image_modalities: channels of `image`, from t1, t1ce, t2, flair, ct.
+        cond_modalities: channels of `cond` (empty for none).
+        seed: phantom series; the same seed and index always give the same subject.
+        spacing: voxel size in mm, written into the affine.
+        ct_window: Hounsfield window mapped to [-1, 1] for the ct channel.
+        **kwargs: split and loader settings of `VolumeDataModule`.
+    """
+
+    def __init__(
+        self,
+        num_subjects: int = 32,
+        size: int | Sequence[int] = 32,
+        image_modalities: Sequence[str] = ("t1",),
+        cond_modalities: Sequence[str] = (),
+        seed: int = 0,
+        spacing: float = 6.0,
+        ct_window: Sequence[float] = (-1000.0, 1000.0),
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        size = [int(size)] * 3 if isinstance(size, int) else [int(s) for s in size]
+        if len(size) != 3 or min(size) < 8:
+            raise MedvolError(f"`dataset.size` must be an int or three ints >= 8, got {size}")
+        for key, names in (("image_modalities", image_modalities), ("cond_modalities", cond_modalities)):
+            unknown = [n for n in names if n not in MODALITIES]
+            if unknown:
+                raise MedvolError(f"`dataset.{key}`: unknown modality {unknown[0]!r}; expected some of {list(MODALITIES)}")
+        if not image_modalities:
+            raise MedvolError("`dataset.image_modalities` is empty; name at least one of " + str(list(MODALITIES)))
+        if num_subjects < 1:
+            raise MedvolError(f"`dataset.num_subjects` must be >= 1, got {num_subjects}")
+        self.num_subjects = num_subjects
+        self.size = size
+        self.image_modalities = list(image_modalities)
+        self.cond_modalities = list(cond_modalities)
+        self.seed = seed
+        self.spacing = spacing
+        self.ct_window = tuple(ct_window)
+
+    def subjects(self) -> list[Record]:
+        return [{"subject": f"phantom-{self.seed}-{i:04d}", "index": i} for i in range(self.num_subjects)]
+
+    def build_dataset(self, records: list[Record], stage: str) -> Dataset:
+        return SyntheticPhantomDataset(
+            records, self.size, self.image_modalities, self.cond_modalities, self.seed, self.spacing, self.ct_window
+        )

@@ -1,0 +1,1 @@
+"""One LightningModule per model family, plus the pieces they share."""

@@ -1,0 +1,60 @@
+"""What every medvol LightningModule shares: optimizer building, checkpoint identity, manual-step policy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+MODEL_KEY = "medvol_model"
+
+
+def class_path(obj: object) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class MedvolModule(pl.LightningModule):
+    """Base class of the model families.
+
+    Families that use manual optimization (GANs) cannot rely on Lightning for gradient
+    accumulation and clipping; `run()` hands the trainer's settings to
+    `set_manual_step_policy` and this class applies clipping after AMP unscaling.
+    """
+
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str = "norm"
+
+    def set_manual_step_policy(
+        self, accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm"
+    ) -> None:
+        if int(accumulate_grad_batches) < 1:
+            raise ValueError(f"`trainer.accumulate_grad_batches` must be >= 1, got {accumulate_grad_batches}")
+        self.accumulate_grad_batches = int(accumulate_grad_batches)
+        self.gradient_clip_val = gradient_clip_val
+        self.gradient_clip_algorithm = gradient_clip_algorithm or "norm"
+
+    def is_accumulation_boundary(self, batch_idx: int) -> bool:
+        """True on the micro-batch after which the optimizers step (manual optimization)."""
+        if (batch_idx + 1) % self.accumulate_grad_batches == 0:
+            return True
+        return bool(self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+    @property
+    def batches_seen(self) -> int:
+        """Training batches processed so far in the whole run (restored on resume)."""
+        return int(self.trainer.fit_loop.epoch_loop.batch_progress.total.ready) - 1
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Called after the AMP scaler has unscaled the gradients, so the threshold means what it says.
+        if not self.automatic_optimization and self.gradient_clip_val:
+            self.clip_gradients(
+                optimizer,
+                gradient_clip_val=self.gradient_clip_val,
+                gradient_clip_algorithm=self.gradient_clip_algorithm,
+            )
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[MODEL_KEY] = class_path(self)

@@ -1,0 +1,129 @@
+"""Vector-quantisation codebook with EMA updates and dead-code restarts (VQ-VAE-2 / medicaldiffusion style)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class Quantized(NamedTuple):
+    embeddings: torch.Tensor
+    encodings: torch.Tensor
+    commitment_loss: torch.Tensor
+    perplexity: torch.Tensor
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class EMACodebook(nn.Module):
+    """Codebook of `n_codes` vectors of size `embedding_dim`, learnt by exponential moving averages.
+
+    The codebook is initialised from encoder outputs on the first training batch; that
+    state lives in the persistent `initialized` buffer, so a resumed run never re-initialises.
+    Under DDP the EMA statistics are summed over ranks and random restarts are broadcast
+    from rank 0, so every rank holds the same codebook.
+
+    Args:
+        n_codes: number of code vectors.
+        embedding_dim: size of each code vector (the encoder's output channels).
+        decay: EMA decay of the cluster sizes and sums.
+        commitment_weight: weight of the commitment loss ||z - sg(e)||^2.
+        restart_threshold: codes whose EMA usage falls below this are restarted from encoder outputs.
+        random_restart: whether dead codes are restarted at all.
+    """
+
+    def __init__(
+        self,
+        n_codes: int,
+        embedding_dim: int,
+        decay: float = 0.99,
+        commitment_weight: float = 0.25,
+        restart_threshold: float = 1.0,
+        random_restart: bool = True,
+        eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        if n_codes < 2:
+            raise ValueError(f"`n_codes` must be >= 2, got {n_codes}")
+        self.n_codes = n_codes
+        self.embedding_dim = embedding_dim
+        self.decay = decay
+        self.commitment_weight = commitment_weight
+        self.restart_threshold = restart_threshold
+        self.random_restart = random_restart
+        self.eps = eps
+        self.register_buffer("embeddings", torch.randn(n_codes, embedding_dim))
+        self.register_buffer("cluster_size", torch.zeros(n_codes))
+        self.register_buffer("embedding_sum", self.embeddings.clone())
+        self.register_buffer("initialized", torch.tensor(False))
+
+    def _random_vectors(self, flat: torch.Tensor) -> torch.Tensor:
+        """`n_codes` encoder vectors drawn on rank 0 (tiled if there are fewer), identical on every rank."""
+        n = flat.shape[0]
+        if n < self.n_codes:
+            repeats = (self.n_codes + n - 1) // n
+            std = 0.01 / max(self.embedding_dim, 1) ** 0.5
+            flat = flat.repeat(repeats, 1)
+            flat = flat + torch.randn_like(flat) * std
+        picked = flat[torch.randperm(flat.shape[0], device=flat.device)[: self.n_codes]].contiguous()
+        if _distributed():
+            dist.broadcast(picked, src=0)
+        return picked
+
+    @torch.no_grad()
+    def _initialise(self, flat: torch.Tensor) -> None:
+        vectors = self._random_vectors(flat)
+        self.embeddings.copy_(vectors)
+        self.embedding_sum.copy_(vectors)
+        self.cluster_size.fill_(1.0)
+        self.initialized.fill_(True)
+
+    @torch.no_grad()
+    def _ema_update(self, flat: torch.Tensor, onehot: torch.Tensor) -> None:
+        counts = onehot.sum(0)
+        sums = onehot.t() @ flat
+        if _distributed():
+            dist.all_reduce(counts)
+            dist.all_reduce(sums)
+        self.cluster_size.mul_(self.decay).add_(counts, alpha=1 - self.decay)
+        self.embedding_sum.mul_(self.decay).add_(sums, alpha=1 - self.decay)
+        total = self.cluster_size.sum()
+        smoothed = (self.cluster_size + self.eps) / (total + self.n_codes * self.eps) * total
+        self.embeddings.copy_(self.embedding_sum / smoothed.unsqueeze(1))
+        if self.random_restart:
+            dead = (self.cluster_size < self.restart_threshold).unsqueeze(1)
+            replacement = self._random_vectors(flat)
+            self.embeddings.copy_(torch.where(dead, replacement, self.embeddings))
+
+    def forward(self, z: torch.Tensor) -> Quantized:
+        """Quantise `z` of shape (B, C, *spatial) with C == embedding_dim."""
+        if z.shape[1] != self.embedding_dim:
+            raise ValueError(f"`z` must have {self.embedding_dim} channels, got shape {tuple(z.shape)}")
+        # Distances and EMA statistics in float32 even under AMP: bf16 argmin picks wrong codes.
+        with torch.autocast(device_type=z.device.type, enabled=False):
+            z = z.float()
+            channels_last = z.movedim(1, -1)
+            flat = channels_last.reshape(-1, self.embedding_dim)
+            if self.training and not bool(self.initialized):
+                self._initialise(flat.detach())
+            distances = (
+                flat.pow(2).sum(1, keepdim=True)
+                - 2 * flat @ self.embeddings.t()
+                + self.embeddings.pow(2).sum(1).unsqueeze(0)
+            )
+            indices = distances.argmin(1)
+            onehot = F.one_hot(indices, self.n_codes).type_as(flat)
+            quantized = F.embedding(indices, self.embeddings).view_as(channels_last).movedim(-1, 1)
+            commitment = self.commitment_weight * F.mse_loss(z, quantized.detach())
+            if self.training:
+                self._ema_update(flat.detach(), onehot)
+            straight_through = z + (quantized - z).detach()
+            usage = onehot.mean(0)
+            perplexity = torch.exp(-(usage * torch.log(usage + 1e-10)).sum())
+        return Quantized(straight_through, indices.view(channels_last.shape[:-1]), commitment, perplexity)

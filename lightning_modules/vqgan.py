@@ -1,0 +1,252 @@
+"""3D VQ-GAN: EMA-codebook autoencoder trained with L1, commitment, 3D patch and 2D slice adversarial losses.
+
+Follows the VQ-GAN of medicaldiffusion (Khader et al.) as used in the CTPA seed: an image
+(2D slice) discriminator and a video (3D volume) discriminator, optional GAN feature matching
+and perceptual loss, and the discriminators switched on after `discriminator_iter_start`
+training batches. Two optimizers run under manual optimization, with accumulation, clipping
+and AMP handled here because Lightning does not apply them for manual optimization.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from monai.losses import PatchAdversarialLoss
+from monai.networks.nets import PatchDiscriminator
+from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
+
+from lightning_modules.base import MedvolModule
+from lightning_modules.codebook import EMACodebook, Quantized
+from lightning_modules.perceptual import SlicePerceptualLoss
+from lightning_modules.vq_autoencoder import Decoder3d, Encoder3d
+from medvol.errors import MedvolError
+
+_LOSS_TYPES = {"hinge": "hinge", "least_squares": "least_squares", "lsgan": "least_squares", "vanilla": "bce"}
+
+
+def random_slices(volume: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The axial slice `index[b]` of each volume (B, C, D, H, W) -> (B, C, H, W)."""
+    gather = index.view(-1, 1, 1, 1, 1).expand(-1, volume.shape[1], 1, *volume.shape[3:])
+    return volume.gather(2, gather).squeeze(2)
+
+
+class VQGAN(MedvolModule):
+    """3D VQ-GAN.
+
+    Args:
+        in_channels: image channels (modalities).
+        embedding_dim: size of a code vector.
+        n_codes: codebook size.
+        n_hiddens: channels of the first encoder layer (doubled at each halving).
+        downsample: per-axis reduction factor from image to latent grid.
+        codebook_decay: EMA decay of the codebook.
+        commitment_weight: weight of the commitment loss.
+        restart_threshold: EMA usage under which a code is restarted; `random_restart` turns this off.
+        l1_weight: weight of the L1 reconstruction loss.
+        image_gan_weight: weight of the 2D slice discriminator's adversarial loss.
+        video_gan_weight: weight of the 3D patch discriminator's adversarial loss.
+        gan_feat_weight: weight of the discriminator feature-matching loss (0 turns it off).
+        perceptual_weight: weight of the slice perceptual loss; needs `perceptual_model_path`.
+        perceptual_model_path: local TorchScript feature network for the perceptual loss.
+        disc_channels: channels of the first discriminator layer.
+        disc_layers: strided layers per discriminator.
+        disc_loss_type: `hinge` or `least_squares` (`vanilla` = binary cross-entropy).
+        discriminator_iter_start: training batches (not optimizer steps) before the GAN losses start.
+        optimizer: partial optimizer, called once for the autoencoder and once for the discriminators.
+        scheduler: optional partial LR scheduler, stepped once per epoch for both optimizers.
+        image_key: batch key of the volume to reconstruct.
+        ssim_kernel_size: Gaussian window of the 3D SSIM metric.
+    """
+
+    def __init__(
+        self,
+        in_channels: int = 1,
+        embedding_dim: int = 8,
+        n_codes: int = 512,
+        n_hiddens: int = 16,
+        downsample: Sequence[int] = (4, 4, 4),
+        codebook_decay: float = 0.99,
+        commitment_weight: float = 0.25,
+        restart_threshold: float = 1.0,
+        random_restart: bool = True,
+        l1_weight: float = 4.0,
+        image_gan_weight: float = 1.0,
+        video_gan_weight: float = 1.0,
+        gan_feat_weight: float = 4.0,
+        perceptual_weight: float = 0.0,
+        perceptual_model_path: str | None = None,
+        disc_channels: int = 64,
+        disc_layers: int = 3,
+        disc_loss_type: str = "hinge",
+        discriminator_iter_start: int = 0,
+        optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+        scheduler: Callable[..., Any] | None = None,
+        image_key: str = "image",
+        ssim_kernel_size: int = 11,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(logger=False)
+        self.automatic_optimization = False
+        if disc_loss_type not in _LOSS_TYPES:
+            raise MedvolError(f"`model.disc_loss_type`: got {disc_loss_type!r}; expected one of {sorted(_LOSS_TYPES)}")
+        if perceptual_weight > 0 and not perceptual_model_path:
+            raise MedvolError(
+                f"`model.perceptual_weight` is {perceptual_weight} but `model.perceptual_model_path` is not set; "
+                "give a local TorchScript feature network or set perceptual_weight=0"
+            )
+        self.downsample = tuple(int(d) for d in downsample)
+        self.encoder = Encoder3d(in_channels, n_hiddens, self.downsample, embedding_dim)
+        self.decoder = Decoder3d(in_channels, n_hiddens, self.downsample, embedding_dim)
+        self.codebook = EMACodebook(
+            n_codes, embedding_dim, codebook_decay, commitment_weight, restart_threshold, random_restart
+        )
+        self.image_discriminator = PatchDiscriminator(
+            spatial_dims=2, channels=disc_channels, in_channels=in_channels, num_layers_d=disc_layers
+        )
+        self.video_discriminator = PatchDiscriminator(
+            spatial_dims=3, channels=disc_channels, in_channels=in_channels, num_layers_d=disc_layers
+        )
+        self.adversarial = PatchAdversarialLoss(criterion=_LOSS_TYPES[disc_loss_type], reduction="mean")
+        self.perceptual = SlicePerceptualLoss(perceptual_model_path) if perceptual_model_path else None
+        self.optimizer_factory = optimizer or (lambda params: torch.optim.Adam(params, lr=3e-4, betas=(0.5, 0.9)))
+        self.scheduler_factory = scheduler
+        self.image_key = image_key
+        self.feature_weight = 4.0 / (disc_layers + 1)
+        self.val_psnr = PeakSignalNoiseRatio(data_range=2.0, reduction="elementwise_mean", dim=(1, 2, 3, 4))
+        self.val_ssim = StructuralSimilarityIndexMeasure(data_range=2.0, kernel_size=ssim_kernel_size)
+        self.test_psnr = self.val_psnr.clone()
+        self.test_ssim = self.val_ssim.clone()
+
+    def configure_optimizers(self) -> Any:
+        autoencoder = [*self.encoder.parameters(), *self.decoder.parameters()]
+        discriminators = [*self.image_discriminator.parameters(), *self.video_discriminator.parameters()]
+        optimizers = [self.optimizer_factory(autoencoder), self.optimizer_factory(discriminators)]
+        if self.scheduler_factory is None:
+            return optimizers
+        return optimizers, [self.scheduler_factory(opt) for opt in optimizers]
+
+    def _check_shape(self, x: torch.Tensor) -> None:
+        bad = [s for s, d in zip(x.shape[2:], self.downsample, strict=True) if s % d]
+        if x.ndim != 5 or bad:
+            raise MedvolError(
+                f"`model.downsample` {list(self.downsample)} must divide the volume size, got input shape "
+                f"{tuple(x.shape)}; crop/pad the dataset to a multiple of the downsample factors"
+            )
+
+    def encode(self, x: torch.Tensor) -> Quantized:
+        return self.codebook(self.encoder(x))
+
+    def decode(self, embeddings: torch.Tensor) -> torch.Tensor:
+        return self.decoder(embeddings)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Quantized]:
+        self._check_shape(x)
+        quantized = self.encode(x)
+        return self.decode(quantized.embeddings), quantized
+
+    def _feature_matching(self, fake: list[torch.Tensor], real: list[torch.Tensor]) -> torch.Tensor:
+        loss = fake[-1].new_zeros(())
+        for f, r in zip(fake[:-1], real[:-1], strict=True):
+            loss = loss + self.feature_weight * F.l1_loss(f, r.detach())
+        return loss
+
+    def _generator_losses(
+        self, x: torch.Tensor, x_rec: torch.Tensor, frames: torch.Tensor, frames_rec: torch.Tensor, gan_on: bool
+    ) -> dict[str, torch.Tensor]:
+        hp = self.hparams
+        losses = {"recon_loss": F.l1_loss(x_rec, x) * hp.l1_weight}
+        if self.perceptual is not None:
+            losses["perceptual_loss"] = hp.perceptual_weight * self.perceptual(frames_rec, frames)
+        if gan_on:
+            image_fake = self.image_discriminator(frames_rec)
+            video_fake = self.video_discriminator(x_rec)
+            losses["g_adv_loss"] = hp.image_gan_weight * self.adversarial(
+                image_fake[-1], target_is_real=True, for_discriminator=False
+            ) + hp.video_gan_weight * self.adversarial(video_fake[-1], target_is_real=True, for_discriminator=False)
+            if hp.gan_feat_weight > 0:
+                matching = x.new_zeros(())
+                if hp.image_gan_weight > 0:
+                    matching = matching + self._feature_matching(image_fake, self.image_discriminator(frames))
+                if hp.video_gan_weight > 0:
+                    matching = matching + self._feature_matching(video_fake, self.video_discriminator(x))
+                losses["gan_feat_loss"] = hp.gan_feat_weight * matching
+        return losses
+
+    def _discriminator_loss(
+        self, x: torch.Tensor, x_rec: torch.Tensor, frames: torch.Tensor, frames_rec: torch.Tensor
+    ) -> torch.Tensor:
+        hp = self.hparams
+
+        def d_loss(disc: torch.nn.Module, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+            real_loss = self.adversarial(disc(real.detach())[-1], target_is_real=True, for_discriminator=True)
+            fake_loss = self.adversarial(disc(fake.detach())[-1], target_is_real=False, for_discriminator=True)
+            return 0.5 * (real_loss + fake_loss)
+
+        return hp.image_gan_weight * d_loss(self.image_discriminator, frames, frames_rec) + (
+            hp.video_gan_weight * d_loss(self.video_discriminator, x, x_rec)
+        )
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        x = batch[self.image_key]
+        opt_ae, opt_disc = self.optimizers()
+        gan_on = self.batches_seen >= self.hparams.discriminator_iter_start
+        step_now = self.is_accumulation_boundary(batch_idx)
+        scale = 1.0 / self.accumulate_grad_batches
+
+        self.toggle_optimizer(opt_ae)
+        x_rec, quantized = self(x)
+        slice_index = torch.randint(0, x.shape[2], (x.shape[0],), device=x.device)
+        frames, frames_rec = random_slices(x, slice_index), random_slices(x_rec, slice_index)
+        losses = self._generator_losses(x, x_rec, frames, frames_rec, gan_on)
+        losses["commitment_loss"] = quantized.commitment_loss
+        ae_loss = torch.stack(list(losses.values())).sum()
+        self.manual_backward(ae_loss * scale)
+        if step_now:
+            opt_ae.step()
+            opt_ae.zero_grad(set_to_none=True)
+        self.untoggle_optimizer(opt_ae)
+
+        if gan_on:
+            self.toggle_optimizer(opt_disc)
+            disc_loss = self._discriminator_loss(x, x_rec, frames, frames_rec)
+            self.manual_backward(disc_loss * scale)
+            if step_now:
+                opt_disc.step()
+                opt_disc.zero_grad(set_to_none=True)
+            self.untoggle_optimizer(opt_disc)
+            losses["disc_loss"] = disc_loss
+
+        batch_size = x.shape[0]
+        self.log_dict({f"train/{k}": v.detach() for k, v in losses.items()}, on_step=True, on_epoch=True, batch_size=batch_size)
+        self.log("train/loss", ae_loss.detach(), on_step=True, on_epoch=True, prog_bar=True, batch_size=batch_size)
+        self.log("train/perplexity", quantized.perplexity, on_step=True, on_epoch=True, batch_size=batch_size)
+        return ae_loss.detach()
+
+    def on_train_epoch_end(self) -> None:
+        schedulers = self.lr_schedulers()
+        if schedulers is None:
+            return
+        for scheduler in schedulers if isinstance(schedulers, list) else [schedulers]:
+            scheduler.step()
+
+    def _evaluate(self, batch: dict[str, Any], stage: str, psnr: PeakSignalNoiseRatio, ssim: Any) -> dict[str, Any]:
+        x = batch[self.image_key]
+        x_rec, quantized = self(x)
+        x_rec = x_rec.clamp(-1.0, 1.0)
+        psnr.update(x_rec, x)
+        ssim.update(x_rec, x)
+        batch_size = x.shape[0]
+        self.log(f"{stage}/recon_loss", F.l1_loss(x_rec, x), sync_dist=True, batch_size=batch_size)
+        self.log(f"{stage}/perplexity", quantized.perplexity, sync_dist=True, batch_size=batch_size)
+        self.log(f"{stage}/psnr", psnr, prog_bar=True)
+        self.log(f"{stage}/ssim", ssim, prog_bar=stage == "val")
+        return {"volumes": {"input": x.detach(), "reconstruction": x_rec.detach()}}
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        return self._evaluate(batch, "val", self.val_psnr, self.val_ssim)
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        return self._evaluate(batch, "test", self.test_psnr, self.test_ssim)

@@ -1,0 +1,72 @@
+"""medvol's OmegaConf resolvers: where a run writes, and values derived from the machine or config.
+
+A fresh run gets `<log_dir>/<task>/runs/<stamp>`; a resume (`ckpt_path=<run>/checkpoints/x.ckpt`)
+continues in `<run>`, and Hydra's record of the resumed invocation goes to a new
+`.hydra/resume-<stamp>` folder so the original `.hydra/` files are never overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+STAMP_ENV = "MEDVOL_RUN_STAMP"
+_stamp: str | None = None
+
+
+def run_stamp() -> str:
+    """A timestamp fixed for the life of the process (and for its DDP children via `MEDVOL_RUN_STAMP`)."""
+    global _stamp
+    if _stamp is None:
+        _stamp = os.environ.get(STAMP_ENV) or datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+        os.environ[STAMP_ENV] = _stamp
+    return _stamp
+
+
+def run_dir_of_checkpoint(ckpt_path: str | None) -> Path | None:
+    """The run directory a checkpoint belongs to (`<run>/checkpoints/<file>`), or None."""
+    if not ckpt_path:
+        return None
+    path = Path(str(ckpt_path)).expanduser().resolve()
+    if path.parent.name == "checkpoints" and (path.parent.parent / ".hydra").is_dir():
+        return path.parent.parent
+    return None
+
+
+def resolve_run_dir(ckpt_path: str | None, fresh_dir: str) -> str:
+    resumed = run_dir_of_checkpoint(ckpt_path)
+    return str(resumed) if resumed is not None else fresh_dir
+
+
+def resolve_output_subdir(ckpt_path: str | None) -> str:
+    if run_dir_of_checkpoint(ckpt_path) is not None:
+        return f".hydra/resume-{run_stamp()}"
+    return ".hydra"
+
+
+def auto_precision() -> str:
+    """bf16-mixed on a GPU that supports it, 16-mixed on an older GPU, full precision on the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    return "32-true"
+
+
+def register_resolvers() -> None:
+    """Register medvol's resolvers once; safe to call repeatedly."""
+    for name, fn in {
+        "run_stamp": run_stamp,
+        "run_dir": resolve_run_dir,
+        "output_subdir": resolve_output_subdir,
+        "auto_precision": auto_precision,
+        "len": len,
+    }.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+register_resolvers()
