@@ -135,6 +135,12 @@ class VQGAN(MedvolModule):
                 f"`model.downsample` {list(self.downsample)} must divide the volume size, got input shape "
                 f"{tuple(x.shape)}; crop/pad the dataset to a multiple of the downsample factors"
             )
+        smallest = 4 * 2 ** self.hparams.disc_layers
+        if min(x.shape[2:]) < smallest:
+            raise MedvolError(
+                f"`model.disc_layers`={self.hparams.disc_layers} needs volumes of at least {smallest} voxels per axis, "
+                f"got input shape {tuple(x.shape)}; lower disc_layers or use larger volumes/patches"
+            )
 
     def encode(self, x: torch.Tensor) -> Quantized:
         return self.codebook(self.encoder(x))

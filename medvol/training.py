@@ -74,8 +74,10 @@ def run(cfg: DictConfig) -> dict[str, float]:
     settings.pop("_target_", None)
     trainer = pl.Trainer(**settings, callbacks=callbacks, logger=loggers or False, strategy=build_strategy(cfg.get("strategy")))
 
+    hyperparameters = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+                       for k, v in cfg.items() if k != "hydra"}
     for logger in loggers:
-        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+        logger.log_hyperparams(hyperparameters)
 
     if cfg.get("train", True):
         trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=False)
