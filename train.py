@@ -20,7 +20,8 @@ def main(cfg: DictConfig) -> float | None:
     try:
         metrics = run(cfg)
     except MedvolError as err:
-        log.error("%s", err)
+        # One line for the user; the console handler of Hydra's job logging would print a second copy.
+        log.debug("medvol: error: %s", err)
         print(f"medvol: error: {err}", file=sys.stderr)
         sys.exit(2)
     metric = cfg.get("optimized_metric")

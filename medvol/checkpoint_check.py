@@ -19,10 +19,17 @@ def check_checkpoint(ckpt_path: str | None, module: torch.nn.Module) -> None:
     if not path.is_file():
         raise MedvolError(f"`ckpt_path`: no file at {path}; expected {expected}")
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        # mmap avoids reading multi-GB checkpoints twice; files in the legacy format cannot be mapped.
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except RuntimeError as err:
+            if "mmap" not in str(err):
+                raise
+            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # noqa: BLE001 - truncated zip, pickle error, ...: all mean an unreadable file
+        reason = str(err).splitlines()[0][:100] if str(err) else ""
         raise MedvolError(
-            f"`ckpt_path`: {path} is not a readable checkpoint ({type(err).__name__}: {str(err)[:120]}); expected {expected}"
+            f"`ckpt_path`: {path} is not a readable checkpoint ({type(err).__name__}: {reason}); expected {expected}"
         ) from err
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "loops" not in checkpoint:
         raise MedvolError(f"`ckpt_path`: {path} is not a Lightning training checkpoint (no state_dict/loops); expected {expected}")
