@@ -10,8 +10,20 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from monai.data import DistributedSampler as EvaluationSampler
+from monai.data import ThreadDataLoader
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from datamodules.cache import (
+    PARTITIONED_MODES,
+    PartitionSampler,
+    SmartCacheLifecycle,
+    cached_dataset,
+    default_workers,
+    find_smart_cache,
+    partition,
+    steps_share,
+    validate_cache,
+)
 from datamodules.split import load_split, make_split, save_split
 from medvol.errors import MedvolError
 
@@ -30,10 +42,14 @@ class VolumeDataModule(pl.LightningDataModule):
     what makes a resumed run identical to an uninterrupted one). Validation and testing
     partition the subjects without padding, so no subject is counted twice in a metric.
 
+    With `cache` memory or smart, each rank builds its datasets over its own share of the
+    subjects only (see `datamodules/cache.py`), so the cache is not copied per rank; a
+    `PartitionSampler` then gives every rank the same number of samples per epoch.
+
     Args:
         batch_size: per-device training batch size.
         val_batch_size: per-device evaluation batch size (defaults to `batch_size`).
-        num_workers: DataLoader worker processes per device.
+        num_workers: DataLoader worker processes per device; null: from the CPU count and devices.
         pin_memory: pin host memory for faster copies to the GPU.
         persistent_workers: keep workers alive between epochs.
         val_fraction: share of subjects held out for validation.
@@ -42,13 +58,19 @@ class VolumeDataModule(pl.LightningDataModule):
         split_file: where the split is recorded; an existing file is reused, never rewritten.
         max_subjects: use only the first N subjects (quick runs).
         shuffle_seed: seed of the training order.
+        cache: none, memory (CacheDataset), smart (SmartCacheDataset) or disk (PersistentDataset).
+        cache_rate: share of the subjects held in a memory/smart cache.
+        replace_rate: share of a smart cache replaced after every epoch.
+        cache_dir: folder of the disk cache.
+        gpu_transforms: move each item to the training device right after the cached transforms and run
+            the random ones there, loading with a thread loader (MONAI's fast-training recipe).
     """
 
     def __init__(
         self,
         batch_size: int = 1,
         val_batch_size: int | None = None,
-        num_workers: int = 0,
+        num_workers: int | None = 0,
         pin_memory: bool = False,
         persistent_workers: bool = False,
         val_fraction: float = 0.1,
@@ -57,6 +79,11 @@ class VolumeDataModule(pl.LightningDataModule):
         split_file: str | None = None,
         max_subjects: int | None = None,
         shuffle_seed: int | None = 0,
+        cache: str = "none",
+        cache_rate: float = 1.0,
+        replace_rate: float = 0.1,
+        cache_dir: str | None = None,
+        gpu_transforms: bool = False,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -65,7 +92,20 @@ class VolumeDataModule(pl.LightningDataModule):
         self.val_batch_size = val_batch_size or batch_size
         self.num_workers = num_workers
         self.pin_memory = pin_memory
-        self.persistent_workers = persistent_workers and num_workers > 0
+        self.persistent_workers = persistent_workers
+        validate_cache(cache, cache_rate, replace_rate, cache_dir)
+        if cache == "smart" and persistent_workers and num_workers != 0:
+            raise MedvolError(
+                "`dataset.cache=smart` cannot be combined with `dataset.persistent_workers=true`: persistent worker "
+                "processes keep the first epoch's cache and never see the replaced items; set persistent_workers=false"
+            )
+        self.cache = cache
+        self.cache_rate = cache_rate
+        self.replace_rate = replace_rate
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+        self.gpu_transforms = gpu_transforms
+        self.collate_fn: Any = None
+        self._split_sizes: dict[str, int] = {}
         self.val_fraction = val_fraction
         self.test_fraction = test_fraction
         self.split_seed = split_seed
@@ -90,7 +130,57 @@ class VolumeDataModule(pl.LightningDataModule):
         trainer = self.trainer
         if trainer is not None:
             return trainer.world_size, trainer.global_rank
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_world_size(), torch.distributed.get_rank()
         return 1, 0
+
+    @property
+    def partitioned(self) -> bool:
+        """Whether each rank holds datasets over its own share of the subjects only."""
+        return self.cache in PARTITIONED_MODES
+
+    def workers(self) -> int:
+        """Loader workers per device: the configured count, or a default from the CPUs and devices."""
+        if self.gpu_transforms:
+            return 0  # CUDA cannot be used from forked workers; the thread loader prefetches instead
+        if self.num_workers is not None:
+            return int(self.num_workers)
+        devices = self.trainer.num_devices if self.trainer is not None else 1
+        return default_workers(devices)
+
+    def device(self) -> torch.device:
+        """Where `gpu_transforms` sends items: the Trainer's device."""
+        if self.trainer is not None:
+            return self.trainer.strategy.root_device
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def cached_dataset(
+        self, records: list[Record], deterministic: list[Any], random: list[Any], stage: str, fingerprint: str = ""
+    ) -> Dataset:
+        """A dataset over `records` with `dataset.cache` applied to the deterministic transforms.
+
+        Args:
+            records: this rank's records for `stage`.
+            deterministic: cacheable transforms.
+            random: per-draw transforms (empty outside training).
+            stage: train, val or test.
+            fingerprint: identifies the transform settings; names the disk-cache subfolder.
+        """
+        post = list(random)
+        if self.gpu_transforms:
+            from monai.transforms import ToDeviced
+
+            keys = ["image", "cond", "label", "xray", "affine"]
+            post = [ToDeviced(keys, device=self.device(), allow_missing_keys=True), *post]
+        cache_dir = self.cache_dir / (fingerprint or "default") / stage if self.cache_dir else None
+        dataset = cached_dataset(
+            records, deterministic, post, self.cache, stage, self.cache_rate, self.replace_rate, cache_dir,
+            workers=max(1, self.workers()),
+        )
+        smart = find_smart_cache(dataset)
+        if smart is not None and self.trainer is not None:
+            self.trainer.callbacks.append(SmartCacheLifecycle(smart))
+        return dataset
 
     def _is_global_zero(self) -> bool:
         if self.trainer is not None:
@@ -113,17 +203,30 @@ class VolumeDataModule(pl.LightningDataModule):
             if self.split_file is not None and self._is_global_zero():
                 save_split(self.split_file, self.split, self.split_seed)
         by_id = {str(r["subject"]): r for r in records}
+        world, rank = self._world()
         for name, members in self.split.items():
+            self._split_sizes[name] = len(members)
+            if self.partitioned:
+                members = partition(sorted(members), world, rank)
             self.datasets[name] = self.build_dataset([by_id[s] for s in members], name)
 
     def _loader(self, dataset: Dataset, batch_size: int, sampler: Any) -> DataLoader:
-        return DataLoader(
+        workers = self.workers()
+        if self.cache == "smart" and workers > 0 and torch.multiprocessing.get_start_method() != "fork":
+            raise MedvolError(
+                f"`dataset.cache=smart` with `dataset.num_workers`={workers} needs forked worker processes, but this "
+                f"platform starts them with {torch.multiprocessing.get_start_method()!r} (each worker would get a stale "
+                "copy of the cache); set dataset.num_workers=0 or use dataset.cache=memory"
+            )
+        loader_class = ThreadDataLoader if self.gpu_transforms else DataLoader
+        return loader_class(
             dataset,
             batch_size=batch_size,
             sampler=sampler,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            persistent_workers=self.persistent_workers,
+            num_workers=workers,
+            pin_memory=self.pin_memory and not self.gpu_transforms,
+            persistent_workers=self.persistent_workers and workers > 0,
+            collate_fn=self.collate_fn,
             # An own generator keeps loader creation from consuming the global RNG (exact resume).
             generator=torch.Generator().manual_seed(self.shuffle_seed),
         )
@@ -131,21 +234,35 @@ class VolumeDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         dataset = self.datasets["train"]
         world, rank = self._world()
-        if len(dataset) < world * self.batch_size:
+        total = self._split_sizes.get("train", len(dataset))
+        if total < world * self.batch_size:
             raise MedvolError(
-                f"the training split has {len(dataset)} subjects, fewer than one batch per device "
+                f"the training split has {total} subjects, fewer than one batch per device "
                 f"({world} devices x batch_size {self.batch_size}); add data or lower `dataset.batch_size`"
             )
-        sampler = DistributedSampler(
-            dataset, num_replicas=world, rank=rank, shuffle=True, seed=self.shuffle_seed, drop_last=True
-        )
+        sampler: DistributedSampler
+        if self.partitioned:
+            share = steps_share(total, world, self.cache, "train", self.cache_rate)
+            if share < self.batch_size:
+                raise MedvolError(
+                    f"each rank caches {share} training subjects, fewer than `dataset.batch_size`={self.batch_size}; "
+                    "raise `dataset.cache_rate` or lower the batch size"
+                )
+            sampler = PartitionSampler(dataset, share, seed=self.shuffle_seed)
+        else:
+            sampler = DistributedSampler(
+                dataset, num_replicas=world, rank=rank, shuffle=True, seed=self.shuffle_seed, drop_last=True
+            )
         return self._loader(dataset, self.batch_size, sampler)
 
     def _evaluation_loader(self, stage: str) -> DataLoader:
         dataset = self.datasets[stage]
-        if len(dataset) == 0:
+        if self._split_sizes.get(stage, len(dataset)) == 0:
             raise MedvolError(f"the {stage} split is empty; raise `dataset.{stage}_fraction` or add subjects")
         world, rank = self._world()
+        if self.partitioned:
+            # The dataset already is this rank's share: take all of it, once.
+            world, rank = 1, 0
         sampler = EvaluationSampler(dataset, even_divisible=False, num_replicas=world, rank=rank, shuffle=False)
         return self._loader(dataset, self.val_batch_size, sampler)
 

@@ -1,0 +1,192 @@
+"""Caching of the deterministic transforms (`dataset.cache: none | memory | smart | disk`), partitioned per rank.
+
+Under DDP a memory or smart cache holds only this rank's share of the subjects, so the
+whole job keeps about one copy of the data in RAM instead of one per rank. The partition
+is fixed (a strided slice of the sorted subject list), the order within it reshuffles
+every epoch, and every rank draws the same number of samples per epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytorch_lightning as pl
+import torch
+from monai.data import CacheDataset, PersistentDataset, SmartCacheDataset
+from monai.data import Dataset as TransformDataset
+from monai.transforms import Compose
+from torch.utils.data import Dataset, DistributedSampler
+
+from medvol.errors import MedvolError
+
+CACHE_MODES = ("none", "memory", "smart", "disk")
+PARTITIONED_MODES = ("memory", "smart")
+
+T = TypeVar("T")
+
+
+def partition(items: Sequence[T], world_size: int, rank: int) -> list[T]:
+    """This rank's share: every `world_size`-th item from `rank`; the shares are disjoint and cover all items."""
+    return list(items[rank::world_size])
+
+
+def smallest_share(total: int, world_size: int) -> int:
+    """The size of the smallest rank share of `total` items."""
+    return total // world_size
+
+
+def smart_cache_size(items: int, cache_rate: float) -> int:
+    """How many items a SmartCacheDataset over `items` holds (MONAI's rule)."""
+    return min(items, int(items * cache_rate))
+
+
+def validate_cache(mode: str, cache_rate: float, replace_rate: float, cache_dir: str | None) -> None:
+    if mode not in CACHE_MODES:
+        raise MedvolError(f"`dataset.cache` is {mode!r}; expected one of {list(CACHE_MODES)}")
+    if not 0.0 < cache_rate <= 1.0:
+        raise MedvolError(f"`dataset.cache_rate` must be in (0, 1], got {cache_rate}")
+    if not 0.0 < replace_rate <= 1.0:
+        raise MedvolError(f"`dataset.replace_rate` must be in (0, 1], got {replace_rate}")
+    if mode == "disk" and not cache_dir:
+        raise MedvolError("`dataset.cache=disk` needs `dataset.cache_dir`, a folder for the cached volumes")
+
+
+def fingerprint(settings: Any) -> str:
+    """A short hash of the transform settings: a disk cache made with other settings is never reused."""
+    return hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def cached_dataset(
+    records: list[dict[str, Any]],
+    deterministic: Sequence[Callable],
+    random: Sequence[Callable],
+    mode: str,
+    stage: str,
+    cache_rate: float = 1.0,
+    replace_rate: float = 0.1,
+    cache_dir: Path | None = None,
+    workers: int = 0,
+) -> Dataset:
+    """`records` through the deterministic transforms (cached as `mode` says), then the random ones per draw.
+
+    Smart caching applies to training only; evaluation sets use a memory cache, since a
+    rotating subset would make validation metrics jump between epochs.
+
+    Args:
+        records: subject records (file paths and values).
+        deterministic: transforms whose output is cached.
+        random: transforms run on every draw (augmentation, device transfer).
+        mode: one of `CACHE_MODES`.
+        stage: train, val or test.
+        cache_rate: share of the records to cache.
+        replace_rate: share of a smart cache replaced each epoch.
+        cache_dir: folder of the disk cache.
+        workers: threads that fill the cache.
+    """
+    head = Compose(list(deterministic))
+    if mode == "none":
+        return TransformDataset(records, Compose([*deterministic, *random]))
+    if mode == "disk":
+        assert cache_dir is not None
+        base: Dataset = PersistentDataset(records, head, cache_dir=Path(cache_dir))
+    elif mode == "smart" and stage == "train":
+        if smart_cache_size(len(records), cache_rate) < 1:
+            raise MedvolError(
+                f"`dataset.cache_rate`={cache_rate} caches no subject of this rank's {len(records)}; raise it"
+            )
+        base = SmartCacheDataset(
+            records, head, replace_rate=replace_rate, cache_rate=cache_rate, num_init_workers=max(1, workers),
+            num_replace_workers=max(1, workers), progress=False, shuffle=False, copy_cache=False,
+        )
+    else:
+        base = CacheDataset(records, head, cache_rate=cache_rate, num_workers=max(1, workers), progress=False, copy_cache=False)
+    # The random part runs on the cached item without copying it: every transform after the
+    # cache returns new tensors (the cached ones are plain tensors, never modified in place).
+    return TransformDataset(base, Compose(list(random))) if random else base
+
+
+class PartitionSampler(DistributedSampler):
+    """Shuffles this rank's own partition each epoch and draws `num_samples` of it.
+
+    A `DistributedSampler` (over a partition that already is this rank's) so Lightning does
+    not wrap it again. `num_samples` is the same on every rank, which keeps their step
+    counts equal; with shares of unequal size, the larger ones leave a different subject out
+    each epoch.
+
+    Args:
+        dataset: this rank's dataset.
+        num_samples: draws per epoch (at most `len(dataset)`).
+        seed: shuffle seed; with the epoch it fixes the order.
+    """
+
+    def __init__(self, dataset: Dataset, num_samples: int, seed: int = 0) -> None:
+        super().__init__(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed, drop_last=True)
+        self.num_samples = min(num_samples, len(dataset))  # type: ignore[arg-type]
+        self.total_size = self.num_samples
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.dataset), generator=generator).tolist()  # type: ignore[arg-type]
+        return iter(order[: self.num_samples])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+class SmartCacheLifecycle(pl.Callback):
+    """Starts a SmartCacheDataset's replacement thread, swaps in new items after each epoch, stops it at the end.
+
+    The datamodule adds it to the Trainer itself when `dataset.cache=smart`.
+
+    Args:
+        dataset: the training SmartCacheDataset.
+    """
+
+    def __init__(self, dataset: SmartCacheDataset) -> None:
+        self.dataset = dataset
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.dataset.is_started():
+            self.dataset.start()
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.dataset.update_cache()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.dataset.shutdown()
+
+
+def find_smart_cache(dataset: Dataset) -> SmartCacheDataset | None:
+    """The SmartCacheDataset inside `dataset` (it may sit under the random-transform wrapper)."""
+    while dataset is not None:
+        if isinstance(dataset, SmartCacheDataset):
+            return dataset
+        dataset = getattr(dataset, "data", None)
+    return None
+
+
+def default_workers(devices: int, cpus: int | None = None) -> int:
+    """Loader workers per device: the CPUs each device can have, minus one for its training process, at most 8."""
+    cpus = cpus or _available_cpus()
+    return max(0, min(8, cpus // max(1, devices) - 1))
+
+
+def _available_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def steps_share(total: int, world_size: int, mode: str, stage: str, cache_rate: float) -> int:
+    """Samples per epoch every rank draws from its partition (the smallest share, or its smart-cache window)."""
+    share = smallest_share(total, world_size)
+    if mode == "smart" and stage == "train":
+        share = smart_cache_size(share, cache_rate)
+    return max(0, share)
+

@@ -1,0 +1,254 @@
+"""The data doctor: find unreadable, truncated, mismatched or degenerate data before a run spends hours on it.
+
+    python -m datamodules.check dataset=brats dataset.root=/data/BraTS2023
+
+reads every file of the configured dataset and prints one table of problems (exit status 1
+if there are any). Training runs the cheap mode of the same check (headers and existence,
+no voxel reads) in `preflight()` and refuses to start on errors.
+"""
+
+from __future__ import annotations
+
+import gzip
+import struct
+import sys
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nibabel as nib
+import numpy as np
+
+from medvol.errors import MedvolError
+
+LABEL_KEY = "label"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding: which subject, which file (or CSV row), what is wrong."""
+
+    subject: str
+    file: str
+    problem: str
+
+
+@dataclass
+class _Header:
+    shape: tuple[int, ...]
+    affine: np.ndarray
+    image: Any
+
+
+def duplicate_subjects(records: Iterable[dict[str, Any]], source: str) -> list[Problem]:
+    counts = Counter(str(r["subject"]) for r in records)
+    return [
+        Problem(subject, source, f"duplicate subject: listed {n} times; subject ids must be unique")
+        for subject, n in sorted(counts.items()) if n > 1
+    ]
+
+
+def _gzip_size_mismatch(path: Path, expected: int) -> bool:
+    """Cheap truncation test: a gzip file ends with its uncompressed size mod 2^32; a cut file does not."""
+    with path.open("rb") as handle:
+        handle.seek(0, 2)
+        if handle.tell() < 22:
+            return True
+        handle.seek(-4, 2)
+        stored = struct.unpack("<I", handle.read(4))[0]
+    return stored != expected % 2**32
+
+
+def _expected_bytes(image: Any) -> int:
+    header = image.header
+    return int(header.get_data_offset()) + int(np.prod(image.shape)) * header.get_data_dtype().itemsize
+
+
+def _read_header(path: Path) -> tuple[_Header | None, str | None]:
+    try:
+        image = nib.load(str(path))
+        header = _Header(tuple(int(s) for s in image.shape), np.asarray(image.affine, dtype=np.float64), image)
+    except Exception as err:  # noqa: BLE001 - every reader failure means the same thing to the user
+        return None, f"unreadable: {type(err).__name__}: {str(err)[:100]}"
+    expected = _expected_bytes(image)
+    if path.name.endswith(".gz"):
+        suspicious = _gzip_size_mismatch(path, expected)
+    else:
+        suspicious = path.stat().st_size < expected
+    if suspicious and _full_read_fails(path):
+        return None, "truncated: the file ends before all its voxels (re-copy or re-export it)"
+    return header, None
+
+
+def _full_read_fails(path: Path) -> bool:
+    try:
+        if path.name.endswith(".gz"):
+            with gzip.open(path, "rb") as handle:
+                while handle.read(1 << 24):
+                    pass
+        np.asarray(nib.load(str(path)).dataobj)
+    except Exception:  # noqa: BLE001 - EOFError, zlib.error, OSError: the file is cut or corrupt
+        return True
+    return False
+
+
+def check_record(
+    record: dict[str, Any], label_values: Sequence[int] | None, full: bool, image_names: Sequence[str] = ()
+) -> list[Problem]:
+    """The problems of one subject's files (`record["files"]`: name -> path or None).
+
+    Args:
+        record: a subject record with `subject` and `files`.
+        label_values: the allowed label values (full mode), or None for any.
+        full: read every voxel (NaN/Inf, constant volumes, label values) as well as the headers.
+        image_names: names of the image channels (constant-volume check); others are treated as labels.
+    """
+    subject = str(record["subject"])
+    problems: list[Problem] = []
+    headers: dict[str, _Header] = {}
+    for name, path in record.get("files", {}).items():
+        if path is None:
+            kind = "label" if name == LABEL_KEY else "modality"
+            problems.append(Problem(subject, f"<{name}>", f"missing {kind} {name!r}: no file found for this subject"))
+            continue
+        path = Path(path)
+        if not path.is_file():
+            problems.append(Problem(subject, str(path), f"missing file ({name}): no such file"))
+            continue
+        header, error = _read_header(path)
+        if error:
+            problems.append(Problem(subject, str(path), error))
+            continue
+        assert header is not None
+        if len(header.shape) < 3:
+            problems.append(Problem(subject, str(path), f"not a 3D volume: shape {header.shape}"))
+            continue
+        headers[name] = header
+    problems += _grid_mismatches(subject, record, headers)
+    if full:
+        for name, header in headers.items():
+            problems += _voxel_problems(subject, record["files"][name], name, header, label_values, image_names)
+    return problems
+
+
+def _grid_mismatches(subject: str, record: dict[str, Any], headers: dict[str, _Header]) -> list[Problem]:
+    if not headers:
+        return []
+    reference_name = next(iter(headers))
+    reference = headers[reference_name]
+    problems = []
+    for name, header in headers.items():
+        if name == reference_name:
+            continue
+        path = str(record["files"][name])
+        if header.shape[:3] != reference.shape[:3]:
+            problems.append(Problem(
+                subject, path, f"shape mismatch: {name} is {header.shape[:3]}, {reference_name} is {reference.shape[:3]}"
+            ))
+        elif not np.allclose(header.affine, reference.affine, atol=1e-3, rtol=1e-4):
+            problems.append(Problem(
+                subject, path, f"affine mismatch: {name} and {reference_name} lie on different voxel grids (resample them)"
+            ))
+    return problems
+
+
+def _voxel_problems(
+    subject: str, path: str, name: str, header: _Header, label_values: Sequence[int] | None, image_names: Sequence[str]
+) -> list[Problem]:
+    try:
+        data = np.asanyarray(header.image.dataobj)
+    except Exception as err:  # noqa: BLE001 - zlib/EOF/OSError all mean a corrupt file
+        return [Problem(subject, path, f"truncated or corrupt: {type(err).__name__}: {str(err)[:100]}")]
+    problems = []
+    if np.issubdtype(data.dtype, np.floating):
+        bad = int(np.count_nonzero(~np.isfinite(data)))
+        if bad:
+            problems.append(Problem(subject, path, f"{bad} NaN/Inf voxels"))
+            data = np.nan_to_num(data)
+    if name == LABEL_KEY:
+        values = np.unique(data)
+        if label_values is not None:
+            outside = sorted(set(values.tolist()) - set(label_values))
+            if outside:
+                problems.append(Problem(
+                    subject, path, f"label values {outside[:5]} outside the expected {sorted(label_values)}"
+                ))
+        if np.any(values != np.round(values)):
+            problems.append(Problem(subject, path, "label map holds non-integer values"))
+    elif (not image_names or name in image_names) and data.size and data.min() == data.max():
+        problems.append(Problem(subject, path, f"constant volume (every voxel is {data.flat[0]:g}): no signal to learn"))
+    return problems
+
+
+def format_table(problems: Sequence[Problem]) -> str:
+    """One plain-text table: subject | file | problem."""
+    rows = [("subject", "file", "problem")] + [(p.subject, p.file, p.problem) for p in problems]
+    widths = [max(len(row[i]) for row in rows) for i in range(2)]
+    lines = [f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]}" for row in rows]
+    lines.insert(1, "-" * min(160, max(len(line) for line in lines)))
+    return "\n".join(lines)
+
+
+def preflight_error(problems: Sequence[Problem], overrides: Sequence[str]) -> MedvolError:
+    """The one-line refusal training gives when the cheap check finds problems."""
+    first = "; ".join(f"{p.file}: {p.problem}" for p in problems[:3])
+    command = " ".join(["python -m datamodules.check", *overrides]).strip()
+    return MedvolError(
+        f"the data check found {len(problems)} problem(s), training not started (first: {first}); "
+        f"run the full check for the whole table: {command}"
+    )
+
+
+def dataset_overrides() -> list[str]:
+    """The `dataset=...`/`dataset.x=...` overrides of the running Hydra job, to repeat them in a hint."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return []
+    try:
+        task = list(HydraConfig.get().overrides.task)
+    except Exception:  # noqa: BLE001 - a config composed without the hydra node has no overrides
+        return []
+    return [o for o in task if o.split("=")[0].lstrip("+~").startswith("dataset")]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Compose the training config with the given overrides and run the full check of its dataset."""
+    import hydra
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import open_dict
+
+    import medvol.resolvers  # noqa: F401 - the configs use medvol's resolvers
+
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in overrides):
+        print(__doc__)
+        return 0
+    conf_dir = Path(__file__).resolve().parents[1] / "conf"
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir), job_name="check"):
+            cfg = compose(config_name="train", overrides=overrides)
+        with open_dict(cfg):
+            cfg.dataset.split_file = None
+        datamodule = hydra.utils.instantiate(cfg.dataset)
+        if not hasattr(datamodule, "data_problems"):
+            print(f"medvol: {cfg.dataset._target_} has no files to check")
+            return 0
+        problems, checked = datamodule.data_problems(full=True)
+    except MedvolError as err:
+        print(f"medvol: error: {err}", file=sys.stderr)
+        return 2
+    if problems:
+        print(format_table(problems))
+        print(f"\n{len(problems)} problem(s) in {checked} subject(s)")
+        return 1
+    print(f"no problems found in {checked} subject(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

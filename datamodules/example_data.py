@@ -1,0 +1,120 @@
+"""Write the synthetic phantoms as real on-disk layouts (NIfTI folder, BraTS 2021/2023, MACE CSV).
+
+Lets anyone try the file-based datasets, the data doctor and the pipeline benchmark without
+downloading data: `python -m datamodules.example_data brats2023 /tmp/brats --subjects 8 --size 32`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+from collections.abc import Sequence
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+
+from datamodules.phantom import make_phantom
+
+BRATS_SUFFIXES = {
+    2021: {"t1": "_t1", "t1ce": "_t1ce", "t2": "_t2", "flair": "_flair", "seg": "_seg"},
+    2023: {"t1": "-t1n", "t1ce": "-t1c", "t2": "-t2w", "flair": "-t2f", "seg": "-seg"},
+}
+# Phantom labels (1 core, 2 oedema) as BraTS labels: core -> enhancing tumour, oedema -> ED.
+BRATS_ENHANCING = {2021: 4, 2023: 3}
+
+
+def _shape(size: int | Sequence[int]) -> tuple[int, int, int]:
+    return (int(size),) * 3 if isinstance(size, int) else tuple(int(s) for s in size)  # type: ignore[return-value]
+
+
+def phantom_affine(shape: Sequence[int], spacing: float) -> np.ndarray:
+    """RAS affine with `spacing` mm voxels, centred on the origin."""
+    affine = np.diag([spacing, spacing, spacing, 1.0])
+    affine[:3, 3] = -spacing * (np.asarray(shape) - 1) / 2
+    return affine
+
+
+def write_volume(path: Path, volume: np.ndarray, affine: np.ndarray) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nib.save(nib.Nifti1Image(volume, affine), str(path))
+    return path
+
+
+def write_nifti_folder(
+    root: Path, subjects: int, size: int | Sequence[int] = 32, modalities: Sequence[str] = ("ct",),
+    label: bool = True, spacing: float = 2.0, seed: int = 0,
+) -> Path:
+    """`root/sub-XXX/<modality>.nii.gz` (+ `label.nii.gz`)."""
+    shape = _shape(size)
+    affine = phantom_affine(shape, spacing)
+    for i in range(subjects):
+        phantom = make_phantom(seed, i, shape)
+        folder = Path(root) / f"sub-{i:03d}"
+        for modality in modalities:
+            write_volume(folder / f"{modality}.nii.gz", phantom.channels[modality], affine)
+        if label:
+            write_volume(folder / "label.nii.gz", phantom.label.astype(np.uint8), affine)
+    return Path(root)
+
+
+def write_brats(root: Path, subjects: int, year: int = 2023, size: int | Sequence[int] = 32, seed: int = 0) -> Path:
+    """BraTS case folders: 2021 `BraTS2021_00000/BraTS2021_00000_t1.nii.gz`, 2023 `BraTS-GLI-00000-000/...-t1n.nii.gz`."""
+    shape = _shape(size)
+    affine = phantom_affine(shape, 1.0)
+    suffixes = BRATS_SUFFIXES[year]
+    for i in range(subjects):
+        phantom = make_phantom(seed, i, shape)
+        case = f"BraTS2021_{i:05d}" if year == 2021 else f"BraTS-GLI-{i:05d}-000"
+        for modality, suffix in suffixes.items():
+            if modality == "seg":
+                seg = np.zeros(shape, dtype=np.uint8)
+                seg[phantom.label == 2] = 2
+                seg[phantom.label == 1] = BRATS_ENHANCING[year]
+                write_volume(Path(root) / case / f"{case}{suffix}.nii.gz", seg, affine)
+            else:
+                write_volume(Path(root) / case / f"{case}{suffix}.nii.gz", phantom.channels[modality] * 1000, affine)
+    return Path(root)
+
+
+def write_mace_csv(root: Path, subjects: int, size: int | Sequence[int] = 32, seed: int = 0) -> Path:
+    """`root/images/ct_XXX.nii.gz` and `root/mace.csv` (subject, image, time, event, age, sex, label)."""
+    shape = _shape(size)
+    affine = phantom_affine(shape, 2.0)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(subjects):
+        phantom = make_phantom(seed, i, shape)
+        write_volume(Path(root) / "images" / f"ct_{i:03d}.nii.gz", phantom.channels["ct"], affine)
+        rows.append({
+            "subject": f"patient-{i:03d}", "image": f"images/ct_{i:03d}.nii.gz", "time": f"{phantom.time:.2f}",
+            "event": phantom.event, "age": int(rng.integers(40, 85)), "sex": int(rng.integers(0, 2)),
+            "label": int(phantom.lesion_fraction > 0.02),
+        })
+    table = Path(root) / "mace.csv"
+    with table.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return table
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("layout", choices=["nifti", "brats2021", "brats2023", "mace"])
+    parser.add_argument("root", type=Path)
+    parser.add_argument("--subjects", type=int, default=8)
+    parser.add_argument("--size", type=int, nargs="+", default=[32])
+    args = parser.parse_args(argv)
+    size = args.size[0] if len(args.size) == 1 else args.size
+    if args.layout == "nifti":
+        write_nifti_folder(args.root, args.subjects, size)
+    elif args.layout == "mace":
+        write_mace_csv(args.root, args.subjects, size)
+    else:
+        write_brats(args.root, args.subjects, int(args.layout[-4:]), size)
+    print(f"wrote {args.subjects} {args.layout} subjects under {args.root}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,270 @@
+"""NIfTI volumes from a folder (file-name patterns) or from a CSV/JSON list, several files per subject as channels.
+
+This is also the base of the other file-based datasets (brats, csv, patches, xray_ct): they
+change how subjects are listed or what happens after loading, and share the transforms,
+caching and data checks here.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from datamodules.cache import fingerprint
+from datamodules.check import (
+    LABEL_KEY,
+    Problem,
+    check_record,
+    dataset_overrides,
+    duplicate_subjects,
+    preflight_error,
+)
+from datamodules.transforms import (
+    TransformSettings,
+    deterministic_transforms,
+    random_transforms,
+    select_batch_keys,
+)
+from datamodules.volume_datamodule import Record, VolumeDataModule
+from medvol.errors import MedvolError
+
+# The keys a file-based dataset puts in its batch dicts (others in a record are bookkeeping).
+BATCH_KEYS = ("image", "cond", "label", "time", "event", "covariates", "class_label", "subject", "affine")
+
+
+def pattern_regex(pattern: str) -> re.Pattern[str]:
+    """A regex for a file pattern with `{subject}` (the id), `*` (any name part) and `**/` (any folders)."""
+    parts = []
+    for i, piece in enumerate(pattern.split("{subject}")):
+        if i:
+            parts.append("(?P<subject>[^/]+?)" if i == 1 else "(?P=subject)")
+        parts.append(re.escape(piece).replace(r"\*\*/", "(?:.*/)?").replace(r"\*", "[^/]*"))
+    return re.compile("".join(parts) + "$")
+
+
+def match_files(root: Path, pattern: str) -> dict[str, list[Path]]:
+    """Subject id -> files under `root` that match `pattern` (more than one file means a duplicate)."""
+    if "{subject}" not in pattern:
+        raise MedvolError(f"file pattern {pattern!r} has no `{{subject}}` part, so files cannot be told apart by subject")
+    regex = pattern_regex(pattern)
+    found: dict[str, list[Path]] = {}
+    for path in sorted(root.glob(pattern.replace("{subject}", "*"))):
+        match = regex.match(path.relative_to(root).as_posix())
+        if match and path.is_file():
+            found.setdefault(match.group("subject"), []).append(path)
+    return found
+
+
+class NiftiDataModule(VolumeDataModule):
+    """NIfTI volumes, one subject per record, channels from several files.
+
+    Args:
+        root: folder of the volumes (used with `pattern`).
+        list_file: a CSV (columns: subject, one per channel name, optional label) or JSON list of
+            such objects; paths relative to the list's folder. Replaces `root`/`pattern`.
+        pattern: file pattern under `root` with `{subject}` marking the id and `{modality}` the
+            channel name, e.g. `{subject}/{modality}.nii.gz` or `**/{subject}_{modality}.nii.gz`.
+        files: channel name -> own pattern, for channels whose files do not follow `pattern`.
+        label_file: pattern of the label map, or null for none.
+        image_modalities: channel names stacked into `image` (C, D, H, W).
+        cond_modalities: channel names stacked into `cond` (e.g. the source of a translation).
+        label_values: label values the data doctor accepts; null: any integers.
+        transforms: `dataset.transforms` settings (see `TransformSettings`).
+        **kwargs: split, loader and cache settings of `VolumeDataModule`.
+    """
+
+    def __init__(
+        self,
+        root: str | None = None,
+        list_file: str | None = None,
+        pattern: str = "{subject}/{modality}.nii.gz",
+        files: Mapping[str, str] | None = None,
+        label_file: str | None = None,
+        image_modalities: Sequence[str] = ("image",),
+        cond_modalities: Sequence[str] = (),
+        label_values: Sequence[int] | None = None,
+        transforms: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.root = Path(root).expanduser() if root else None
+        self.list_file = Path(list_file).expanduser() if list_file else None
+        self.pattern = pattern
+        self.files = dict(files or {})
+        self.label_file = label_file
+        self.image_modalities = list(image_modalities)
+        self.cond_modalities = list(cond_modalities)
+        self.label_values = list(label_values) if label_values is not None else None
+        self.settings = TransformSettings.from_config(transforms)
+        if not self.image_modalities:
+            raise MedvolError("`dataset.image_modalities` is empty; name at least one channel")
+        self._listing: tuple[list[Record], list[Problem]] | None = None
+
+    # Listing -------------------------------------------------------------------------------
+
+    def channel_names(self) -> list[str]:
+        return self.image_modalities + [m for m in self.cond_modalities if m not in self.image_modalities]
+
+    @property
+    def has_label(self) -> bool:
+        return bool(self.label_file) or (self.list_file is not None and self._list_has_label)
+
+    _list_has_label = False
+
+    def list_subjects(self) -> tuple[list[Record], list[Problem]]:
+        """Records (with `files`: name -> path or None) and the problems found while listing."""
+        if self.list_file is not None:
+            return self._from_list_file()
+        if self.root is None:
+            raise MedvolError("set `dataset.root` (a folder of NIfTI files) or `dataset.list_file` (a CSV/JSON list)")
+        if not self.root.is_dir():
+            raise MedvolError(f"`dataset.root`: {self.root} is not a folder")
+        patterns = {name: self.files.get(name, self.pattern.replace("{modality}", name)) for name in self.channel_names()}
+        if self.label_file:
+            patterns[LABEL_KEY] = self.label_file
+        return self._from_patterns(self.root, patterns)
+
+    def _from_patterns(self, root: Path, patterns: Mapping[str, str]) -> tuple[list[Record], list[Problem]]:
+        matches = {name: match_files(root, pattern) for name, pattern in patterns.items()}
+        problems = []
+        subjects = sorted(set().union(*matches.values()))
+        records = []
+        for subject in subjects:
+            files: dict[str, str | None] = {}
+            for name, found in matches.items():
+                paths = found.get(subject, [])
+                if len(paths) > 1:
+                    problems.append(Problem(subject, str(paths[1]), f"duplicate subject: {len(paths)} {name} files match"))
+                files[name] = str(paths[0]) if paths else None
+            records.append(self.make_record(subject, files))
+        return records, problems
+
+    def _from_list_file(self) -> tuple[list[Record], list[Problem]]:
+        path = self.list_file
+        assert path is not None
+        if not path.is_file():
+            raise MedvolError(f"`dataset.list_file`: no file at {path}; expected a CSV or JSON list of subjects")
+        try:
+            if path.suffix.lower() == ".json":
+                rows = json.loads(path.read_text())
+            else:
+                with path.open(newline="") as handle:
+                    rows = list(csv.DictReader(handle))
+        except (OSError, json.JSONDecodeError, csv.Error) as err:
+            raise MedvolError(f"`dataset.list_file`: cannot read {path} ({err})") from err
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise MedvolError(f"`dataset.list_file`: {path} must be a list of objects (JSON) or a table with a header (CSV)")
+        needed = ["subject", *self.channel_names()]
+        missing = [c for c in needed if rows and c not in rows[0]]
+        if missing:
+            raise MedvolError(
+                f"`dataset.list_file`: {path} has no column {missing[0]!r}; expected columns {needed} (+ optional label)"
+            )
+        self._list_has_label = bool(rows) and LABEL_KEY in rows[0]
+        records = []
+        for row in rows:
+            files = {name: self._resolve(path.parent, row.get(name)) for name in self.channel_names()}
+            if self._list_has_label:
+                files[LABEL_KEY] = self._resolve(path.parent, row.get(LABEL_KEY))
+            records.append(self.make_record(str(row["subject"]), files))
+        return records, duplicate_subjects(records, str(path))
+
+    @staticmethod
+    def _resolve(folder: Path, value: Any) -> str | None:
+        if value is None or str(value).strip() == "":
+            return None
+        path = Path(str(value).strip()).expanduser()
+        return str(path if path.is_absolute() else folder / path)
+
+    def make_record(self, subject: str, files: dict[str, str | None]) -> Record:
+        record: Record = {
+            "subject": subject,
+            "files": files,
+            "image": [files[m] for m in self.image_modalities],
+        }
+        if self.cond_modalities:
+            record["cond"] = [files[m] for m in self.cond_modalities]
+        if LABEL_KEY in files:
+            record[LABEL_KEY] = files[LABEL_KEY]
+        return record
+
+    def _listed(self) -> tuple[list[Record], list[Problem]]:
+        if self._listing is None:
+            self._listing = self.list_subjects()
+        return self._listing
+
+    def subjects(self) -> list[Record]:
+        return self._listed()[0]
+
+    # Checks --------------------------------------------------------------------------------
+
+    def data_problems(self, full: bool) -> tuple[list[Problem], int]:
+        """Every problem of the data (full: read all voxels; else headers and existence only), and the subject count."""
+        records, problems = self._listed()
+        if self.max_subjects:
+            records = records[: self.max_subjects]
+        problems = list(problems) + duplicate_subjects(records, str(self.list_file or self.root))
+        problems = list(dict.fromkeys(problems))
+        for record in records:
+            problems += check_record(record, self.label_values, full, image_names=self.channel_names())
+            problems += self.record_problems(record)
+        return problems, len(records)
+
+    def record_problems(self, record: Record) -> list[Problem]:
+        """Problems of a record's values (not its files); tables with outcomes override it."""
+        return []
+
+    def preflight(self) -> None:
+        records, _ = self._listed()
+        if not records:
+            where = self.list_file or self.root
+            raise MedvolError(f"no subjects found in {where}; check `dataset.root`/`dataset.files` or `dataset.list_file`")
+        problems, _ = self.data_problems(full=False)
+        if problems:
+            raise preflight_error(problems, dataset_overrides())
+
+    # Datasets ------------------------------------------------------------------------------
+
+    @property
+    def label_key(self) -> str | None:
+        return LABEL_KEY if self.has_label else None
+
+    def label_transform(self) -> Callable | None:
+        """Maps raw label values after loading (e.g. BraTS regions); none by default."""
+        return None
+
+    def extra_deterministic(self) -> list[Callable]:
+        """Steps that run on raw intensities before scaling (e.g. DRRs); none by default."""
+        return []
+
+    def image_keys(self) -> list[str]:
+        return ["image", "cond"] if self.cond_modalities else ["image"]
+
+    def batch_keys(self) -> list[str]:
+        return list(BATCH_KEYS)
+
+    def deterministic(self, stage: str) -> list[Callable]:
+        return deterministic_transforms(
+            self.settings, self.image_keys(), self.label_key, self.label_transform(), self.extra_deterministic()
+        )
+
+    def random(self, stage: str) -> list[Callable]:
+        if stage != "train":
+            return []
+        return random_transforms(self.settings, self.image_keys(), self.label_key)
+
+    def build_dataset(self, records: list[Record], stage: str) -> Dataset:
+        deterministic = [*self.deterministic(stage), select_batch_keys(self.batch_keys())]
+        key = fingerprint({"class": type(self).__name__, "settings": asdict(self.settings), "extra": self.cache_key()})
+        return self.cached_dataset(records, deterministic, self.random(stage), stage, fingerprint=key)
+
+    def cache_key(self) -> dict[str, Any]:
+        """What else, besides the transform settings, changes the cached items."""
+        return {"image": self.image_modalities, "cond": self.cond_modalities, "label": self.label_key}
