@@ -257,9 +257,16 @@ class VolumeDataModule(pl.LightningDataModule):
 
     def _evaluation_loader(self, stage: str) -> DataLoader:
         dataset = self.datasets[stage]
-        if self._split_sizes.get(stage, len(dataset)) == 0:
+        total = self._split_sizes.get(stage, len(dataset))
+        if total == 0:
             raise MedvolError(f"the {stage} split is empty; raise `dataset.{stage}_fraction` or add subjects")
         world, rank = self._world()
+        if total < world:
+            # A rank without a batch would skip the metric sync of the others, and DDP would hang.
+            raise MedvolError(
+                f"the {stage} split has {total} subjects, fewer than the {world} devices; "
+                f"raise `dataset.{stage}_fraction` or add subjects"
+            )
         if self.partitioned:
             # The dataset already is this rank's share: take all of it, once.
             world, rank = 1, 0
