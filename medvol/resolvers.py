@@ -13,15 +13,21 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from medvol.world import agreed_stamp
+
 STAMP_ENV = "MEDVOL_RUN_STAMP"
 _stamp: str | None = None
 
 
 def run_stamp() -> str:
-    """A timestamp fixed for the life of the process (and for its DDP children via `MEDVOL_RUN_STAMP`)."""
+    """A stamp fixed for the life of the process and shared by all ranks of a run.
+
+    Processes started by this one inherit it through `MEDVOL_RUN_STAMP`; ranks started by
+    srun or torchrun agree on one through `medvol.world.agreed_stamp`.
+    """
     global _stamp
     if _stamp is None:
-        _stamp = os.environ.get(STAMP_ENV) or datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+        _stamp = os.environ.get(STAMP_ENV) or agreed_stamp(datetime.now().strftime("%Y-%m-%d_%H-%M-%S"))
         os.environ[STAMP_ENV] = _stamp
     return _stamp
 
@@ -56,6 +62,13 @@ def auto_precision() -> str:
     return "32-true"
 
 
+def gpu_available() -> bool:
+    """Whether a CUDA GPU is visible (pinned host memory only helps copies to one)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def register_resolvers() -> None:
     """Register medvol's resolvers once; safe to call repeatedly."""
     for name, fn in {
@@ -63,6 +76,7 @@ def register_resolvers() -> None:
         "run_dir": resolve_run_dir,
         "output_subdir": resolve_output_subdir,
         "auto_precision": auto_precision,
+        "gpu_available": gpu_available,
         "len": len,
     }.items():
         if not OmegaConf.has_resolver(name):

@@ -5,14 +5,25 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import hydra
 import pytorch_lightning as pl
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_modules.base import MedvolModule
+from medvol.batch_arithmetic import BatchArithmetic, scale_learning_rates
+from medvol.build import build
 from medvol.checkpoint_check import check_checkpoint
 from medvol.errors import MedvolError
+from medvol.launch import local_ranks
+from medvol.world import (
+    World,
+    build_strategy,
+    check_strategy,
+    global_rank,
+    plan_world,
+    requeued_checkpoint,
+    starts_own_ranks,
+)
 
 log = logging.getLogger("medvol")
 
@@ -29,17 +40,8 @@ def instantiate_group(group: DictConfig | None, kind: str) -> list[Any]:
             continue
         if not isinstance(entry, DictConfig) or "_target_" not in entry:
             raise MedvolError(f"`{kind}.{name}` has no `_target_`; expected a config with a `_target_` class path")
-        objects.append(hydra.utils.instantiate(entry))
+        objects.append(build(entry))
     return objects
-
-
-def build_strategy(cfg: DictConfig | None) -> Any:
-    """`strategy=<name>` configs either name a Lightning strategy (`name: auto`) or give a `_target_`."""
-    if cfg is None:
-        return "auto"
-    if "_target_" in cfg:
-        return hydra.utils.instantiate(cfg)
-    return cfg.get("name", "auto")
 
 
 def trainer_settings(cfg: DictConfig, module: MedvolModule) -> dict[str, Any]:
@@ -56,31 +58,66 @@ def trainer_settings(cfg: DictConfig, module: MedvolModule) -> dict[str, Any]:
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
-    """Train (and optionally test) as the config says; return the final metrics as floats."""
+    """Train (and optionally test) as the config says; return the final metrics as floats.
+
+    With `trainer.devices=N > 1` on one node and no external launcher, this process becomes
+    rank 0 and starts the other ranks itself (see `medvol.launch`).
+    """
+    world = plan_world(cfg.trainer)
+    check_strategy(cfg.get("strategy"), world)
+    if global_rank() != 0:
+        # Rank 0 alone prints; the others still report warnings and errors.
+        logging.getLogger().setLevel(logging.WARNING)
+        log.setLevel(logging.WARNING)
+    if starts_own_ranks(cfg.get("strategy"), world):
+        with local_ranks(cfg, world.devices):
+            return _run(cfg, world)
+    return _run(cfg, world)
+
+
+def _run(cfg: DictConfig, world: World) -> dict[str, float]:
     if cfg.get("seed") is not None:
-        pl.seed_everything(int(cfg.seed), workers=True)
+        pl.seed_everything(int(cfg.seed), workers=True, verbose=global_rank() == 0)
 
     log.info("Building datamodule <%s>", cfg.dataset._target_)
-    datamodule: pl.LightningDataModule = hydra.utils.instantiate(cfg.dataset)
+    datamodule: pl.LightningDataModule = build(cfg.dataset)
     if hasattr(datamodule, "preflight"):
         datamodule.preflight()
     log.info("Building model <%s>", cfg.model._target_)
-    module: MedvolModule = hydra.utils.instantiate(cfg.model)
+    model_cfg, lr_lines = scale_learning_rates(cfg.model, str(cfg.get("lr_scaling", "none")), world.size)
+    module: MedvolModule = build(model_cfg)
     check_checkpoint(cfg.get("ckpt_path"), module)
 
     callbacks = instantiate_group(cfg.get("callbacks"), "callbacks")
     loggers = instantiate_group(cfg.get("logger"), "logger")
     settings = trainer_settings(cfg, module)
     settings.pop("_target_", None)
-    trainer = pl.Trainer(**settings, callbacks=callbacks, logger=loggers or False, strategy=build_strategy(cfg.get("strategy")))
+    strategy = build_strategy(cfg.get("strategy"), world, manual_optimization=not module.automatic_optimization)
+    trainer = pl.Trainer(**settings, callbacks=callbacks, logger=loggers or False, strategy=strategy)
+    arithmetic = BatchArithmetic(
+        int(cfg.dataset.batch_size), trainer.world_size, int(cfg.trainer.get("accumulate_grad_batches") or 1)
+    )
+    if trainer.world_size != world.size:
+        raise MedvolError(
+            f"the launcher started {trainer.world_size} ranks but the config asks for {world.size} "
+            f"({world.devices} devices x {world.num_nodes} nodes); make `trainer.devices`/`trainer.num_nodes` "
+            "match torchrun's --nproc_per_node/--nnodes or srun's --ntasks-per-node/--nodes"
+        )
+    if trainer.is_global_zero:
+        log.info("%s", arithmetic.describe())
+        for line in lr_lines:
+            log.info("learning rate %s", line)
 
     hyperparameters = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
                        for k, v in cfg.items() if k != "hydra"}
+    hyperparameters["model"] = OmegaConf.to_container(model_cfg, resolve=True)
+    hyperparameters["effective_batch_size"] = arithmetic.effective
     for logger in loggers:
         logger.log_hyperparams(hyperparameters)
 
+    ckpt_path = cfg.get("ckpt_path") or requeued_checkpoint(str(cfg.paths.output_dir))
     if cfg.get("train", True):
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=False)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=False)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
 
     if cfg.get("test", False):
