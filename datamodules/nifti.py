@@ -195,6 +195,10 @@ class NiftiDataModule(VolumeDataModule):
             record[LABEL_KEY] = files[LABEL_KEY]
         return record
 
+    def source(self) -> str:
+        """Where the subjects are listed (for messages)."""
+        return str(self.list_file or self.root)
+
     def _listed(self) -> tuple[list[Record], list[Problem]]:
         if self._listing is None:
             self._listing = self.list_subjects()
@@ -210,7 +214,7 @@ class NiftiDataModule(VolumeDataModule):
         records, problems = self._listed()
         if self.max_subjects:
             records = records[: self.max_subjects]
-        problems = list(problems) + duplicate_subjects(records, str(self.list_file or self.root))
+        problems = list(problems) + duplicate_subjects(records, self.source())
         problems = list(dict.fromkeys(problems))
         for record in records:
             problems += check_record(record, self.label_values, full, image_names=self.channel_names())
@@ -224,8 +228,7 @@ class NiftiDataModule(VolumeDataModule):
     def preflight(self) -> None:
         records, _ = self._listed()
         if not records:
-            where = self.list_file or self.root
-            raise MedvolError(f"no subjects found in {where}; check `dataset.root`/`dataset.files` or `dataset.list_file`")
+            raise MedvolError(f"no subjects found in {self.source()}; check `dataset.root` and `dataset.pattern`, or the list")
         problems, _ = self.data_problems(full=False)
         if problems:
             raise preflight_error(problems, dataset_overrides())
