@@ -71,6 +71,7 @@ def cached_dataset(
     replace_rate: float = 0.1,
     cache_dir: Path | None = None,
     workers: int = 0,
+    seed: int = 0,
 ) -> Dataset:
     """`records` through the deterministic transforms (cached as `mode` says), then the random ones per draw.
 
@@ -87,10 +88,12 @@ def cached_dataset(
         replace_rate: share of a smart cache replaced each epoch.
         cache_dir: folder of the disk cache.
         workers: threads that fill the cache.
+        seed: seed of the random transforms (loader workers reseed them, see `worker_init_fn`).
     """
     head = Compose(list(deterministic))
+    tail = Compose(list(random)).set_random_state(seed=seed)
     if mode == "none":
-        return TransformDataset(records, Compose([*deterministic, *random]))
+        return TransformDataset(records, Compose([*deterministic, *tail.transforms]))
     if mode == "disk":
         assert cache_dir is not None
         base: Dataset = PersistentDataset(records, head, cache_dir=Path(cache_dir))
@@ -107,7 +110,7 @@ def cached_dataset(
         base = CacheDataset(records, head, cache_rate=cache_rate, num_workers=max(1, workers), progress=False, copy_cache=False)
     # The random part runs on the cached item without copying it: every transform after the
     # cache returns new tensors (the cached ones are plain tensors, never modified in place).
-    return TransformDataset(base, Compose(list(random))) if random else base
+    return TransformDataset(base, tail) if random else base
 
 
 class PartitionSampler(DistributedSampler):

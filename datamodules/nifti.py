@@ -15,6 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from monai.data.utils import worker_init_fn
 from torch.utils.data import Dataset
 
 from datamodules.cache import fingerprint
@@ -106,6 +107,8 @@ class NiftiDataModule(VolumeDataModule):
         if not self.image_modalities:
             raise MedvolError("`dataset.image_modalities` is empty; name at least one channel")
         self._listing: tuple[list[Record], list[Problem]] | None = None
+        # Gives every loader worker its own seed for MONAI's random transforms (they hold their own RNG).
+        self.worker_init_fn = worker_init_fn
 
     # Listing -------------------------------------------------------------------------------
 

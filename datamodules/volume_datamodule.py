@@ -105,6 +105,7 @@ class VolumeDataModule(pl.LightningDataModule):
         self.cache_dir = Path(cache_dir) if cache_dir else None
         self.gpu_transforms = gpu_transforms
         self.collate_fn: Any = None
+        self.worker_init_fn: Any = None
         self._split_sizes: dict[str, int] = {}
         self.val_fraction = val_fraction
         self.test_fraction = test_fraction
@@ -173,9 +174,10 @@ class VolumeDataModule(pl.LightningDataModule):
             keys = ["image", "cond", "label", "xray", "affine"]
             post = [ToDeviced(keys, device=self.device(), allow_missing_keys=True), *post]
         cache_dir = self.cache_dir / (fingerprint or "default") / stage if self.cache_dir else None
+        world, rank = self._world()
         dataset = cached_dataset(
             records, deterministic, post, self.cache, stage, self.cache_rate, self.replace_rate, cache_dir,
-            workers=max(1, self.workers()),
+            workers=max(1, self.workers()), seed=self.shuffle_seed + rank,
         )
         smart = find_smart_cache(dataset)
         if smart is not None and self.trainer is not None:
@@ -227,6 +229,7 @@ class VolumeDataModule(pl.LightningDataModule):
             pin_memory=self.pin_memory and not self.gpu_transforms,
             persistent_workers=self.persistent_workers and workers > 0,
             collate_fn=self.collate_fn,
+            worker_init_fn=self.worker_init_fn if workers > 0 else None,
             # An own generator keeps loader creation from consuming the global RNG (exact resume).
             generator=torch.Generator().manual_seed(self.shuffle_seed),
         )
