@@ -1,0 +1,121 @@
+"""CT volumes with orthogonal X-ray views computed from them as digitally reconstructed radiographs (DRRs).
+
+A DRR here is a parallel-beam line integral of the linear attenuation coefficient, which is
+derived from Hounsfield units as mu = mu_water * (1 + HU / 1000), clipped at 0 (air). The
+radiograph value is 1 - exp(-integral) (bright bone, dark air), scaled to the output range.
+Views go into the batch key `xray` (V, H, W): `ap` (front to back, along the RAS y axis)
+and `lateral` (side to side, along x); rows run from head to feet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from monai.transforms import MapTransform, ResizeWithPadOrCropd
+
+from datamodules.nifti import BATCH_KEYS, NiftiDataModule
+from medvol.errors import MedvolError
+
+# Axis of the (C, x, y, z) RAS volume that each view integrates along.
+VIEW_AXES = {"ap": 2, "lateral": 1}
+AIR_HU = -1000.0
+
+
+def drr(hounsfield: torch.Tensor, spacing: float, axis: int, mu_water: float) -> torch.Tensor:
+    """One radiograph of a (x, y, z) HU volume: line integrals of attenuation along `axis` (0..2), in [0, 1)."""
+    mu = mu_water * (1.0 + hounsfield.float() / 1000.0).clamp(min=0.0)
+    path_integral = mu.sum(dim=axis) * spacing
+    radiograph = 1.0 - torch.exp(-path_integral)
+    return radiograph.flip(-1).T  # rows: z from head (top) to feet
+
+
+class DRRd(MapTransform):
+    """Adds `output_key` (V, H, W): one DRR per view of the HU volume under `key` (RAS-oriented, first channel).
+
+    Args:
+        key: the CT volume in Hounsfield units, with its affine (MetaTensor).
+        views: from `ap` and `lateral`.
+        size: (H, W) of every view.
+        mu_water: attenuation of water per mm (about 0.02 at 70 keV).
+        output_range: [-1, 1] or [0, 1].
+        output_key: batch key of the views.
+    """
+
+    def __init__(
+        self, key: str, views: Sequence[str], size: Sequence[int], mu_water: float = 0.02,
+        output_range: Sequence[float] = (-1.0, 1.0), output_key: str = "xray",
+    ) -> None:
+        super().__init__([key])
+        self.views = list(views)
+        self.size = [int(s) for s in size]
+        self.mu_water = mu_water
+        self.output_range = [float(r) for r in output_range]
+        self.output_key = output_key
+
+    def __call__(self, data: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
+        d = dict(data)
+        volume = d[self.keys[0]]
+        spacing = np.sqrt((np.asarray(volume.affine)[:3, :3] ** 2).sum(axis=0))
+        hounsfield = torch.as_tensor(np.asarray(volume[0]))
+        views = []
+        for view in self.views:
+            axis = VIEW_AXES[view]
+            radiograph = drr(hounsfield, float(spacing[axis - 1]), axis - 1, self.mu_water)
+            views.append(F.interpolate(radiograph[None, None], size=self.size, mode="bilinear", antialias=True)[0, 0])
+        low, high = self.output_range
+        d[self.output_key] = (torch.stack(views).clamp(0, 1) * (high - low) + low).float()
+        return d
+
+
+class XrayCtDataModule(NiftiDataModule):
+    """CT volumes (listed as for `nifti`, in Hounsfield units) with DRR X-ray views under `xray`.
+
+    Args:
+        views: X-ray views to compute, from ap and lateral.
+        xray_size: (H, W) of each view.
+        mu_water: attenuation of water per mm.
+        **kwargs: listing, transforms, split, loader and cache settings of `NiftiDataModule`.
+    """
+
+    def __init__(
+        self, views: Sequence[str] = ("ap", "lateral"), xray_size: Sequence[int] = (128, 128), mu_water: float = 0.02,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        unknown = [v for v in views if v not in VIEW_AXES]
+        if unknown or not views:
+            raise MedvolError(f"`dataset.views`: {list(views)}; expected some of {list(VIEW_AXES)}")
+        if len(xray_size) != 2 or min(xray_size) < 1:
+            raise MedvolError(f"`dataset.xray_size` must be two positive ints (H, W), got {list(xray_size)}")
+        if self.settings.orientation != "RAS":
+            raise MedvolError(
+                f"`dataset.transforms.orientation` is {self.settings.orientation!r}; DRR views need RAS-oriented CT"
+            )
+        if self.settings.has_random_spatial:
+            raise MedvolError(
+                "`dataset.transforms` random_crop/flip_prob/affine_prob would move the CT away from its X-ray views; "
+                "set them to null/0 for dataset=xray_ct"
+            )
+        if len(self.image_modalities) != 1:
+            raise MedvolError(f"`dataset.image_modalities` must name the one CT channel, got {self.image_modalities}")
+        self.views = list(views)
+        self.xray_size = [int(s) for s in xray_size]
+        self.mu_water = mu_water
+
+    def extra_deterministic(self) -> list[Callable]:
+        steps: list[Callable] = []
+        if self.settings.spatial_size:
+            # Project the same field of view the CT target keeps; pad with air.
+            steps.append(ResizeWithPadOrCropd(["image"], self.settings.spatial_size, mode="constant", value=AIR_HU))
+        steps.append(DRRd("image", self.views, self.xray_size, self.mu_water, self.settings.output_range))
+        return steps
+
+    def batch_keys(self) -> list[str]:
+        return [*BATCH_KEYS, "xray"]
+
+    def cache_key(self) -> dict[str, Any]:
+        return {**super().cache_key(), "views": self.views, "xray_size": self.xray_size, "mu_water": self.mu_water}
