@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,12 @@ def test_every_model_config_runs_fast_dev_run_on_synthetic(tiny_cfg, model):
 
 
 def test_resumed_run_matches_uninterrupted_run_and_keeps_the_codebook(tmp_path):
-    common = ["seed=11", "trainer.deterministic=true", "logger=csv"]
+    common = [
+        "seed=11",
+        "trainer.deterministic=true",
+        "logger=csv",
+        "model.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,step_size:1,gamma:0.5}",
+    ]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(compose_cfg(straight, [*common, "trainer.max_epochs=3"]))
     run(compose_cfg(resumed, [*common, "trainer.max_epochs=2"]))
@@ -43,6 +49,8 @@ def test_resumed_run_matches_uninterrupted_run_and_keeps_the_codebook(tmp_path):
     for opt_a, opt_b in zip(a["optimizer_states"], b["optimizer_states"], strict=True):
         for sa, sb in zip(opt_a["state"].values(), opt_b["state"].values(), strict=True):
             assert torch.allclose(sa["exp_avg"], sb["exp_avg"], atol=1e-6)
+    assert [s["_last_lr"] for s in a["lr_schedulers"]] == [s["_last_lr"] for s in b["lr_schedulers"]]
+    assert a["lr_schedulers"][0]["_last_lr"][0] == pytest.approx(3e-4 * 0.5**3)
     # The metrics history of the first part of the run is still there.
     rows = (resumed / "csv" / "metrics.csv").read_text().splitlines()
     epochs = {line.split(",")[0] for line in rows[1:]}
@@ -135,6 +143,7 @@ def test_command_line_trains_writes_the_run_directory_and_resumes_in_it(tmp_path
 
 def test_help_and_cfg_job_work_as_hydra_users_expect(tmp_path):
     shown = _cli(["--help"], tmp_path)
-    assert shown.returncode == 0 and "model: vqgan" in shown.stdout and "dataset: synthetic" in shown.stdout
+    assert shown.returncode == 0 and "== Configuration groups ==" in shown.stdout
+    assert re.search(r"^model: .*vqgan", shown.stdout, re.M) and re.search(r"^dataset: .*synthetic", shown.stdout, re.M)
     job = _cli(["--cfg", "job", "model.n_codes=99"], tmp_path)
     assert job.returncode == 0 and "n_codes: 99" in job.stdout
