@@ -211,17 +211,19 @@ def dataset_overrides() -> list[str]:
         task = list(HydraConfig.get().overrides.task)
     except Exception:  # noqa: BLE001 - a config composed without the hydra node has no overrides
         return []
-    return [o for o in task if o.split("=")[0].lstrip("+~").startswith("dataset")]
+    chosen = [o for o in task if o.split("=")[0].lstrip("+~").startswith("dataset")]
+    # The group choice first, as a user would type it.
+    return sorted(chosen, key=lambda o: not o.lstrip("+~").startswith("dataset="))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Compose the training config with the given overrides and run the full check of its dataset."""
-    import hydra
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import open_dict
 
     import medvol.resolvers  # noqa: F401 - the configs use medvol's resolvers
+    from medvol.build import build
 
     overrides = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in overrides):
@@ -234,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg = compose(config_name="train", overrides=overrides)
         with open_dict(cfg):
             cfg.dataset.split_file = None
-        datamodule = hydra.utils.instantiate(cfg.dataset)
+        datamodule = build(cfg.dataset)
         if not hasattr(datamodule, "data_problems"):
             print(f"medvol: {cfg.dataset._target_} has no files to check")
             return 0

@@ -1,0 +1,135 @@
+"""The data doctor finds every kind of bad data with a clear line, and training refuses to start on it."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from datamodules.brats import BratsDataModule
+from datamodules.check import main as check_main
+from datamodules.csv_table import CsvDataModule
+from datamodules.example_data import write_brats, write_mace_csv
+from medvol.errors import MedvolError
+from medvol.training import run
+from tests.conftest import ROOT
+from tests.test_data_layouts import data_cfg
+
+
+def _case(root: Path, i: int, suffix: str) -> Path:
+    case = f"BraTS-GLI-{i:05d}-000"
+    return root / case / f"{case}-{suffix}.nii.gz"
+
+
+def _rewrite(path: Path, data: np.ndarray, affine: np.ndarray | None = None) -> None:
+    old = nib.load(str(path))
+    nib.save(nib.Nifti1Image(data, old.affine if affine is None else affine), str(path))
+
+
+@pytest.fixture
+def corrupted_brats(tmp_path: Path) -> Path:
+    """BraTS 2023 cases 0-7, cases 1-7 each broken in one way (case 0 is clean)."""
+    root = write_brats(tmp_path / "brats", 8, 2023, 16)
+    t1 = _case(root, 1, "t1n")
+    t1.write_bytes(t1.read_bytes()[: t1.stat().st_size // 2])  # truncated download
+    nan = np.asarray(nib.load(str(_case(root, 2, "t2w"))).dataobj).copy()
+    nan[4:6, 4:6, 4:6] = np.nan
+    _rewrite(_case(root, 2, "t2w"), nan)
+    _rewrite(_case(root, 3, "t2f"), np.full((16, 16, 16), 7.0, dtype=np.float32))
+    _rewrite(_case(root, 4, "seg"), np.zeros((16, 16, 12), dtype=np.uint8))
+    _case(root, 5, "t1c").unlink()
+    seg = np.asarray(nib.load(str(_case(root, 6, "seg"))).dataobj).copy()
+    seg[0, 0, 0] = 5
+    _rewrite(_case(root, 6, "seg"), seg)
+    shifted = nib.load(str(_case(root, 7, "t2w"))).affine.copy()
+    shifted[:3, 3] += 10
+    _rewrite(_case(root, 7, "t2w"), np.asarray(nib.load(str(_case(root, 7, "t2w"))).dataobj), shifted)
+    return root
+
+
+EXPECTED = {
+    1: "truncated",
+    2: "NaN/Inf voxels",
+    3: "constant volume",
+    4: "shape mismatch",
+    5: "missing modality 't1ce'",
+    6: "label values [5]",
+    7: "affine mismatch",
+}
+
+
+def test_full_check_reports_every_problem_in_one_table(corrupted_brats, capsys):
+    status = check_main(["dataset=brats", f"dataset.root={corrupted_brats}"])
+    out = capsys.readouterr().out
+    assert status == 1
+    assert out.splitlines()[0].split() == ["subject", "file", "problem"]
+    for case, message in EXPECTED.items():
+        line = next((row for row in out.splitlines() if f"BraTS-GLI-{case:05d}-000" in row), "")
+        assert message in line, (case, out)
+    assert "BraTS-GLI-00000-000" not in out
+    assert "7 problem(s) in 8 subject(s)" in out
+
+
+def test_cheap_check_reads_headers_only(corrupted_brats):
+    problems, _ = BratsDataModule(root=str(corrupted_brats), num_workers=0).data_problems(full=False)
+    found = {p.subject: p.problem for p in problems}
+    # Found from headers, sizes and file lists...
+    for case in (1, 4, 5, 7):
+        assert EXPECTED[case] in found[f"BraTS-GLI-{case:05d}-000"]
+    # ...while voxel-level problems need the full read.
+    assert not {f"BraTS-GLI-{c:05d}-000" for c in (2, 3, 6)} & set(found)
+
+
+def test_training_refuses_to_start_and_names_the_full_check(corrupted_brats, tmp_path):
+    cfg = data_cfg(tmp_path, "dataset=brats", f"dataset.root={corrupted_brats}")
+    with pytest.raises(MedvolError) as err:
+        run(cfg)
+    message = str(err.value)
+    assert "problem(s), training not started" in message and "truncated" in message
+    assert "run the full check for the whole table: python -m datamodules.check dataset=brats " in message
+    assert f" dataset.root={corrupted_brats}" in message
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_bad_csv_rows_and_duplicate_subjects(tmp_path):
+    table = write_mace_csv(tmp_path / "mace", 6, 12)
+    rows = list(csv.DictReader(table.open()))
+    rows[1]["time"] = ""
+    rows[2]["time"] = "-3"
+    rows[3]["event"] = "2"
+    rows[4]["subject"] = rows[0]["subject"]
+    rows[5]["image"] = ""
+    with table.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    problems, _ = CsvDataModule(csv_path=str(table), num_workers=0).data_problems(full=True)
+    text = "\n".join(f"{p.file} {p.problem}" for p in problems)
+    assert "mace.csv:3 time='': expected a number >= 0" in text
+    assert "mace.csv:4 time='-3': expected a number >= 0" in text
+    assert "mace.csv:5 event='2': expected 0 or 1" in text
+    assert "duplicate subject: listed 2 times" in text and rows[0]["subject"] in {p.subject for p in problems}
+    assert "mace.csv:7 empty path in column 'image'" in text
+
+
+def test_missing_columns_and_folders_are_one_clear_error(tmp_path):
+    table = write_mace_csv(tmp_path / "mace", 2, 12)
+    with pytest.raises(MedvolError, match="has no column 'followup'"):
+        CsvDataModule(csv_path=str(table), time_column="followup").subjects()
+    with pytest.raises(MedvolError, match="holds no BraTS files"):
+        BratsDataModule(root=str(tmp_path))
+
+
+def test_check_command_line(tmp_path, capsys):
+    clean = write_brats(tmp_path / "clean", 2, 2021, 12)
+    command = [sys.executable, "-m", "datamodules.check", "dataset=brats", f"dataset.root={clean}"]
+    good = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert good.returncode == 0, good.stderr
+    assert "no problems found in 2 subject(s)" in good.stdout
+    assert check_main(["dataset=brats", f"dataset.root={tmp_path / 'nowhere'}"]) == 2
+    assert capsys.readouterr().err.startswith("medvol: error: `dataset.root`")
