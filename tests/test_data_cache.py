@@ -1,0 +1,132 @@
+"""Caching: partitioned per rank (every subject cached exactly once, equal steps), same items as uncached, smart lifecycle."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from datamodules.cache import PartitionSampler, SmartCacheLifecycle, find_smart_cache, partition, steps_share
+from datamodules.example_data import write_nifti_folder
+from datamodules.nifti import NiftiDataModule
+from medvol.errors import MedvolError
+from medvol.training import run
+from tests.test_data_layouts import data_cfg
+
+
+def _datamodule(root: Path, **kwargs) -> NiftiDataModule:
+    settings = {
+        "root": str(root), "image_modalities": ["ct"], "transforms": {"spatial_size": [12, 12, 12], "intensity": "window"},
+        "num_workers": 0, "val_fraction": 0.2, "test_fraction": 0.1, **kwargs,
+    }
+    return NiftiDataModule(**settings)
+
+
+@pytest.fixture(scope="module")
+def volumes(tmp_path_factory) -> Path:
+    return write_nifti_folder(tmp_path_factory.mktemp("cache") / "ct", 11, 12, modalities=("ct",), label=False)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("total", [1, 7, 8, 13])
+def test_partitions_cover_every_item_once_with_equal_steps(world, total):
+    items = list(range(total))
+    shares = [partition(items, world, rank) for rank in range(world)]
+    assert sorted(i for share in shares for i in share) == items
+    samplers = [PartitionSampler(share, steps_share(total, world, "memory", "train", 1.0), seed=3) for share in shares]
+    assert len({len(s) for s in samplers}) == 1
+    for epoch in range(3):
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+            drawn = list(sampler)
+            assert len(drawn) == len(sampler) and len(set(drawn)) == len(drawn)
+
+
+def test_each_simulated_rank_caches_only_its_share(volumes, monkeypatch):
+    seen: dict[str, list[str]] = {"train": [], "val": [], "test": []}
+    steps = set()
+    for rank in range(2):
+        datamodule = _datamodule(volumes, cache="memory")
+        monkeypatch.setattr(datamodule, "_world", lambda rank=rank: (2, rank))
+        datamodule.setup()
+        for stage, members in seen.items():
+            dataset = datamodule.datasets[stage]
+            members += [dataset[i]["subject"] for i in range(len(dataset))]
+        steps.add(len(datamodule.train_dataloader()))
+    assert len(steps) == 1
+    split = datamodule.split
+    assert split is not None
+    for stage, members in seen.items():
+        assert sorted(members) == sorted(split[stage])
+
+
+@pytest.mark.parametrize("mode", ["memory", "disk"])
+def test_cached_items_equal_uncached_ones(volumes, tmp_path, mode):
+    plain = _datamodule(volumes)
+    cached = _datamodule(volumes, cache=mode, cache_dir=str(tmp_path / "cache"))
+    for datamodule in (plain, cached):
+        datamodule.setup()
+    for stage in ("val", "test"):
+        for i in range(len(plain.datasets[stage])):
+            a, b = plain.datasets[stage][i], cached.datasets[stage][i]
+            assert a["subject"] == b["subject"] and torch.equal(a["image"], b["image"]) and torch.equal(a["affine"], b["affine"])
+    if mode == "disk":
+        assert len(list((tmp_path / "cache").glob("*/val/*.pt"))) == len(plain.datasets["val"])
+
+
+def test_smart_cache_replaces_items_between_epochs(volumes):
+    datamodule = _datamodule(volumes, cache="smart", cache_rate=0.5, replace_rate=0.5, val_fraction=0.1, test_fraction=0.0)
+    datamodule.setup()
+    smart = find_smart_cache(datamodule.datasets["train"])
+    assert smart is not None and len(datamodule.datasets["train"]) == smart.cache_num == 5
+    lifecycle = SmartCacheLifecycle(smart)
+    lifecycle.on_train_epoch_start(None, None)
+    first = {datamodule.datasets["train"][i]["subject"] for i in range(5)}
+    lifecycle.on_train_epoch_end(None, None)
+    second = {datamodule.datasets["train"][i]["subject"] for i in range(5)}
+    lifecycle.teardown(None, None, "fit")
+    assert first != second and len(first & second) >= 2
+
+
+def test_smart_cache_trains_two_epochs(volumes, tmp_path):
+    run(data_cfg(
+        tmp_path, "dataset=nifti", f"dataset.root={volumes}", "dataset.image_modalities=[ct]", "dataset.cache=smart",
+        "dataset.cache_rate=0.5", "dataset.replace_rate=0.5", "trainer.fast_dev_run=false", "trainer.max_epochs=2",
+        "trainer.limit_val_batches=1", "callbacks.model_checkpoint=null",
+    ))
+
+
+def test_smart_cache_refuses_persistent_workers(volumes):
+    with pytest.raises(MedvolError, match="`dataset.cache=smart` cannot be combined with `dataset.persistent_workers=true`"):
+        _datamodule(volumes, cache="smart", num_workers=2, persistent_workers=True)
+    with pytest.raises(MedvolError, match="`dataset.cache=disk` needs `dataset.cache_dir`"):
+        _datamodule(volumes, cache="disk")
+
+
+def _gloo_rank(rank: int, root: str, init_file: str, result: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    datamodule = _datamodule(Path(root), cache="memory")
+    datamodule.setup()
+    dataset = datamodule.datasets["train"]
+    cached = [dataset[i]["subject"] for i in range(len(dataset))]
+    report = {"cached": cached, "steps": len(datamodule.train_dataloader()), "split": datamodule.split}
+    gathered: list = [None, None]
+    dist.all_gather_object(gathered, report)
+    if rank == 0:
+        Path(result).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_cache_every_subject_exactly_once(volumes, tmp_path):
+    result = tmp_path / "result.json"
+    mp.start_processes(
+        _gloo_rank, args=(str(volumes), str(tmp_path / "init"), str(result)), nprocs=2, start_method="fork"
+    )
+    reports = json.loads(result.read_text())
+    cached = reports[0]["cached"] + reports[1]["cached"]
+    assert sorted(cached) == sorted(reports[0]["split"]["train"]) and len(set(cached)) == len(cached)
+    assert reports[0]["steps"] == reports[1]["steps"] > 0
