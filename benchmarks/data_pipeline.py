@@ -1,0 +1,172 @@
+"""Data pipeline speed and memory: `dataset.cache` none vs memory vs smart vs disk, and partitioned caching under DDP.
+
+    OMP_NUM_THREADS=1 python benchmarks/data_pipeline.py --subjects 64 --size 128
+
+1. Writes a NIfTI set (synthetic CT phantoms, `--distinct` of them generated, the rest copies).
+2. For each cache mode, loads the training set through `NiftiDataModule` (percentile scaling,
+   RAS, a random flip after the cache) for `--epochs` epochs and reports volumes/s of the
+   first epoch (which includes filling the cache) and of the later ones.
+3. Starts 1 and then 2 gloo ranks (CPU) with `cache=memory` and reports each rank's peak RSS
+   growth while filling its cache, next to the size of one copy of the data.
+
+Prints a Markdown table and writes the figures as JSON (`--out`).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # fair to the 2-core CI machine; set before torch loads
+
+import argparse
+import json
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from datamodules.cache import SmartCacheLifecycle, find_smart_cache  # noqa: E402
+from datamodules.example_data import write_nifti_folder  # noqa: E402
+from datamodules.nifti import NiftiDataModule  # noqa: E402
+
+MODES = ("none", "memory", "smart", "disk")
+
+
+def make_dataset(root: Path, subjects: int, size: int, distinct: int) -> Path:
+    """`subjects` CT volumes of `size`^3 under root/sub-XXX/ct.nii.gz; only `distinct` are generated."""
+    if (root / f"sub-{subjects - 1:03d}" / "ct.nii.gz").is_file():
+        return root
+    write_nifti_folder(root, min(distinct, subjects), size, modalities=("ct",), label=False)
+    for i in range(distinct, subjects):
+        target = root / f"sub-{i:03d}" / "ct.nii.gz"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(root / f"sub-{i % distinct:03d}" / "ct.nii.gz", target)
+    return root
+
+
+def datamodule(root: Path, mode: str, cache_dir: Path, smart_rate: float) -> NiftiDataModule:
+    return NiftiDataModule(
+        root=str(root), image_modalities=["ct"], num_workers=0, batch_size=1, val_fraction=0.0, test_fraction=0.0,
+        transforms={"intensity": "percentile", "flip_prob": 0.5}, cache=mode, cache_dir=str(cache_dir),
+        cache_rate=smart_rate if mode == "smart" else 1.0, replace_rate=0.25,
+    )
+
+
+def throughput(root: Path, mode: str, epochs: int, cache_dir: Path, smart_rate: float) -> dict[str, float]:
+    """Volumes/s of the first epoch (cache filling included) and the mean of the later epochs."""
+    start = time.perf_counter()
+    dm = datamodule(root, mode, cache_dir, smart_rate)
+    dm.setup()
+    loader = dm.train_dataloader()
+    smart = find_smart_cache(dm.datasets["train"])
+    lifecycle = SmartCacheLifecycle(smart) if smart is not None else None
+    times, counts = [], []
+    for epoch in range(epochs):
+        loader.sampler.set_epoch(epoch)
+        if lifecycle is not None:
+            lifecycle.on_train_epoch_start(None, None)  # type: ignore[arg-type]
+        count = 0
+        for batch in loader:
+            count += batch["image"].shape[0]
+        if lifecycle is not None:
+            lifecycle.on_train_epoch_end(None, None)  # type: ignore[arg-type]
+        now = time.perf_counter()
+        times.append(now - start)
+        counts.append(count)
+        start = now
+    if lifecycle is not None:
+        lifecycle.teardown(None, None, "fit")  # type: ignore[arg-type]
+    later = sum(counts[1:]) / sum(times[1:])
+    return {"first_epoch_s": times[0], "first_volumes_per_s": counts[0] / times[0], "later_volumes_per_s": later,
+            "volumes_per_epoch": counts[-1]}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _rank(rank: int, world: int, root: str, init_file: str, result: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # Warm up (lazy imports, allocator pools) on one uncached volume, so the baseline excludes them.
+    warm = datamodule(Path(root), "none", Path(root), 1.0)
+    warm.setup()
+    warm.datasets["train"][0]
+    del warm
+    dm = datamodule(Path(root), "memory", Path(root), 1.0)
+    baseline = _rss_bytes()
+    dm.setup()
+    for _ in dm.train_dataloader():
+        pass
+    peak = max(_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
+    report = {"rank": rank, "cached": len(dm.datasets["train"]), "baseline": baseline, "peak": peak,
+              "after": _rss_bytes(), "steps": len(dm.train_dataloader())}
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, report)
+    if rank == 0:
+        Path(result).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+def ddp_memory(root: Path, world: int, work: Path) -> list[dict]:
+    result = work / f"rss-{world}.json"
+    init = work / f"init-{world}"
+    init.unlink(missing_ok=True)
+    # Spawned, so each rank starts from a clean interpreter and its RSS is its own.
+    mp.start_processes(_rank, args=(world, str(root), str(init), str(result)), nprocs=world, start_method="spawn")
+    return json.loads(result.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--subjects", type=int, default=64)
+    parser.add_argument("--size", type=int, default=128)
+    parser.add_argument("--distinct", type=int, default=8, help="phantoms generated; the rest are copies")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--smart-cache-rate", type=float, default=0.5)
+    parser.add_argument("--work", type=Path, default=None, help="folder for the data and caches (default: a temp dir)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="medvol-data-bench-"))
+    root = make_dataset(work / "data", args.subjects, args.size, args.distinct)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    results: dict = {"subjects": args.subjects, "size": args.size, "epochs": args.epochs,
+                     "omp_num_threads": os.environ["OMP_NUM_THREADS"], "modes": {}}
+    for mode in MODES:
+        cache_dir = work / "disk-cache"
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        results["modes"][mode] = throughput(root, mode, args.epochs, cache_dir, args.smart_cache_rate)
+        print(mode, results["modes"][mode], flush=True)
+    one_copy = args.subjects * args.size**3 * 4
+    results["one_copy_mib"] = one_copy / 2**20
+    for world in (1, 2):
+        ranks = ddp_memory(root, world, work)
+        results[f"ranks_{world}"] = ranks
+        growth = [(r["peak"] - r["baseline"]) / 2**20 for r in ranks]
+        print(f"{world} rank(s): cached {[r['cached'] for r in ranks]}, steps {[r['steps'] for r in ranks]}, "
+              f"peak RSS growth per rank {[f'{g:.0f}' for g in growth]} MiB, total {sum(growth):.0f} MiB", flush=True)
+    base = results["modes"]["none"]["later_volumes_per_s"]
+    print("\n| cache | first epoch (s) | first epoch vol/s | later epochs vol/s | later vs none |")
+    print("|---|---|---|---|---|")
+    for mode, row in results["modes"].items():
+        print(f"| {mode} | {row['first_epoch_s']:.1f} | {row['first_volumes_per_s']:.1f} | "
+              f"{row['later_volumes_per_s']:.1f} | {row['later_volumes_per_s'] / base:.1f}x |")
+    print(f"\none copy of the data: {results['one_copy_mib']:.0f} MiB")
+    for world in (1, 2):
+        ranks = results[f"ranks_{world}"]
+        total = sum(r["peak"] - r["baseline"] for r in ranks) / 2**20
+        print(f"{world} rank(s): peak RSS growth total {total:.0f} MiB = {total / results['one_copy_mib']:.2f}x one copy")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
