@@ -15,6 +15,7 @@ from medvol.build import build
 from medvol.checkpoint_check import check_checkpoint
 from medvol.errors import MedvolError
 from medvol.launch import local_ranks
+from medvol.sync_batchnorm import layer_sync_plugins
 from medvol.world import (
     World,
     build_strategy,
@@ -93,7 +94,10 @@ def _run(cfg: DictConfig, world: World) -> dict[str, float]:
     settings = trainer_settings(cfg, module)
     settings.pop("_target_", None)
     strategy = build_strategy(cfg.get("strategy"), world, manual_optimization=not module.automatic_optimization)
-    trainer = pl.Trainer(**settings, callbacks=callbacks, logger=loggers or False, strategy=strategy)
+    plugins = layer_sync_plugins(settings, world.accelerator, world.size)
+    trainer = pl.Trainer(
+        **settings, callbacks=callbacks, logger=loggers or False, strategy=strategy, plugins=plugins or None
+    )
     arithmetic = BatchArithmetic(
         int(cfg.dataset.batch_size), trainer.world_size, int(cfg.trainer.get("accumulate_grad_batches") or 1)
     )
