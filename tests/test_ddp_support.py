@@ -40,7 +40,9 @@ def train_cli(
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MEDVOL_RUN_STAMP"):
         env.pop(name, None)
     command = [*launcher] if launcher else [sys.executable]
-    command += [str(ROOT / "train.py"), *(TINY if tiny else []), *args]
+    flags = [arg for arg in args if arg.startswith("-") and not arg.startswith("~")]
+    overrides = [arg for arg in args if arg not in flags]
+    command += [str(ROOT / "train.py"), *flags, *(TINY if tiny else []), *overrides]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

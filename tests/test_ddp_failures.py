@@ -1,0 +1,53 @@
+"""A rank that raises takes every rank down with a non-zero exit, instead of leaving the others hanging."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.test_ddp_support import explain, train_cli
+
+# Far above the failure path (the watchdog's grace is 10 s) and far below a gloo timeout (30 min).
+FAILURE_TIMEOUT = 60
+
+
+def pids(directory: Path) -> list[int]:
+    return [json.loads(path.read_text())["pid"] for path in sorted(directory.glob("rank*.json"))]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie has exited; it only waits for its parent, which is gone too.
+    status = Path(f"/proc/{pid}/status")
+    return status.is_file() and "zombie" not in status.read_text()
+
+
+@pytest.mark.parametrize("failing_rank", [1, 0])
+def test_a_raising_rank_stops_all_ranks(tmp_path, failing_rank):
+    ranks = tmp_path / "ranks"
+    result = train_cli(
+        [
+            "strategy=ddp",
+            "trainer.devices=2",
+            "dataset.batch_size=1",
+            "dataset.val_fraction=0.25",
+            "+callbacks.fail._target_=tests.test_ddp_support.RaiseOnRank",
+            f"+callbacks.fail.rank={failing_rank}",
+            "+callbacks.ranks._target_=tests.test_ddp_support.RankRecorder",
+            f"+callbacks.ranks.directory={ranks}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+        timeout=FAILURE_TIMEOUT,
+    )
+    assert result.returncode != 0, explain(result)
+    assert f"injected failure on rank {failing_rank}" in result.stderr, explain(result)
+    started = pids(ranks)
+    assert len(started) == 2, explain(result)
+    assert not [pid for pid in started if alive(pid)], "a rank outlived the run"
