@@ -1,0 +1,56 @@
+"""SLURM for real, on the local one-node cluster (`../shared/tools/local-slurm.sh start`); skipped without one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_ddp_support import RUN_TIMEOUT, explain, train_cli
+
+
+def _cluster_up() -> bool:
+    if not os.environ.get("SLURM_CONF") or shutil.which("sinfo") is None:
+        return False
+    try:
+        probe = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0 and any(state in probe.stdout for state in ("idle", "mix", "alloc"))
+
+
+pytestmark = [pytest.mark.slurm, pytest.mark.skipif(not _cluster_up(), reason="no SLURM cluster (SLURM_CONF unset or sinfo fails)")]
+
+SMALL = ["dataset.batch_size=1", "dataset.val_fraction=0.25", "callbacks.volume_slices=null"]
+
+
+def test_srun_tasks_become_ddp_ranks_with_one_run_dir(tmp_path):
+    srun = ["srun", "--nodes=1", "--ntasks-per-node=2", f"--chdir={tmp_path}", sys.executable]
+    result = train_cli([*SMALL, "strategy=ddp", "trainer.devices=2", f"paths.log_dir={tmp_path / 'logs'}"],
+                       cwd=tmp_path, launcher=srun)
+    assert result.returncode == 0, explain(result)
+    runs = list((tmp_path / "logs" / "train" / "runs").iterdir())
+    assert [run.name.startswith("slurm-") for run in runs] == [True], runs
+    summary = json.loads((runs[0] / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert result.stdout.count("medvol run summary (fit)") == 1
+
+
+@pytest.mark.slow
+def test_submitit_launcher_runs_a_ddp_sweep_as_slurm_jobs(tmp_path):
+    sweep = tmp_path / "multirun"
+    result = train_cli(
+        ["-m", "hydra/launcher=slurm", *SMALL, "strategy=ddp", "trainer.devices=2",
+         "model.optimizer.lr=1e-3,3e-4", f"hydra.sweep.dir={sweep}", "hydra.launcher.timeout_min=10"],
+        cwd=tmp_path,
+        timeout=2 * RUN_TIMEOUT,
+    )
+    assert result.returncode == 0, explain(result)
+    for job in ("0", "1"):
+        summary = json.loads((sweep / job / "summary.json").read_text())
+        assert summary["world_size"] == 2
+        assert (sweep / job / "checkpoints" / "last.ckpt").is_file()
