@@ -89,3 +89,18 @@ def test_lr_scaling_by_world_size(tiny_cfg, rule, factor):
 def test_lr_scaling_rejects_unknown_rules(tiny_cfg):
     with pytest.raises(MedvolError, match="lr_scaling"):
         scale_learning_rates(tiny_cfg().model, "cubic", world_size=2)
+
+
+@pytest.mark.slow
+def test_optuna_sweep_runs_each_trial_on_two_ranks(tmp_path):
+    sweep = tmp_path / "optuna"
+    result = train_cli(
+        ["-m", "hparams_search=optuna", *SMALL, "strategy=ddp", "trainer.devices=2",
+         "hydra.sweeper.n_trials=2", "hydra.sweeper.sampler.n_startup_trials=2", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, explain(result)
+    best = OmegaConf.load(sweep / "optimization_results.yaml")
+    assert "model.optimizer.lr" in best.best_params and best.best_value > 0
+    for job in ("0", "1"):
+        assert json.loads((sweep / job / "summary.json").read_text())["world_size"] == 2
