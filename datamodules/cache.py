@@ -8,10 +8,13 @@ every epoch, and every rank draws the same number of samples per epoch.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,6 +29,8 @@ from medvol.errors import MedvolError
 
 CACHE_MODES = ("none", "memory", "smart", "disk")
 PARTITIONED_MODES = ("memory", "smart")
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+GLIBC_MMAP_THRESHOLD_MAX = 32 << 20  # the ceiling of glibc's adaptive threshold on 64-bit systems
 
 T = TypeVar("T")
 
@@ -54,6 +59,31 @@ def validate_cache(mode: str, cache_rate: float, replace_rate: float, cache_dir:
         raise MedvolError(f"`dataset.replace_rate` must be in (0, 1], got {replace_rate}")
     if mode == "disk" and not cache_dir:
         raise MedvolError("`dataset.cache=disk` needs `dataset.cache_dir`, a folder for the cached volumes")
+
+
+@contextmanager
+def compact_cache_fill() -> Iterator[None]:
+    """While filling an in-memory cache, serve allocations >= 1 MiB from mmap; afterwards, trim the heap.
+
+    Loading a volume makes large short-lived buffers (decompression, casts, percentiles)
+    between the long-lived cached tensors. With glibc's adaptive threshold those buffers land
+    in the heap and the cached tensors pin it: measured 2.5x the cached bytes in RSS
+    (docs/BENCHMARKS.md). A low threshold only during the fill keeps the cache compact; the
+    threshold then goes to glibc's usual ceiling, since mmap-ing every batch-sized buffer
+    during training halved the cached throughput. No-op where the C library is not glibc.
+    """
+    libc_name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(libc_name) if libc_name else None
+    glibc = libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim")
+    if glibc:
+        libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+        libc.malloc_trim(0)
+    try:
+        yield
+    finally:
+        if glibc:
+            libc.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX)
+            libc.malloc_trim(0)
 
 
 def fingerprint(settings: Any) -> str:
@@ -97,20 +127,28 @@ def cached_dataset(
     if mode == "disk":
         assert cache_dir is not None
         base: Dataset = PersistentDataset(records, head, cache_dir=Path(cache_dir))
-    elif mode == "smart" and stage == "train":
+    else:
+        with compact_cache_fill():
+            base = _in_memory(records, head, mode, stage, cache_rate, replace_rate, workers)
+    # The random part runs on the cached item without copying it: every transform after the
+    # cache returns new tensors (the cached ones are plain tensors, never modified in place).
+    return TransformDataset(base, tail) if random else base
+
+
+def _in_memory(
+    records: list[dict[str, Any]], head: Compose, mode: str, stage: str, cache_rate: float, replace_rate: float,
+    workers: int,
+) -> Dataset:
+    if mode == "smart" and stage == "train":
         if smart_cache_size(len(records), cache_rate) < 1:
             raise MedvolError(
                 f"`dataset.cache_rate`={cache_rate} caches no subject of this rank's {len(records)}; raise it"
             )
-        base = SmartCacheDataset(
+        return SmartCacheDataset(
             records, head, replace_rate=replace_rate, cache_rate=cache_rate, num_init_workers=max(1, workers),
             num_replace_workers=max(1, workers), progress=False, shuffle=False, copy_cache=False,
         )
-    else:
-        base = CacheDataset(records, head, cache_rate=cache_rate, num_workers=max(1, workers), progress=False, copy_cache=False)
-    # The random part runs on the cached item without copying it: every transform after the
-    # cache returns new tensors (the cached ones are plain tensors, never modified in place).
-    return TransformDataset(base, tail) if random else base
+    return CacheDataset(records, head, cache_rate=cache_rate, num_workers=max(1, workers), progress=False, copy_cache=False)
 
 
 class PartitionSampler(DistributedSampler):

@@ -112,12 +112,12 @@ def scale_to_range(
     non-finite voxels take the low end, so one bad file cannot turn a run's loss into NaN.
     """
     out_low, out_high = float(output_range[0]), float(output_range[1])
-    volume = torch.nan_to_num(volume.float(), nan=low, posinf=high, neginf=low)
     width = high - low
     if not np.isfinite(width) or width <= 1e-8 * max(abs(low), abs(high), 1.0):
-        return torch.zeros_like(volume)
-    unit = (volume.clamp(low, high) - low) / width
-    return unit * (out_high - out_low) + out_low
+        return torch.zeros_like(volume, dtype=torch.float32)
+    # One copy, then in place: large volumes should not cost several temporaries each.
+    scaled = torch.nan_to_num(volume.float(), nan=low, posinf=high, neginf=low)
+    return scaled.clamp_(low, high).sub_(low).mul_((out_high - out_low) / width).add_(out_low)
 
 
 class SafeScaleIntensityd(MapTransform):
@@ -148,7 +148,8 @@ class SafeScaleIntensityd(MapTransform):
     def _bounds(self, channel: torch.Tensor) -> tuple[float, float]:
         if self.mode == "window":
             return self.window[0], self.window[1]
-        values = channel[torch.isfinite(channel)].numpy()
+        finite = torch.isfinite(channel)
+        values = channel.numpy() if bool(finite.all()) else channel[finite].numpy()
         if values.size == 0:
             return 0.0, 0.0
         low, high = np.percentile(values, self.percentiles)

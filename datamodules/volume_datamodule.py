@@ -11,6 +11,7 @@ import pytorch_lightning as pl
 import torch
 from monai.data import DistributedSampler as EvaluationSampler
 from monai.data import ThreadDataLoader
+from monai.transforms import ToDeviced
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from datamodules.cache import (
@@ -28,6 +29,8 @@ from datamodules.split import load_split, make_split, save_split
 from medvol.errors import MedvolError
 
 Record = dict[str, Any]
+# The tensors of a batch dict that `gpu_transforms` moves to the device before the random transforms.
+DEVICE_KEYS = ("image", "cond", "label", "xray", "affine")
 
 
 class VolumeDataModule(pl.LightningDataModule):
@@ -169,12 +172,9 @@ class VolumeDataModule(pl.LightningDataModule):
         """
         post = list(random)
         if self.gpu_transforms:
-            from monai.transforms import ToDeviced
-
-            keys = ["image", "cond", "label", "xray", "affine"]
-            post = [ToDeviced(keys, device=self.device(), allow_missing_keys=True), *post]
+            post = [ToDeviced(list(DEVICE_KEYS), device=self.device(), allow_missing_keys=True), *post]
         cache_dir = self.cache_dir / (fingerprint or "default") / stage if self.cache_dir else None
-        world, rank = self._world()
+        _, rank = self._world()
         dataset = cached_dataset(
             records, deterministic, post, self.cache, stage, self.cache_rate, self.replace_rate, cache_dir,
             workers=max(1, self.workers()), seed=self.shuffle_seed + rank,

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from monai.data import ThreadDataLoader
 
 from datamodules.cache import PartitionSampler, SmartCacheLifecycle, find_smart_cache, partition, steps_share
 from datamodules.example_data import write_nifti_folder
@@ -92,14 +93,6 @@ def test_smart_cache_replaces_items_between_epochs(volumes):
     assert first != second and len(first & second) >= 2
 
 
-def test_smart_cache_trains_two_epochs(volumes, tmp_path):
-    run(data_cfg(
-        tmp_path, "dataset=nifti", f"dataset.root={volumes}", "dataset.image_modalities=[ct]", "dataset.cache=smart",
-        "dataset.cache_rate=0.5", "dataset.replace_rate=0.5", "trainer.fast_dev_run=false", "trainer.max_epochs=2",
-        "trainer.limit_val_batches=1", "callbacks.model_checkpoint=null",
-    ))
-
-
 def test_smart_cache_refuses_persistent_workers(volumes):
     with pytest.raises(MedvolError, match="`dataset.cache=smart` cannot be combined with `dataset.persistent_workers=true`"):
         _datamodule(volumes, cache="smart", num_workers=2, persistent_workers=True)
@@ -130,3 +123,31 @@ def test_two_gloo_ranks_cache_every_subject_exactly_once(volumes, tmp_path):
     cached = reports[0]["cached"] + reports[1]["cached"]
     assert sorted(cached) == sorted(reports[0]["split"]["train"]) and len(set(cached)) == len(cached)
     assert reports[0]["steps"] == reports[1]["steps"] > 0
+
+
+def test_gpu_transforms_use_a_thread_loader_and_the_trainer_device(volumes):
+    datamodule = _datamodule(volumes, cache="memory", gpu_transforms=True, num_workers=3,
+                             transforms={"spatial_size": [12, 12, 12], "flip_prob": 0.5})
+    datamodule.setup()
+    loader = datamodule.train_dataloader()
+    assert isinstance(loader, ThreadDataLoader) and loader.num_workers == 0
+    batch = next(iter(loader))
+    assert batch["image"].device == datamodule.device() and batch["image"].shape[1:] == (1, 12, 12, 12)
+
+
+def test_smart_cache_lifecycle_runs_inside_training(volumes, tmp_path, monkeypatch):
+    calls: list[str] = []
+    for hook in ("on_train_epoch_start", "on_train_epoch_end", "teardown"):
+        original = getattr(SmartCacheLifecycle, hook)
+
+        def record(self, *args, _hook=hook, _original=original, **kwargs):
+            calls.append(_hook)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(SmartCacheLifecycle, hook, record)
+    run(data_cfg(
+        tmp_path, "dataset=nifti", f"dataset.root={volumes}", "dataset.image_modalities=[ct]", "dataset.cache=smart",
+        "dataset.cache_rate=0.5", "dataset.replace_rate=0.5", "trainer.fast_dev_run=false", "trainer.max_epochs=2",
+        "trainer.limit_val_batches=1", "callbacks.model_checkpoint=null",
+    ))
+    assert calls == ["on_train_epoch_start", "on_train_epoch_end"] * 2 + ["teardown"]
