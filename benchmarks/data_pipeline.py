@@ -108,11 +108,12 @@ def _reset_peak_rss() -> None:
 
 def _rank(rank: int, world: int, root: str, init_file: str, result: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    # Warm up (lazy imports, allocator pools) on one uncached volume, so the baseline excludes them.
+    # Warm up (lazy imports, loader machinery, allocator pools) on two uncached batches, so the baseline excludes them.
     warm = datamodule(Path(root), "none", Path(root), 1.0)
     warm.setup()
-    warm.datasets["train"][0]
-    del warm
+    for _, _batch in zip(range(2), warm.train_dataloader(), strict=False):
+        pass
+    del warm, _batch
     with compact_cache_fill():  # trims the heap, as the cache does first anyway: a fair baseline
         pass
     dm = datamodule(Path(root), "memory", Path(root), 1.0)
@@ -148,6 +149,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--smart-cache-rate", type=float, default=0.5)
     parser.add_argument("--work", type=Path, default=None, help="folder for the data and caches (default: a temp dir)")
+    parser.add_argument("--parts", nargs="+", choices=["throughput", "memory"], default=["throughput", "memory"])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="medvol-data-bench-"))
@@ -155,32 +157,45 @@ def main() -> None:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     results: dict = {"subjects": args.subjects, "size": args.size, "epochs": args.epochs,
                      "omp_num_threads": os.environ["OMP_NUM_THREADS"], "modes": {}}
-    for mode in MODES:
+    for mode in MODES if "throughput" in args.parts else ():
         cache_dir = work / "disk-cache"
         shutil.rmtree(cache_dir, ignore_errors=True)
         results["modes"][mode] = throughput(root, mode, args.epochs, cache_dir, args.smart_cache_rate)
         print(mode, results["modes"][mode], flush=True)
-    one_copy = args.subjects * args.size**3 * 4
-    results["one_copy_mib"] = one_copy / 2**20
-    for world in (1, 2):
+    results["one_copy_mib"] = args.subjects * args.size**3 * 4 / 2**20
+    for world in (1, 2) if "memory" in args.parts else ():
         ranks = ddp_memory(root, world, work)
         results[f"ranks_{world}"] = ranks
         growth = [(r["peak"] - r["baseline"]) / 2**20 for r in ranks]
         print(f"{world} rank(s): cached {[r['cached'] for r in ranks]}, steps {[r['steps'] for r in ranks]}, "
               f"peak RSS growth per rank {[f'{g:.0f}' for g in growth]} MiB, total {sum(growth):.0f} MiB", flush=True)
-    base = results["modes"]["none"]["later_volumes_per_s"]
-    print("\n| cache | first epoch (s) | first epoch vol/s | later epochs vol/s | later vs none |")
-    print("|---|---|---|---|---|")
-    for mode, row in results["modes"].items():
-        print(f"| {mode} | {row['first_epoch_s']:.1f} | {row['first_volumes_per_s']:.1f} | "
-              f"{row['later_volumes_per_s']:.1f} | {row['later_volumes_per_s'] / base:.1f}x |")
-    print(f"\none copy of the data: {results['one_copy_mib']:.0f} MiB")
-    for world in (1, 2):
-        ranks = results[f"ranks_{world}"]
-        total = sum(r["peak"] - r["baseline"] for r in ranks) / 2**20
-        print(f"{world} rank(s): peak RSS growth total {total:.0f} MiB = {total / results['one_copy_mib']:.2f}x one copy")
+    report(results)
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
+
+
+def report(results: dict) -> None:
+    """The Markdown tables of docs/BENCHMARKS.md."""
+    if results["modes"]:
+        throughput_table(results["modes"])
+    print(f"\none copy of the data: {results['one_copy_mib']:.0f} MiB")
+    for world in (1, 2):
+        ranks = results.get(f"ranks_{world}")
+        if ranks:
+            peak = sum(r["peak"] - r["baseline"] for r in ranks) / 2**20
+            steady = sum(r["after"] - r["baseline"] for r in ranks) / 2**20
+            print(f"{world} rank(s): subjects cached per rank {[r['cached'] for r in ranks]}, steps {[r['steps'] for r in ranks]}; "
+                  f"RSS growth peak {peak:.0f} MiB = {peak / results['one_copy_mib']:.2f}x one copy, "
+                  f"after the epoch {steady:.0f} MiB = {steady / results['one_copy_mib']:.2f}x")
+
+
+def throughput_table(modes: dict) -> None:
+    base = modes["none"]["later_volumes_per_s"]
+    print("\n| cache | first epoch (s) | first epoch vol/s | later epochs vol/s | later vs none |")
+    print("|---|---|---|---|---|")
+    for mode, row in modes.items():
+        print(f"| {mode} | {row['first_epoch_s']:.1f} | {row['first_volumes_per_s']:.1f} | "
+              f"{row['later_volumes_per_s']:.1f} | {row['later_volumes_per_s'] / base:.1f}x |")
 
 
 if __name__ == "__main__":
