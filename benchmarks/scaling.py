@@ -8,11 +8,12 @@ configurations (medvol x1, medvol x2, plain x1, plain x2) run one after the othe
 rotating order, `--repeats` times, so slow phases of a shared machine hit all of them; the
 figures are medians.
 
-Throughput counts only the time inside training steps (forward, backward with its
-all-reduce, optimizer step), as medvol's run summary does, so process start-up, data
-generation and validation are left out on both sides. The hand-written loop also times the
-same steps under `no_sync()` (no gradient all-reduce): the difference is the time spent
-waiting for the all-reduce.
+Throughput is batch x processes / the median time of one training step on rank 0
+(forward, backward with its all-reduce, optimizer step; the first `--warmup` steps left
+out), timed the same way on both sides; the median keeps bursts of other load on a shared
+machine out of the figure. Process start-up and validation are not timed. The
+hand-written loop also times the same steps under `no_sync()` (no gradient all-reduce):
+the difference is the time spent waiting for the all-reduce.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -85,6 +87,36 @@ class ScalingNet(MedvolModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+class StepTimer(pl.Callback):
+    """Rank 0's training-step durations (batch start to batch end), written as JSON when training ends.
+
+    Args:
+        path: where the list of step durations in seconds goes.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.durations: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self.durations.append(time.perf_counter() - self._start)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero:
+            self.path.write_text(json.dumps(self.durations))
+
+
+def throughput(durations: list[float], batch: int, world: int, warmup: int) -> float:
+    """Samples/s over all ranks from the median step time after `warmup` steps (robust to load bursts)."""
+    return batch * world / statistics.median(durations[warmup:])
 
 
 class RandomVolumes(VolumeDataModule):
@@ -146,12 +178,14 @@ def medvol_run(processes: int, args: argparse.Namespace) -> dict[str, float]:
         "optimized_mode=min",
     ]
     with tempfile.TemporaryDirectory() as tmp:
+        timings = Path(tmp) / "steps.json"
         subprocess.run(
-            [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={tmp}/run"],
+            [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={tmp}/run",
+             f"+callbacks.step_timer={{_target_:benchmarks.scaling.StepTimer,path:{timings}}}"],
             cwd=tmp, env=_env(), check=True, capture_output=True, text=True,
         )
-        summary = json.loads((Path(tmp) / "run" / "summary.json").read_text())
-    return {"samples_per_second": float(summary["samples_per_second"])}
+        durations = json.loads(timings.read_text())
+    return {"samples_per_second": throughput(durations, args.batch, processes, args.warmup)}
 
 
 def plain_worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Path) -> None:
@@ -171,8 +205,8 @@ def plain_worker(rank: int, world: int, port: int, args: argparse.Namespace, out
     generator = torch.Generator().manual_seed(rank)
     batches = [torch.rand(args.batch, 1, args.size, args.size, args.size, generator=generator) * 2 - 1 for _ in range(8)]
 
-    def steps(count: int, synced: bool) -> float:
-        elapsed = 0.0
+    def steps(count: int, synced: bool) -> list[float]:
+        durations = []
         for step in range(count):
             image = batches[step % len(batches)].to(device)
             start = time.perf_counter()
@@ -187,16 +221,16 @@ def plain_worker(rank: int, world: int, port: int, args: argparse.Namespace, out
             optimizer.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            elapsed += time.perf_counter() - start
-        return elapsed
+            durations.append(time.perf_counter() - start)
+        return durations
 
     synced = steps(args.steps, synced=True)
     unsynced = steps(args.steps, synced=False) if world > 1 else synced
     if rank == 0:
         out.write_text(json.dumps({
-            "samples_per_second": args.steps * args.batch * world / synced,
-            "step_ms": 1000 * synced / args.steps,
-            "compute_ms": 1000 * unsynced / args.steps,
+            "samples_per_second": throughput(synced, args.batch, world, args.warmup),
+            "step_ms": 1000 * statistics.median(synced[args.warmup:]),
+            "compute_ms": 1000 * statistics.median(unsynced[args.warmup:]),
         }))
     if world > 1:
         dist.destroy_process_group()
@@ -209,7 +243,7 @@ def plain_run(processes: int, args: argparse.Namespace) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         common = ["--steps", str(args.steps), "--batch", str(args.batch), "--size", str(args.size),
-                  "--channels", str(args.channels), "--accelerator", args.accelerator]
+                  "--channels", str(args.channels), "--accelerator", args.accelerator, "--warmup", str(args.warmup)]
         workers = [
             subprocess.Popen(
                 [sys.executable, __file__, "--worker", f"{rank},{processes},{port},{out}", *common], env=_env()
@@ -229,6 +263,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="per-process batch")
     parser.add_argument("--size", type=int, default=32, help="volume edge in voxels")
     parser.add_argument("--channels", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
     parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
