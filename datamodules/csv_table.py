@@ -68,10 +68,6 @@ class CsvDataModule(NiftiDataModule):
         self.covariate_columns = list(covariate_columns)
         self.class_column = class_column
 
-    @property
-    def has_label(self) -> bool:
-        return self.label_column is not None
-
     def _columns(self) -> list[str]:
         optional = [self.label_column, self.subject_column, self.time_column, self.event_column, self.class_column]
         return [*self.channel_names(), *[c for c in optional if c], *self.covariate_columns]

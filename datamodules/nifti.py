@@ -117,9 +117,8 @@ class NiftiDataModule(VolumeDataModule):
 
     @property
     def has_label(self) -> bool:
-        return bool(self.label_file) or (self.list_file is not None and self._list_has_label)
-
-    _list_has_label = False
+        """Whether the subjects come with label maps (a label pattern, list entry or column)."""
+        return any(LABEL_KEY in record for record in self.subjects())
 
     def list_subjects(self) -> tuple[list[Record], list[Problem]]:
         """Records (with `files`: name -> path or None) and the problems found while listing."""
@@ -170,11 +169,11 @@ class NiftiDataModule(VolumeDataModule):
             raise MedvolError(
                 f"`dataset.list_file`: {path} has no column {missing[0]!r}; expected columns {needed} (+ optional label)"
             )
-        self._list_has_label = bool(rows) and LABEL_KEY in rows[0]
+        has_label = bool(rows) and LABEL_KEY in rows[0]
         records = []
         for row in rows:
             files = {name: self._resolve(path.parent, row.get(name)) for name in self.channel_names()}
-            if self._list_has_label:
+            if has_label:
                 files[LABEL_KEY] = self._resolve(path.parent, row.get(LABEL_KEY))
             records.append(self.make_record(str(row["subject"]), files))
         return records, duplicate_subjects(records, str(path))
