@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,8 @@ from datamodules.example_data import write_nifti_folder
 from datamodules.nifti import NiftiDataModule
 from medvol.errors import MedvolError
 from medvol.training import run
-from tests.test_data_layouts import data_cfg
+from tests.conftest import ROOT
+from tests.test_data_layouts import TINY_MODEL, data_cfg
 
 
 def _datamodule(root: Path, **kwargs) -> NiftiDataModule:
@@ -151,3 +154,16 @@ def test_smart_cache_lifecycle_runs_inside_training(volumes, tmp_path, monkeypat
         "trainer.limit_val_batches=1", "callbacks.model_checkpoint=null",
     ))
     assert calls == ["on_train_epoch_start", "on_train_epoch_end"] * 2 + ["teardown"]
+
+
+@pytest.mark.slow
+def test_train_py_with_two_ddp_ranks_and_a_partitioned_cache(volumes, tmp_path):
+    command = [
+        sys.executable, str(ROOT / "train.py"), *TINY_MODEL, "strategy=ddp", "trainer.devices=2", "dataset=nifti",
+        f"dataset.root={volumes}", "dataset.image_modalities=[ct]", "dataset.transforms.spatial_size=[16,16,16]",
+        "dataset.num_workers=1", "dataset.cache=smart", "dataset.cache_rate=0.5", "dataset.batch_size=1",
+        "dataset.val_fraction=0.2", "trainer.max_epochs=2", "logger=csv", f"paths.log_dir={tmp_path}",
+    ]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list(tmp_path.glob("train/runs/*/checkpoints/last.ckpt"))
