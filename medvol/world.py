@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import hydra
 import torch
 from omegaconf import DictConfig
 
+from medvol.build import build
 from medvol.errors import MedvolError
 
 # Lightning's DataParallel strategy is gone; these names get a pointer to DDP instead of a KeyError.
@@ -128,11 +128,6 @@ def check_strategy(cfg: DictConfig | None, world: World) -> None:
         )
 
 
-def is_distributed_strategy(cfg: DictConfig | None) -> bool:
-    """Whether the config names a multi-process strategy (anything but `auto`/single device)."""
-    return _strategy_name(cfg) not in ("auto", "single_device", "SingleDeviceStrategy")
-
-
 def starts_own_ranks(cfg: DictConfig | None, world: World) -> bool:
     """True when Lightning would re-run `sys.argv` for ranks 1..N-1, which medvol does itself instead.
 
@@ -160,9 +155,9 @@ def build_strategy(cfg: DictConfig | None, world: World, manual_optimization: bo
         if world.size < 2:
             return str(cfg.get("name", "auto")) if cfg is not None else "auto"
         return DDPStrategy(find_unused_parameters=manual_optimization)
-    strategy = hydra.utils.instantiate(cfg)
+    strategy = build(cfg)
     if isinstance(strategy, DDPStrategy) and manual_optimization and not cfg.get("find_unused_parameters", False):
-        strategy = hydra.utils.instantiate(cfg, find_unused_parameters=True)
+        strategy = build(cfg, find_unused_parameters=True)
     return strategy
 
 
