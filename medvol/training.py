@@ -19,6 +19,7 @@ from medvol.sync_batchnorm import layer_sync_plugins
 from medvol.world import (
     World,
     build_strategy,
+    check_launch,
     check_strategy,
     global_rank,
     plan_world,
@@ -66,6 +67,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     """
     world = plan_world(cfg.trainer)
     check_strategy(cfg.get("strategy"), world)
+    check_launch(world)
     if global_rank() != 0:
         # Rank 0 alone prints; the others still report warnings and errors.
         logging.getLogger().setLevel(logging.WARNING)
@@ -101,12 +103,6 @@ def _run(cfg: DictConfig, world: World) -> dict[str, float]:
     arithmetic = BatchArithmetic(
         int(cfg.dataset.batch_size), trainer.world_size, int(cfg.trainer.get("accumulate_grad_batches") or 1)
     )
-    if trainer.world_size != world.size:
-        raise MedvolError(
-            f"the launcher started {trainer.world_size} ranks but the config asks for {world.size} "
-            f"({world.devices} devices x {world.num_nodes} nodes); make `trainer.devices`/`trainer.num_nodes` "
-            "match torchrun's --nproc_per_node/--nnodes or srun's --ntasks-per-node/--nodes"
-        )
     if trainer.is_global_zero:
         log.info("%s", arithmetic.describe())
         for line in lr_lines:

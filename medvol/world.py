@@ -105,6 +105,28 @@ def global_rank() -> int:
     return 0
 
 
+def launched_world_size() -> int | None:
+    """How many ranks torchrun or srun started (None when this process was not started by one)."""
+    if not launched_externally():
+        return None
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if "SLURM_NTASKS" in os.environ:
+        return int(os.environ["SLURM_NTASKS"])
+    return None
+
+
+def check_launch(world: World) -> None:
+    """Ranks started by a launcher must be the ranks the config asks for; otherwise each would train alone."""
+    started = launched_world_size()
+    if started is not None and started != world.size:
+        raise MedvolError(
+            f"the launcher started {started} processes but the config asks for {world.size} "
+            f"(`trainer.devices={world.devices}` x `trainer.num_nodes={world.num_nodes}`); make them match "
+            "torchrun's --nproc_per_node x --nnodes or srun's --ntasks-per-node x --nodes"
+        )
+
+
 def _strategy_name(cfg: DictConfig | None) -> str:
     if cfg is None:
         return "auto"

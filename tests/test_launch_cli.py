@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from medvol.batch_arithmetic import scale_learning_rates
 from medvol.errors import MedvolError
+from medvol.launch import free_port
 from medvol.training import run
 from medvol.world import World, check_strategy, plan_world
 from tests.test_ddp_support import explain, train_cli
@@ -42,12 +43,18 @@ def test_multirun_sweep_runs_each_job_on_two_ranks_in_one_sweep_dir(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="no torchrun")
-def test_torchrun_ranks_share_one_run_dir(tmp_path):
-    torchrun = str(Path(sys.executable).parent / "torchrun")
+@pytest.mark.parametrize("flags", ["single-node", "multi-node"])
+def test_torchrun_ranks_share_one_run_dir(tmp_path, flags):
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node=2"]
+    if flags == "single-node":
+        torchrun.append("--standalone")
+    else:
+        # The flags of a multi-node launch, with this machine as the only node.
+        torchrun += ["--nnodes=1", "--node_rank=0", "--master_addr=127.0.0.1", f"--master_port={free_port()}"]
     result = train_cli(
         [*SMALL, "trainer.devices=2", "strategy=ddp", f"paths.log_dir={tmp_path / 'logs'}"],
         cwd=tmp_path,
-        launcher=[torchrun, "--standalone", "--nproc_per_node=2"],
+        launcher=torchrun,
     )
     assert result.returncode == 0, explain(result)
     runs = list((tmp_path / "logs" / "train" / "runs").iterdir())
@@ -104,3 +111,11 @@ def test_optuna_sweep_runs_each_trial_on_two_ranks(tmp_path):
     assert "model.optimizer.lr" in best.best_params and best.best_value > 0
     for job in ("0", "1"):
         assert json.loads((sweep / job / "summary.json").read_text())["world_size"] == 2
+
+
+def test_a_launcher_world_that_differs_from_the_config_is_refused(tiny_cfg, monkeypatch):
+    # torchrun --nproc_per_node=2 with trainer.devices=1 would otherwise train twice, alone, into one directory.
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(MedvolError, match="started 2 processes but the config asks for 1"):
+        run(tiny_cfg())
