@@ -43,7 +43,7 @@ from lightning_modules.base import MedvolModule  # noqa: E402
 
 
 def build_network(channels: int = 16) -> nn.Sequential:
-    """Strided 3D convolutions with batch norm, pooled to one regression output (~0.1 M parameters)."""
+    """Strided 3D convolutions with batch norm, pooled to one regression output (0.18 M parameters)."""
     return nn.Sequential(
         nn.Conv3d(1, channels, 3, padding=1),
         nn.BatchNorm3d(channels),

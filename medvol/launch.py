@@ -83,7 +83,8 @@ def _save_config(cfg: DictConfig) -> Path:
     """The fully resolved config in a private file, so ranks 1..N-1 need neither Hydra nor the sweep."""
     handle, name = tempfile.mkstemp(prefix="medvol-ranks-", suffix=".yaml")
     os.close(handle)
-    OmegaConf.save(OmegaConf.to_container(cfg, resolve=True), name)
+    job = {key: cfg[key] for key in cfg if key != "hydra"}
+    OmegaConf.save(OmegaConf.to_container(OmegaConf.create(job), resolve=True), name)
     return Path(name)
 
 

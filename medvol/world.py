@@ -143,6 +143,8 @@ def check_strategy(cfg: DictConfig | None, world: World) -> None:
             "`strategy=dp`: DataParallel is not offered; use `strategy=ddp trainer.devices=N` "
             "(one process per GPU, same config; see docs/multi_gpu.md)"
         )
+    if name == "fsdpstrategy" and world.accelerator != "gpu":
+        raise MedvolError("`strategy=fsdp` shards the model over GPUs and needs them; use `strategy=ddp` on the CPU")
     if world.num_nodes > 1 and not launched_externally():
         raise MedvolError(
             f"`trainer.num_nodes={world.num_nodes}` needs one launch per node: start the run with "

@@ -119,3 +119,9 @@ def test_a_launcher_world_that_differs_from_the_config_is_refused(tiny_cfg, monk
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(MedvolError, match="started 2 processes but the config asks for 1"):
         run(tiny_cfg())
+
+
+def test_fsdp_on_the_cpu_is_refused_with_a_pointer_to_ddp(tiny_cfg):
+    cfg = tiny_cfg("strategy=fsdp")
+    with pytest.raises(MedvolError, match="use `strategy=ddp` on the CPU"):
+        check_strategy(cfg.strategy, World("cpu", 2, 1))
