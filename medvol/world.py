@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import hydra
 import torch
 from omegaconf import DictConfig
 
@@ -179,10 +180,10 @@ def build_strategy(cfg: DictConfig | None, world: World, manual_optimization: bo
         if world.size < 2:
             return str(cfg.get("name", "auto")) if cfg is not None else "auto"
         return DDPStrategy(find_unused_parameters=manual_optimization)
-    strategy = build(cfg)
-    if isinstance(strategy, DDPStrategy) and manual_optimization and not cfg.get("find_unused_parameters", False):
-        strategy = build(cfg, find_unused_parameters=True)
-    return strategy
+    is_ddp = issubclass(hydra.utils.get_class(str(cfg._target_)), DDPStrategy)
+    if is_ddp and manual_optimization and not cfg.get("find_unused_parameters", False):
+        return build(cfg, find_unused_parameters=True)
+    return build(cfg)
 
 
 def agreed_stamp(local: str) -> str:
