@@ -62,6 +62,11 @@ def auto_precision() -> str:
     return "32-true"
 
 
+def working_dir() -> str:
+    """The command's working directory; resolvable before Hydra's runtime exists (a `-m` sweep's directory)."""
+    return os.getcwd()
+
+
 def gpu_available() -> bool:
     """Whether a CUDA GPU is visible (pinned host memory only helps copies to one)."""
     import torch
@@ -77,6 +82,7 @@ def register_resolvers() -> None:
         "output_subdir": resolve_output_subdir,
         "auto_precision": auto_precision,
         "gpu_available": gpu_available,
+        "cwd": working_dir,
         "len": len,
     }.items():
         if not OmegaConf.has_resolver(name):
