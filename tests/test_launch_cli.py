@@ -22,15 +22,15 @@ SMALL = ["dataset.batch_size=1", "dataset.val_fraction=0.25", "callbacks.volume_
 
 
 def test_multirun_sweep_runs_each_job_on_two_ranks_in_one_sweep_dir(tmp_path):
-    sweep = tmp_path / "multirun"
     result = train_cli(
-        ["-m", *SMALL, "strategy=ddp", "trainer.devices=2", "trainer.accelerator=cpu",
-         "model.optimizer.lr=1e-3,3e-4", f"hydra.sweep.dir={sweep}"],
+        ["-m", *SMALL, "strategy=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "model.optimizer.lr=1e-3,3e-4"],
         cwd=tmp_path,
     )
     assert result.returncode == 0, explain(result)
-    # Nothing else in the working directory: no per-rank `outputs/` or second sweep.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["multirun"]
+    # Exactly one sweep and nothing else: no per-rank run dirs, no second sweep.
+    assert [p.name for p in tmp_path.iterdir()] == ["outputs"]
+    assert [p.name for p in (tmp_path / "outputs" / "train").iterdir()] == ["multiruns"]
+    (sweep,) = (tmp_path / "outputs" / "train" / "multiruns").iterdir()
     assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "multirun.yaml"]
     for job, lr in (("0", 1e-3), ("1", 3e-4)):
         summary = json.loads((sweep / job / "summary.json").read_text())
