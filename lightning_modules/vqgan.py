@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from monai.losses import PatchAdversarialLoss
 from monai.networks.nets import PatchDiscriminator
+from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 
 from lightning_modules.base import MedvolModule
@@ -115,10 +116,17 @@ class VQGAN(MedvolModule):
         self.scheduler_factory = scheduler
         self.image_key = image_key
         self.feature_weight = 4.0 / (disc_layers + 1)
-        self.val_psnr = PeakSignalNoiseRatio(data_range=2.0, reduction="elementwise_mean", dim=(1, 2, 3, 4))
-        self.val_ssim = StructuralSimilarityIndexMeasure(data_range=2.0, kernel_size=ssim_kernel_size)
-        self.test_psnr = self.val_psnr.clone()
-        self.test_ssim = self.val_ssim.clone()
+        # Metric objects sync sums and counts across ranks, so ranks with unequal shares weigh correctly.
+        evaluation = MetricCollection(
+            {
+                "psnr": PeakSignalNoiseRatio(data_range=2.0, reduction="elementwise_mean", dim=(1, 2, 3, 4)),
+                "ssim": StructuralSimilarityIndexMeasure(data_range=2.0, kernel_size=ssim_kernel_size),
+                "recon_loss": MeanMetric(),
+                "perplexity": MeanMetric(),
+            }
+        )
+        self.val_metrics = evaluation.clone(prefix="val/")
+        self.test_metrics = evaluation.clone(prefix="test/")
 
     def configure_optimizers(self) -> Any:
         autoencoder = [*self.encoder.parameters(), *self.decoder.parameters()]
@@ -238,21 +246,22 @@ class VQGAN(MedvolModule):
         for scheduler in schedulers if isinstance(schedulers, list) else [schedulers]:
             scheduler.step()
 
-    def _evaluate(self, batch: dict[str, Any], stage: str, psnr: PeakSignalNoiseRatio, ssim: Any) -> dict[str, Any]:
+    def _evaluate(self, batch: dict[str, Any], metrics: MetricCollection) -> dict[str, Any]:
         x = batch[self.image_key]
         x_rec, quantized = self(x)
         x_rec = x_rec.clamp(-1.0, 1.0)
-        psnr.update(x_rec, x)
-        ssim.update(x_rec, x)
         batch_size = x.shape[0]
-        self.log(f"{stage}/recon_loss", F.l1_loss(x_rec, x), sync_dist=True, batch_size=batch_size)
-        self.log(f"{stage}/perplexity", quantized.perplexity, sync_dist=True, batch_size=batch_size)
-        self.log(f"{stage}/psnr", psnr, prog_bar=True)
-        self.log(f"{stage}/ssim", ssim, prog_bar=stage == "val")
+        prefix = metrics.prefix
+        metrics[f"{prefix}psnr"].update(x_rec, x)
+        metrics[f"{prefix}ssim"].update(x_rec, x)
+        metrics[f"{prefix}recon_loss"].update(F.l1_loss(x_rec, x), weight=batch_size)
+        metrics[f"{prefix}perplexity"].update(quantized.perplexity, weight=batch_size)
+        for name, metric in metrics.items():
+            self.log(name, metric, prog_bar=name in ("val/psnr", "val/ssim"), batch_size=batch_size)
         return {"volumes": {"input": x.detach(), "reconstruction": x_rec.detach()}}
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
-        return self._evaluate(batch, "val", self.val_psnr, self.val_ssim)
+        return self._evaluate(batch, self.val_metrics)
 
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
-        return self._evaluate(batch, "test", self.test_psnr, self.test_ssim)
+        return self._evaluate(batch, self.test_metrics)
