@@ -121,13 +121,13 @@ def _run(cfg: DictConfig, world: World) -> dict[str, float]:
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
 
     if cfg.get("test", False):
-        best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+        # After training: the best checkpoint; test-only runs (train=false): the given checkpoint.
         if cfg.get("train", True):
-            test_ckpt = best or None
+            test_ckpt = getattr(trainer.checkpoint_callback, "best_model_path", "") or None
+            if test_ckpt is None:
+                log.warning("No best checkpoint found; testing the weights at the end of training")
         else:
             test_ckpt = cfg.get("ckpt_path")
-        if test_ckpt is None and cfg.get("train", True):
-            log.warning("No best checkpoint found; testing the weights at the end of training")
         trainer.test(module, datamodule=datamodule, ckpt_path=test_ckpt, weights_only=False)
         metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
     return metrics

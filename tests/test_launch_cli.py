@@ -98,7 +98,6 @@ def test_lr_scaling_rejects_unknown_rules(tiny_cfg):
         scale_learning_rates(tiny_cfg().model, "cubic", world_size=2)
 
 
-@pytest.mark.slow
 def test_optuna_sweep_runs_each_trial_on_two_ranks(tmp_path):
     sweep = tmp_path / "optuna"
     result = train_cli(

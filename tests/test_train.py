@@ -69,6 +69,14 @@ def test_split_is_by_subject_recorded_and_reused(tiny_cfg, tmp_path):
     assert (tmp_path / "split.json").read_text() == written
 
 
+def test_test_split_is_evaluated_with_the_best_checkpoint_and_alone(tiny_cfg, tmp_path):
+    metrics = run(tiny_cfg("test=true", "trainer.max_epochs=2"))
+    assert {"test/psnr", "test/ssim", "test/recon_loss"} <= set(metrics)
+    best = tmp_path / "checkpoints" / "last.ckpt"
+    again = run(tiny_cfg("train=false", "test=true", f"ckpt_path={best}"))
+    assert "test/psnr" in again and "val/psnr" not in again
+
+
 def _last_checkpoint(tiny_cfg, tmp_path: Path) -> Path:
     run(tiny_cfg("trainer.max_epochs=1"))
     return tmp_path / "checkpoints" / "last.ckpt"
