@@ -40,7 +40,7 @@ MODES = ("none", "memory", "smart", "disk")
 
 
 def make_dataset(root: Path, subjects: int, size: int, distinct: int) -> Path:
-    """`subjects` CT volumes of `size`^3 under root/sub-XXX/ct.nii.gz; only `distinct` are generated."""
+    """`subjects` CT volumes of `size`^3 under root/sub-NNN/ct.nii.gz; only `distinct` are generated."""
     if (root / f"sub-{subjects - 1:03d}" / "ct.nii.gz").is_file():
         return root
     write_nifti_folder(root, min(distinct, subjects), size, modalities=("ct",), label=False)

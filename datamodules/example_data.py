@@ -14,7 +14,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
-from datamodules.phantom import make_phantom
+from datamodules.phantom import make_phantom, phantom_affine
 
 BRATS_SUFFIXES = {
     2021: {"t1": "_t1", "t1ce": "_t1ce", "t2": "_t2", "flair": "_flair", "seg": "_seg"},
@@ -28,13 +28,6 @@ def _shape(size: int | Sequence[int]) -> tuple[int, int, int]:
     return (int(size),) * 3 if isinstance(size, int) else tuple(int(s) for s in size)  # type: ignore[return-value]
 
 
-def phantom_affine(shape: Sequence[int], spacing: float) -> np.ndarray:
-    """RAS affine with `spacing` mm voxels, centred on the origin."""
-    affine = np.diag([spacing, spacing, spacing, 1.0])
-    affine[:3, 3] = -spacing * (np.asarray(shape) - 1) / 2
-    return affine
-
-
 def write_volume(path: Path, volume: np.ndarray, affine: np.ndarray) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     nib.save(nib.Nifti1Image(volume, affine), str(path))
@@ -45,7 +38,7 @@ def write_nifti_folder(
     root: Path, subjects: int, size: int | Sequence[int] = 32, modalities: Sequence[str] = ("ct",),
     label: bool = True, spacing: float = 2.0, seed: int = 0,
 ) -> Path:
-    """`root/sub-XXX/<modality>.nii.gz` (+ `label.nii.gz`)."""
+    """`root/sub-NNN/<modality>.nii.gz` (+ `label.nii.gz`)."""
     shape = _shape(size)
     affine = phantom_affine(shape, spacing)
     for i in range(subjects):
@@ -78,7 +71,7 @@ def write_brats(root: Path, subjects: int, year: int = 2023, size: int | Sequenc
 
 
 def write_mace_csv(root: Path, subjects: int, size: int | Sequence[int] = 32, seed: int = 0) -> Path:
-    """`root/images/ct_XXX.nii.gz` and `root/mace.csv` (subject, image, time, event, age, sex, label)."""
+    """`root/images/ct_NNN.nii.gz` and `root/mace.csv` (subject, image, time, event, age, sex, label)."""
     shape = _shape(size)
     affine = phantom_affine(shape, 2.0)
     rng = np.random.default_rng(seed)

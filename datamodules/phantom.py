@@ -10,6 +10,7 @@ event follow an exponential hazard that grows with lesion burden, with uniform c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,13 @@ class Phantom:
     lesion_fraction: float  # lesion voxels / brain voxels
     time: float  # months to event or censoring
     event: int  # 1 if the event was observed
+
+
+def phantom_affine(shape: Sequence[int], spacing: float) -> np.ndarray:
+    """RAS affine with `spacing` mm voxels, centred on the origin."""
+    affine = np.diag([spacing, spacing, spacing, 1.0])
+    affine[:3, 3] = -spacing * (np.asarray(shape) - 1) / 2
+    return affine
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from datamodules.phantom import MODALITIES, make_phantom
+from datamodules.phantom import MODALITIES, make_phantom, phantom_affine
 from datamodules.volume_datamodule import Record, VolumeDataModule
 from medvol.errors import MedvolError
 
@@ -50,8 +50,7 @@ class SyntheticPhantomDataset(Dataset):
         self.cond_modalities = list(cond_modalities)
         self.seed = seed
         self.ct_window = ct_window
-        self.affine = np.diag([spacing, spacing, spacing, 1.0])
-        self.affine[:3, 3] = -spacing * (np.array(self.size) - 1) / 2
+        self.affine = phantom_affine(self.size, spacing)
 
     def __len__(self) -> int:
         return len(self.records)

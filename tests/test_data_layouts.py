@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from datamodules.brats import BratsDataModule
@@ -80,6 +81,16 @@ def test_brats_labels_are_unified_across_years_and_regions(tmp_path):
     assert torch.equal(regions[0], (classes[0] > 0).long()) and torch.equal(regions[2], (classes[0] == 3).long())
 
 
+def setup_datamodule(cfg):
+    datamodule = instantiate(cfg.dataset)
+    datamodule.setup()
+    return datamodule
+
+
+def first_train_batch(cfg):
+    return next(iter(setup_datamodule(cfg).train_dataloader()))
+
+
 def test_mace_csv_trains_with_outcomes(tmp_path):
     table = write_mace_csv(tmp_path / "mace", 6, 18)
     cfg = data_cfg(
@@ -87,11 +98,7 @@ def test_mace_csv_trains_with_outcomes(tmp_path):
         "dataset.class_column=label",
     )
     trains(cfg)
-    from hydra.utils import instantiate
-
-    datamodule = instantiate(cfg.dataset)
-    datamodule.setup()
-    batch = next(iter(datamodule.train_dataloader()))
+    batch = first_train_batch(cfg)
     assert batch["time"].dtype == torch.float32 and batch["event"].dtype == torch.float32
     assert batch["covariates"].shape == (2, 2) and batch["class_label"].dtype == torch.int64
     assert batch["image"].shape == (2, 1, 16, 16, 16) and batch["affine"].shape == (2, 4, 4)
@@ -107,11 +114,7 @@ def test_large_volumes_train_as_patches(tmp_path, sampling):
         "dataset.cache=memory",
     )
     trains(cfg)
-    from hydra.utils import instantiate
-
-    datamodule = instantiate(cfg.dataset)
-    datamodule.setup()
-    batch = next(iter(datamodule.train_dataloader()))
+    batch = first_train_batch(cfg)
     assert batch["image"].shape == (3, 1, 16, 16, 16)
     origins = batch["patch_origin"]
     # Each patch's affine is the volume's, moved to the patch corner (2 mm voxels).
@@ -125,11 +128,7 @@ def test_xray_ct_gives_drr_views(tmp_path):
         "dataset.batch_size=1",
     )
     trains(cfg)
-    from hydra.utils import instantiate
-
-    datamodule = instantiate(cfg.dataset)
-    datamodule.setup()
-    item = datamodule.datasets["train"][0]
+    item = setup_datamodule(cfg).datasets["train"][0]
     xray = item["xray"]
     assert xray.shape == (2, 16, 16) and xray.min() >= -1 and xray.max() <= 1
     # The head attenuates more than the air around it.

@@ -5,8 +5,7 @@ from __future__ import annotations
 import nibabel as nib
 import pytest
 
-from datamodules.example_data import phantom_affine
-from datamodules.phantom import make_phantom
+from datamodules.phantom import make_phantom, phantom_affine
 from medvol.training import run
 from tests.conftest import CONF_DIR, compose_cfg
 
