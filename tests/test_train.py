@@ -9,10 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nibabel as nib
+import numpy as np
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
+from datamodules.phantom import phantom_affine
 from medvol.errors import MedvolError
 from medvol.training import run
 from tests.conftest import CONF_DIR, ROOT, TINY, compose_cfg
@@ -72,6 +75,12 @@ def test_split_is_by_subject_recorded_and_reused(tiny_cfg, tmp_path):
 def test_test_split_is_evaluated_with_the_best_checkpoint_and_alone(tiny_cfg, tmp_path):
     metrics = run(tiny_cfg("test=true", "trainer.max_epochs=2"))
     assert {"test/psnr", "test/ssim", "test/recon_loss"} <= set(metrics)
+    # Reconstructions of the test subjects are NIfTI files on the source grid.
+    (subject,) = json.loads((tmp_path / "split.json").read_text())["test"]
+    written = nib.load(tmp_path / "predictions" / f"{subject}_reconstruction.nii.gz")
+    assert written.shape == (16, 16, 16)
+    assert np.allclose(written.affine, phantom_affine((16, 16, 16), 6.0))
+    assert not list((tmp_path / "predictions").glob("*_input.nii.gz"))
     best = tmp_path / "checkpoints" / "last.ckpt"
     again = run(tiny_cfg("train=false", "test=true", f"ckpt_path={best}"))
     assert "test/psnr" in again and "val/psnr" not in again
