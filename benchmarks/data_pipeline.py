@@ -32,9 +32,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from datamodules.cache import SmartCacheLifecycle, compact_cache_fill, find_smart_cache  # noqa: E402
-from datamodules.example_data import write_nifti_folder  # noqa: E402
-from datamodules.nifti import NiftiDataModule  # noqa: E402
+from datamodules.pipeline.cache import SmartCacheLifecycle, compact_cache_fill, find_smart_cache  # noqa: E402
+from datamodules.sources.example_data import write_nifti_folder  # noqa: E402
+from datamodules.sources.nifti import NiftiDataModule  # noqa: E402
 
 MODES = ("none", "memory", "smart", "disk")
 

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from datamodules.volume_datamodule import VolumeDataModule  # noqa: E402 - after the path set-up for direct runs
+from datamodules.pipeline.volume_datamodule import VolumeDataModule  # noqa: E402 - after the path set-up for direct runs
 from lightning_modules.base import MedvolModule  # noqa: E402
 
 

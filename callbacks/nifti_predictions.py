@@ -7,7 +7,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-from datamodules.nifti_writer import save_volume
+from medvol.nifti_io import save_volume
 
 
 class NiftiPredictionWriter(pl.Callback):

@@ -17,24 +17,42 @@ import medvol.resolvers  # noqa: F401 - registers resolvers used by the configs
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
 
-# Small, fast settings shared by tests: a 16^3 volume, a narrow VQ-GAN, no rich widgets.
-TINY = [
+# Small, fast settings shared by tests: a 16^3 volume, no rich widgets, one epoch.
+TINY_COMMON = [
     "hardware=cpu",
     "callbacks.progress_bar=null",
     "callbacks.model_summary=null",
     "dataset.num_subjects=8",
     "dataset.size=16",
     "dataset.batch_size=2",
-    "model.n_hiddens=8",
-    "model.n_codes=32",
-    "model.disc_channels=8",
-    "model.disc_layers=2",
-    "model.ssim_kernel_size=5",
-    "model.discriminator_iter_start=2",
     "trainer.max_epochs=1",
     "trainer.log_every_n_steps=1",
     "trainer.num_sanity_val_steps=0",
 ]
+# Per model family: the overrides that make its network tiny (keys of that family's model config).
+TINY_MODEL: dict[str, list[str]] = {
+    "vqgan": [
+        "model.n_hiddens=8",
+        "model.n_codes=32",
+        "model.disc_channels=8",
+        "model.disc_layers=2",
+        "model.ssim_kernel_size=5",
+        "model.discriminator_iter_start=2",
+    ],
+}
+TINY = [*TINY_COMMON, *TINY_MODEL["vqgan"]]
+
+
+def chosen_model(overrides: Sequence[str], default: str = "vqgan") -> str:
+    """The model family an override list selects (`model=NAME`; the last one wins)."""
+    names = [o.split("=", 1)[1] for o in overrides if o.startswith("model=")]
+    return names[-1] if names else default
+
+
+def tiny_overrides(overrides: Sequence[str]) -> list[str]:
+    """TINY settings for the model family that `overrides` selects, followed by the overrides."""
+    return [*TINY_COMMON, *TINY_MODEL.get(chosen_model(overrides), []), *overrides]
+
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -44,7 +62,7 @@ def compose_cfg(tmp_path: Path, overrides: Sequence[str] = (), tiny: bool = True
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR), job_name="train"):
         cfg = compose(
-            config_name="train", overrides=[*(TINY if tiny else []), *overrides], return_hydra_config=True
+            config_name="train", overrides=tiny_overrides(overrides) if tiny else list(overrides), return_hydra_config=True
         )
     HydraConfig().set_config(cfg)
     with open_dict(cfg):

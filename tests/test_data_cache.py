@@ -13,9 +13,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from monai.data import ThreadDataLoader
 
-from datamodules.cache import PartitionSampler, SmartCacheLifecycle, find_smart_cache, partition, steps_share
-from datamodules.example_data import write_nifti_folder
-from datamodules.nifti import NiftiDataModule
+from datamodules.pipeline.cache import (
+    PartitionSampler,
+    SmartCacheLifecycle,
+    find_smart_cache,
+    partition,
+    steps_share,
+)
+from datamodules.sources.example_data import write_nifti_folder
+from datamodules.sources.nifti import NiftiDataModule
 from medvol.errors import MedvolError
 from medvol.training import run
 from tests.conftest import ROOT

@@ -10,9 +10,9 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from datamodules.brats import BratsDataModule
-from datamodules.example_data import write_brats, write_mace_csv, write_nifti_folder
-from datamodules.split import STAGES
+from datamodules.pipeline.split import STAGES
+from datamodules.sources.brats import BratsDataModule
+from datamodules.sources.example_data import write_brats, write_mace_csv, write_nifti_folder
 from medvol.training import run
 from tests.conftest import TINY, compose_cfg
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from datamodules.nifti_writer import save_volume
-from datamodules.transforms import SafeScaleIntensityd, TransformSettings, scale_to_range
+from datamodules.pipeline.transforms import SafeScaleIntensityd, TransformSettings, scale_to_range
 from medvol.errors import MedvolError
+from medvol.nifti_io import save_volume
 
 
 def test_constant_volume_becomes_zeros_not_nan():

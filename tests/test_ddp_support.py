@@ -21,7 +21,7 @@ from pytorch_lightning.plugins.io import TorchCheckpointIO
 from torch import nn
 
 from lightning_modules.base import MedvolModule
-from lightning_modules.vqgan import VQGAN
+from lightning_modules.vqgan.vqgan import VQGAN
 from tests.conftest import ROOT, TINY
 
 # A subprocess that outlives this is a hang, and fails the test instead of hanging CI.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import nibabel as nib
 import pytest
 
-from datamodules.phantom import make_phantom, phantom_affine
+from datamodules.sources.phantom import make_phantom, phantom_affine
 from medvol.training import run
 from tests.conftest import CONF_DIR, compose_cfg
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
-from datamodules.phantom import phantom_affine
+from datamodules.sources.phantom import phantom_affine
 from medvol.errors import MedvolError
 from medvol.training import run
 from tests.conftest import CONF_DIR, ROOT, TINY, compose_cfg

@@ -10,8 +10,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from lightning_modules.codebook import EMACodebook
-from lightning_modules.vqgan import VQGAN, random_slices
+from lightning_modules.vqgan.codebook import EMACodebook
+from lightning_modules.vqgan.vqgan import VQGAN, random_slices
 from medvol.errors import MedvolError
 from medvol.training import run
 

@@ -15,8 +15,8 @@ import torch
 from monai.transforms import MapTransform
 from monai.utils import convert_to_dst_type, convert_to_tensor
 
-from datamodules.check import LABEL_KEY
-from datamodules.nifti import NiftiDataModule
+from datamodules.pipeline.check import LABEL_KEY
+from datamodules.sources.nifti import NiftiDataModule
 from medvol.errors import MedvolError
 
 MODALITIES = ("t1", "t1ce", "t2", "flair")

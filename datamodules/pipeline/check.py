@@ -1,6 +1,6 @@
 """The data doctor: find unreadable, truncated, mismatched or degenerate data before a run spends hours on it.
 
-    python -m datamodules.check dataset=brats dataset.root=/data/BraTS2023
+    python -m datamodules.pipeline.check dataset=brats dataset.root=/data/BraTS2023
 
 reads every file of the configured dataset and prints one table of problems (exit status 1
 if there are any). Training runs the cheap mode of the same check (headers and existence,
@@ -194,7 +194,7 @@ def format_table(problems: Sequence[Problem]) -> str:
 def preflight_error(problems: Sequence[Problem], overrides: Sequence[str]) -> MedvolError:
     """The one-line refusal training gives when the cheap check finds problems."""
     first = "; ".join(f"{p.file}: {p.problem}" for p in problems[:3])
-    command = " ".join(["python -m datamodules.check", *overrides]).strip()
+    command = " ".join(["python -m datamodules.pipeline.check", *overrides]).strip()
     return MedvolError(
         f"the data check found {len(problems)} problem(s), training not started (first: {first}); "
         f"run the full check for the whole table: {command}"
@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in overrides):
         print(__doc__)
         return 0
-    conf_dir = Path(__file__).resolve().parents[1] / "conf"
+    conf_dir = Path(__file__).resolve().parents[2] / "conf"
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir), job_name="check"):

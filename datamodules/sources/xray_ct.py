@@ -1,8 +1,6 @@
 """CT volumes with orthogonal X-ray views computed from them as digitally reconstructed radiographs (DRRs).
 
-A DRR here is a parallel-beam line integral of the linear attenuation coefficient, which is
-derived from Hounsfield units as mu = mu_water * (1 + HU / 1000), clipped at 0 (air). The
-radiograph value is 1 - exp(-integral) (bright bone, dark air), scaled to the output range.
+The projector is `medvol.projection.drr`; the radiograph is scaled to the output range.
 Views go into the batch key `xray` (V, H, W): `ap` (front to back, along the RAS y axis)
 and `lateral` (side to side, along x); rows run from head to feet.
 """
@@ -17,20 +15,9 @@ import torch
 import torch.nn.functional as F
 from monai.transforms import MapTransform, ResizeWithPadOrCropd
 
-from datamodules.nifti import BATCH_KEYS, NiftiDataModule
+from datamodules.sources.nifti import BATCH_KEYS, NiftiDataModule
 from medvol.errors import MedvolError
-
-# Axis of the (C, x, y, z) RAS volume that each view integrates along.
-VIEW_AXES = {"ap": 2, "lateral": 1}
-AIR_HU = -1000.0
-
-
-def drr(hounsfield: torch.Tensor, spacing: float, axis: int, mu_water: float) -> torch.Tensor:
-    """One radiograph of a (x, y, z) HU volume: line integrals of attenuation along `axis` (0..2), in [0, 1)."""
-    mu = mu_water * (1.0 + hounsfield.float() / 1000.0).clamp(min=0.0)
-    path_integral = mu.sum(dim=axis) * spacing
-    radiograph = 1.0 - torch.exp(-path_integral)
-    return radiograph.flip(-1).T  # rows: z from head (top) to feet
+from medvol.projection import AIR_HU, VIEW_AXES, drr
 
 
 class DRRd(MapTransform):

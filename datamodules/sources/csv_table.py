@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from monai.transforms import EnsureTyped
 
-from datamodules.check import LABEL_KEY, Problem
-from datamodules.nifti import NiftiDataModule
-from datamodules.volume_datamodule import Record
+from datamodules.pipeline.check import LABEL_KEY, Problem
+from datamodules.pipeline.volume_datamodule import Record
+from datamodules.sources.nifti import NiftiDataModule
 from medvol.errors import MedvolError
 
 

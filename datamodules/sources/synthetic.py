@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from datamodules.phantom import MODALITIES, make_phantom, phantom_affine
-from datamodules.volume_datamodule import Record, VolumeDataModule
+from datamodules.pipeline.volume_datamodule import Record, VolumeDataModule
+from datamodules.sources.phantom import MODALITIES, make_phantom, phantom_affine
 from medvol.errors import MedvolError
 
 

@@ -1,7 +1,7 @@
 """Write the synthetic phantoms as real on-disk layouts (NIfTI folder, BraTS 2021/2023, MACE CSV).
 
 Lets anyone try the file-based datasets, the data doctor and the pipeline benchmark without
-downloading data: `python -m datamodules.example_data brats2023 /tmp/brats --subjects 8 --size 32`.
+downloading data: `python -m datamodules.sources.example_data brats2023 /tmp/brats --subjects 8 --size 32`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
-from datamodules.phantom import make_phantom, phantom_affine
+from datamodules.sources.phantom import make_phantom, phantom_affine
 
 BRATS_SUFFIXES = {
     2021: {"t1": "_t1", "t1ce": "_t1ce", "t2": "_t2", "flair": "_flair", "seg": "_seg"},

@@ -20,9 +20,9 @@ from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 
 from lightning_modules.base import MedvolModule
-from lightning_modules.codebook import EMACodebook, Quantized
 from lightning_modules.perceptual import SlicePerceptualLoss
-from lightning_modules.vq_autoencoder import Decoder3d, Encoder3d
+from lightning_modules.vqgan.codebook import EMACodebook, Quantized
+from lightning_modules.vqgan.vq_autoencoder import Decoder3d, Encoder3d
 from medvol.errors import MedvolError
 
 _LOSS_TYPES = {"hinge": "hinge", "least_squares": "least_squares", "lsgan": "least_squares", "vanilla": "bce"}

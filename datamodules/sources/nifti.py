@@ -18,8 +18,8 @@ from typing import Any
 from monai.data.utils import worker_init_fn
 from torch.utils.data import Dataset
 
-from datamodules.cache import fingerprint
-from datamodules.check import (
+from datamodules.pipeline.cache import fingerprint
+from datamodules.pipeline.check import (
     LABEL_KEY,
     Problem,
     check_record,
@@ -27,13 +27,13 @@ from datamodules.check import (
     duplicate_subjects,
     preflight_error,
 )
-from datamodules.transforms import (
+from datamodules.pipeline.transforms import (
     TransformSettings,
     deterministic_transforms,
     random_transforms,
     select_batch_keys,
 )
-from datamodules.volume_datamodule import Record, VolumeDataModule
+from datamodules.pipeline.volume_datamodule import Record, VolumeDataModule
 from medvol.errors import MedvolError
 
 # The keys a file-based dataset puts in its batch dicts (others in a record are bookkeeping).

@@ -14,7 +14,7 @@ from monai.data import ThreadDataLoader
 from monai.transforms import ToDeviced
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from datamodules.cache import (
+from datamodules.pipeline.cache import (
     PARTITIONED_MODES,
     PartitionSampler,
     SmartCacheLifecycle,
@@ -25,7 +25,7 @@ from datamodules.cache import (
     steps_share,
     validate_cache,
 )
-from datamodules.split import load_split, make_split, save_split
+from datamodules.pipeline.split import load_split, make_split, save_split
 from medvol.errors import MedvolError
 
 Record = dict[str, Any]
@@ -46,7 +46,7 @@ class VolumeDataModule(pl.LightningDataModule):
     partition the subjects without padding, so no subject is counted twice in a metric.
 
     With `cache` memory or smart, each rank builds its datasets over its own share of the
-    subjects only (see `datamodules/cache.py`), so the cache is not copied per rank; a
+    subjects only (see `datamodules/pipeline/cache.py`), so the cache is not copied per rank; a
     `PartitionSampler` then gives every rank the same number of samples per epoch.
 
     Args:

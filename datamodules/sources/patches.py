@@ -18,7 +18,7 @@ from monai.data import list_data_collate
 from monai.transforms import MapTransform, Randomizable, SpatialPadd
 from monai.transforms.utils import generate_pos_neg_label_crop_centers, map_binary_to_indices
 
-from datamodules.nifti import BATCH_KEYS, NiftiDataModule
+from datamodules.sources.nifti import BATCH_KEYS, NiftiDataModule
 from medvol.errors import MedvolError
 
 SAMPLING = ("grid", "random", "label_balanced")

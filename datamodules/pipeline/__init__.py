@@ -1,0 +1,1 @@
+"""What happens to every source: transforms, caching, splitting, rank partitions, data checks."""

@@ -1,0 +1,1 @@
+"""3D VQ-GAN: EMA codebook, encoder/decoder, adversarial training."""
