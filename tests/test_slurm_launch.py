@@ -42,6 +42,7 @@ def test_srun_tasks_become_ddp_ranks_with_one_run_dir(tmp_path):
     assert result.stdout.count("medvol run summary (fit)") == 1
 
 
+@pytest.mark.slow
 def test_submitit_launcher_runs_a_ddp_sweep_as_slurm_jobs(tmp_path):
     sweep = tmp_path / "multirun"
     result = train_cli(
@@ -57,6 +58,7 @@ def test_submitit_launcher_runs_a_ddp_sweep_as_slurm_jobs(tmp_path):
         assert (sweep / job / "checkpoints" / "last.ckpt").is_file()
 
 
+@pytest.mark.slow
 def test_sigusr1_saves_requeues_and_the_job_resumes_in_its_run_dir(tmp_path):
     from tests.conftest import TINY
 
