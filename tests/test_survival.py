@@ -180,3 +180,43 @@ def test_bad_outcome_tables_stop_with_one_clear_line(tmp_path, edit, extra, mess
     with pytest.raises(MedvolError) as error:
         run(compose_cfg(tmp_path / "run", [*_csv_overrides(table), *extra], tiny=False))
     assert message in str(error.value)
+
+
+@pytest.mark.slow
+def test_metrics_and_risks_from_two_gloo_ranks_equal_one_process(tmp_path):
+    from tests.conftest import TINY_COMMON, TINY_MODEL
+    from tests.test_ddp_correctness import recorder
+    from tests.test_ddp_support import explain, train_cli
+
+    # 15 subjects: 5 validation and 5 test subjects split 3 + 2 over the ranks, so a padding duplicate would show.
+    common = [
+        *TINY_COMMON, "model=survival", *TINY_MODEL["survival"], "dataset.num_subjects=15", "dataset.val_fraction=0.34",
+        "dataset.test_fraction=0.34", "trainer.limit_train_batches=2", "test=true", "callbacks.volume_slices=null",
+        "model.optimizer._target_=torch.optim.SGD", "~model.optimizer.weight_decay", "model.optimizer.lr=0.0",
+        "model.horizons=[20]",
+    ]
+    ddp = train_cli(
+        [*common, "strategy=ddp", "trainer.devices=2", "trainer.sync_batchnorm=true", "dataset.batch_size=1",
+         *recorder(tmp_path / "ranks"), f"hydra.run.dir={tmp_path / 'ddp'}"],
+        cwd=tmp_path, tiny=False,
+    )
+    assert ddp.returncode == 0, explain(ddp)
+    single_dir = tmp_path / "single"
+    single_dir.mkdir()
+    run(compose_cfg(single_dir, [*common, "dataset.batch_size=2", *recorder(single_dir / "ranks")], tiny=False))
+
+    ranks = [json.loads((tmp_path / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    single = json.loads((single_dir / "ranks" / "rank0.json").read_text())
+    for stage in ("val", "test"):
+        assert f"{stage}/cindex" in single[stage]
+        for name, value in single[stage].items():
+            assert ranks[0][stage][name] == ranks[1][stage][name], f"{name} differs between ranks"
+            assert ranks[0][stage][name] == pytest.approx(value, abs=1e-6), name
+
+    ddp_risks, single_risks = _rows(tmp_path / "ddp" / "predictions" / "risks.csv"), _rows(single_dir / "predictions" / "risks.csv")
+    split = json.loads((single_dir / "split.json").read_text())
+    assert [r["subject"] for r in ddp_risks] == sorted(split["test"]) == [r["subject"] for r in single_risks]
+    for a, b in zip(ddp_risks, single_risks, strict=True):
+        assert float(a["risk"]) == pytest.approx(float(b["risk"]), rel=1e-4, abs=1e-5)
+    risk, time, event = (np.array([float(r[k]) for r in ddp_risks]) for k in ("risk", "time", "event"))
+    assert ranks[0]["test"]["test/cindex"] == pytest.approx(concordance_index(time, -risk, event), abs=1e-6)
