@@ -39,6 +39,8 @@ TINY_MODEL: dict[str, list[str]] = {
         "model.ssim_kernel_size=5",
         "model.discriminator_iter_start=2",
     ],
+    "survival": ["model.backbone=resnet10", "model.widen_factor=0.125"],
+    "classifier": ["model.backbone=resnet10", "model.widen_factor=0.125"],
 }
 TINY = [*TINY_COMMON, *TINY_MODEL["vqgan"]]
 
