@@ -39,6 +39,7 @@ TINY_MODEL: dict[str, list[str]] = {
         "model.ssim_kernel_size=5",
         "model.discriminator_iter_start=2",
     ],
+    "segmentation": ["model.features=[4,8]", "model.patch_size=[8,8,8]", "model.sw_batch_size=8"],
 }
 TINY = [*TINY_COMMON, *TINY_MODEL["vqgan"]]
 
