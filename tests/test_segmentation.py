@@ -26,7 +26,6 @@ from tests.test_source_grid import SHAPE, write_brats_lps
 
 # The shared tiny settings for a file dataset: no synthetic dataset keys.
 TINY_FILES = [o for o in [*TINY_COMMON, *TINY_MODEL["segmentation"]] if not o.startswith("dataset.")]
-BRATS_REGIONS = "model.regions={WT:[1,2,3],TC:[1,3],ET:[3]}"
 SYNTHETIC_REGIONS = "model.regions={lesion:[1,2],core:[1]}"
 
 
@@ -103,10 +102,10 @@ def test_brats_regions_turn_back_into_the_same_label_map():
 def test_test_run_writes_masks_on_the_source_grid_with_brats_values_and_per_subject_metrics(tmp_path):
     root = write_brats_lps(tmp_path / "brats", subjects=5)
     cfg = compose_cfg(tmp_path / "run", [
-        *TINY_FILES, "model=segmentation", "dataset=brats", f"dataset.root={root}", "dataset.image_modalities=[flair,t1ce]",
+        *TINY_FILES, "experiment=brats_segmentation", f"dataset.root={root}",
         "dataset.transforms.spacing=[1.5,1.5,1.5]", "dataset.transforms.spatial_size=[16,16,32]",
         "dataset.val_fraction=0.2", "dataset.test_fraction=0.4", "dataset.batch_size=1", "dataset.num_workers=0",
-        BRATS_REGIONS, "test=true",
+        "test=true",
     ], tiny=False)
     metrics = run(cfg)
     assert {"test/dice", "test/dice_WT", "test/dice_TC", "test/dice_ET", "val/dice"} <= set(metrics)
@@ -180,3 +179,12 @@ def test_two_gloo_ranks_give_the_metrics_of_one_process_with_an_odd_subject_coun
     assert [r["subject"] for r in rows[0]] == [r["subject"] for r in rows[1]] and len(rows[0]) == 3
     for ddp_row, single_row in zip(*rows, strict=True):
         assert float(ddp_row["dice_lesion"]) == pytest.approx(float(single_row["dice_lesion"]), rel=1e-4, abs=1e-6)
+
+
+def test_experiments_have_the_seed_values(tmp_path):
+    brats = compose_cfg(tmp_path, ["experiment=brats_segmentation", "dataset.root=/data"], tiny=False)
+    assert dict(brats.model.regions) == {"WT": [1, 2, 3], "TC": [1, 3], "ET": [3]} and brats.optimized_metric == "val/dice"
+    assert len(brats.dataset.image_modalities) == 4 and list(brats.model.patch_size) == [128, 128, 128]
+    prs = compose_cfg(tmp_path, ["experiment=prs_segmentation"], tiny=False)
+    assert (prs.dataset.batch_size, prs.model.optimizer.lr, prs.lr_scaling, prs.trainer.max_epochs) == (8, 1e-4, "linear", 20)
+    assert prs.strategy._target_.endswith("DDPStrategy")
