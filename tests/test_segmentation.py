@@ -188,3 +188,12 @@ def test_experiments_have_the_seed_values(tmp_path):
     prs = compose_cfg(tmp_path, ["experiment=prs_segmentation"], tiny=False)
     assert (prs.dataset.batch_size, prs.model.optimizer.lr, prs.lr_scaling, prs.trainer.max_epochs) == (8, 1e-4, "linear", 20)
     assert prs.strategy._target_.endswith("DDPStrategy")
+
+
+def test_a_label_on_another_grid_than_its_image_stops_before_training(tmp_path):
+    root = write_brats_lps(tmp_path / "brats", subjects=3)
+    seg = next(root.glob("*/*_seg.nii.gz"))
+    nib.save(nib.Nifti1Image(np.zeros((10, 10, 10), dtype=np.uint8), np.eye(4)), str(seg))
+    with pytest.raises(MedvolError, match="shape"):
+        run(compose_cfg(tmp_path / "run", [*TINY_FILES, "experiment=brats_segmentation", f"dataset.root={root}",
+                                           "trainer.fast_dev_run=true"], tiny=False))

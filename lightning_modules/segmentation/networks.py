@@ -51,7 +51,7 @@ def check_size(name: str, features: Sequence[int], shape: Sequence[int], key: st
     """Raise a `MedvolError` naming `key` when `shape` is not a multiple of what the network needs."""
     multiple = size_multiple(name, features)
     if any(int(s) % multiple for s in shape):
-        why = "SwinUNETR needs sizes divisible by 32" if name == "swinunetr" else f"{len(features) - 1} halvings"
+        why = "SwinUNETR halves the size 5 times" if name == "swinunetr" else f"{len(features) - 1} halvings"
         raise MedvolError(
             f"`{key}` is {list(shape)}; model.net={name} needs every size divisible by {multiple} ({why}); "
             f"choose a patch size that is a multiple of {multiple}"
