@@ -197,3 +197,21 @@ def test_a_label_on_another_grid_than_its_image_stops_before_training(tmp_path):
     with pytest.raises(MedvolError, match="shape"):
         run(compose_cfg(tmp_path / "run", [*TINY_FILES, "experiment=brats_segmentation", f"dataset.root={root}",
                                            "trainer.fast_dev_run=true"], tiny=False))
+
+
+@pytest.mark.parametrize("regions", [None, {"lesion": [1, 2], "core": [1]}])
+def test_post_processing_keeps_the_largest_component_of_each_class_or_region(regions):
+    module = Segmenter(in_channels=1, num_classes=3, regions=regions, features=[4, 8], largest_component=True)
+    logits = torch.full((1, module.scheme.out_channels, 12, 12, 12), -5.0)
+    logits[:, 0] = 5.0 if regions is None else -5.0  # background wins everywhere (classes)
+    logits[:, 1, 6] = 10.0  # the large component: a plane that splits the background in two
+    logits[:, 1, 1:4, 1:4, 1:4] = 10.0  # a small one, dropped
+    masks = module.postprocess(logits)
+    assert type(masks) is torch.Tensor
+    label_map = module.scheme.label_map(masks)
+    assert int((label_map == 1).sum()) == 144 and int(label_map[0, 0, 1:4, 1:4, 1:4].sum()) == 0
+    without = Segmenter(in_channels=1, num_classes=3, regions=regions, features=[4, 8]).postprocess(logits)
+    assert int(without[0, 1].sum()) == 144 + 27
+    if regions is None:
+        # Both halves of the background stay: the background is not cut down to one component.
+        assert int(masks[0, 0].sum()) == 12**3 - 144 - 27
