@@ -38,6 +38,8 @@ def build_network(name: str, in_channels: int, out_channels: int, features: Sequ
         return UNet(3, in_channels, out_channels, channels=features, strides=[2] * (len(features) - 1), num_res_units=2)
     if name == "dynunet":
         levels = len(features)
+        if levels < 3:
+            raise MedvolError(f"`model.features` is {features}; model.net=dynunet needs at least three levels")
         return DynUNet(
             3, in_channels, out_channels, kernel_size=[3] * levels, strides=[1] + [2] * (levels - 1),
             upsample_kernel_size=[2] * (levels - 1), filters=features, res_block=True,
@@ -50,6 +52,11 @@ def build_network(name: str, in_channels: int, out_channels: int, features: Sequ
 def check_size(name: str, features: Sequence[int], shape: Sequence[int], key: str) -> None:
     """Raise a `MedvolError` naming `key` when `shape` is not a multiple of what the network needs."""
     multiple = size_multiple(name, features)
+    if name == "swinunetr" and all(int(s) % 32 == 0 for s in shape) and min(int(s) for s in shape) < 64:
+        raise MedvolError(
+            f"`{key}` is {list(shape)}; model.net=swinunetr needs sizes of at least 64 (at 32 its deepest level "
+            "is a single voxel, which instance norm cannot train on)"
+        )
     if any(int(s) % multiple for s in shape):
         why = "SwinUNETR halves the size 5 times" if name == "swinunetr" else f"{len(features) - 1} halvings"
         raise MedvolError(
