@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from monai.inferers import sliding_window_inference
 from monai.transforms import KeepLargestConnectedComponent
+from monai.utils import convert_to_tensor
 from torchmetrics import MeanMetric
 
 from lightning_modules.base import MedvolModule
@@ -93,8 +94,10 @@ class Segmenter(MedvolModule):
         self.loss = build_loss(loss, self.scheme.is_regions)
         self.optimizer_factory = optimizer or (lambda params: torch.optim.Adam(params, lr=1e-3))
         self.scheduler_factory = scheduler
+        # Every region, or every class but the background.
+        first = 0 if self.scheme.is_regions else 1
         self.largest = (
-            KeepLargestConnectedComponent(applied_labels=list(range(self.scheme.out_channels)), is_onehot=True)
+            KeepLargestConnectedComponent(applied_labels=list(range(first, self.scheme.out_channels)), is_onehot=True)
             if largest_component
             else None
         )
@@ -143,7 +146,7 @@ class Segmenter(MedvolModule):
         """Binary masks (B, C, ...): threshold or argmax, then optionally the largest connected component."""
         masks = self.scheme.discretise(logits)
         if self.largest is not None:
-            masks = torch.stack([self.largest(m) for m in masks])
+            masks = torch.stack([convert_to_tensor(self.largest(m), track_meta=False) for m in masks])
         return masks
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> dict[str, Any]:
