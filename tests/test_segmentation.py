@@ -129,10 +129,11 @@ def test_test_run_writes_masks_on_the_source_grid_with_brats_values_and_per_subj
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["model.num_classes=2"], r"label values \[2\] are outside the configured classes \(`model.num_classes`\)"),
+        (["model.num_classes=2", "model.class_names=null"], r"label values \[2\] are outside the configured classes \(`model.num_classes`\)"),
         (["model.net=swinunetr", "model.patch_size=[48,48,48]"], r"`model.patch_size` is \[48, 48, 48\]; model.net=swinunetr"),
         (["model.net=swinunetr", "model.patch_size=[32,32,32]"], r"model.net=swinunetr needs sizes of at least 64"),
         (["model.patch_size=[32,32,32]"], r"`model.patch_size` \[32, 32, 32\] is larger than the training volume"),
+        (["model.class_names=[core]"], r"`model.class_names` has 1 names; expected one per foreground class"),
         (["model.regions={WT:[1,2],TC:[2,3]}"], r"`model.regions`: WT \[1, 2\] and TC \[2, 3\] overlap without nesting"),
     ],
 )

@@ -23,9 +23,16 @@ class LabelScheme:
         num_classes: classes including background (classes mode; ignored when `regions` is set).
         regions: region name -> label values, outermost first; null for classes.
         threshold: sigmoid probability above which a region voxel is foreground.
+        class_names: names of the foreground classes 1..K-1 in metric names; null: class1, class2, ...
     """
 
-    def __init__(self, num_classes: int = 2, regions: Mapping[str, Sequence[int]] | None = None, threshold: float = 0.5) -> None:
+    def __init__(
+        self,
+        num_classes: int = 2,
+        regions: Mapping[str, Sequence[int]] | None = None,
+        threshold: float = 0.5,
+        class_names: Sequence[str] | None = None,
+    ) -> None:
         self.regions = {str(k): sorted(int(v) for v in values) for k, values in (regions or {}).items()}
         self.threshold = float(threshold)
         if not 0.0 < self.threshold < 1.0:
@@ -37,6 +44,12 @@ class LabelScheme:
             if int(num_classes) < 2:
                 raise MedvolError(f"`model.num_classes` must be >= 2 (background and one class), got {num_classes}")
             self.num_classes = int(num_classes)
+        self.class_names = [str(n) for n in class_names] if class_names else [f"class{k}" for k in range(1, self.num_classes)]
+        if not self.regions and len(self.class_names) != self.num_classes - 1:
+            raise MedvolError(
+                f"`model.class_names` has {len(self.class_names)} names; expected one per foreground class "
+                f"({self.num_classes - 1} for model.num_classes={self.num_classes})"
+            )
 
     @property
     def is_regions(self) -> bool:
@@ -48,8 +61,8 @@ class LabelScheme:
 
     @property
     def names(self) -> list[str]:
-        """Names of the scored channels: the regions, or the foreground classes as `class<k>`."""
-        return list(self.regions) if self.regions else [f"class{k}" for k in range(1, self.num_classes)]
+        """Names of the scored channels: the regions, or the foreground classes."""
+        return list(self.regions) if self.regions else self.class_names
 
     def _region_values(self) -> dict[str, int]:
         """The label value each region adds to the regions nested inside it."""

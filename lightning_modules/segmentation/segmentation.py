@@ -38,6 +38,7 @@ class Segmenter(MedvolModule):
         in_channels: image channels (modalities).
         net: unet, dynunet or swinunetr.
         num_classes: classes including background (exclusive classes, softmax).
+        class_names: names of the foreground classes in metric names (dice_<name>); null: class1, class2, ...
         regions: region name -> label values, outermost first (overlapping regions, sigmoid per channel),
             e.g. {WT: [1, 2, 3], TC: [1, 3], ET: [3]}; null for classes.
         features: channels per resolution level (unet, dynunet).
@@ -61,6 +62,7 @@ class Segmenter(MedvolModule):
         in_channels: int = 1,
         net: str = "unet",
         num_classes: int = 3,
+        class_names: Sequence[str] | None = None,
         regions: Mapping[str, Sequence[int]] | None = None,
         features: Sequence[int] = (16, 32, 64, 128),
         feature_size: int = 24,
@@ -79,7 +81,7 @@ class Segmenter(MedvolModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(logger=False)
-        self.scheme = LabelScheme(num_classes, regions, threshold)
+        self.scheme = LabelScheme(num_classes, regions, threshold, class_names)
         self.features = [int(f) for f in features]
         self.patch_size = [int(p) for p in patch_size] if patch_size else None
         if self.patch_size is not None:
