@@ -41,6 +41,7 @@ TINY_MODEL: dict[str, list[str]] = {
     ],
     "survival": ["model.backbone=resnet10", "model.widen_factor=0.125"],
     "classifier": ["model.backbone=resnet10", "model.widen_factor=0.125"],
+    "segmentation": ["model.features=[4,8]", "model.patch_size=[8,8,8]", "model.sw_batch_size=8"],
 }
 TINY = [*TINY_COMMON, *TINY_MODEL["vqgan"]]
 
