@@ -106,12 +106,34 @@ def medvol_run(args: argparse.Namespace) -> tuple[float, float]:
         return median_step_ms(json.loads(ends.read_text()), args.warmup)
 
 
+def gan_step(model: Any, opt_ae: torch.optim.Optimizer, opt_disc: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    """One VQ-GAN training step written by hand: generator step with the discriminators frozen, then theirs."""
+    from lightning_modules.vqgan.vqgan import random_slices
+
+    discriminators = [*model.image_discriminator.parameters(), *model.video_discriminator.parameters()]
+    for p in discriminators:
+        p.requires_grad_(False)
+    x_rec, quantized = model(x)
+    index = torch.randint(0, x.shape[2], (x.shape[0],), device=x.device)
+    frames, frames_rec = random_slices(x, index), random_slices(x_rec, index)
+    losses = model._generator_losses(x, x_rec, frames, frames_rec, gan_on=True)
+    ae_loss = torch.stack(list(losses.values())).sum() + quantized.commitment_loss
+    ae_loss.backward()
+    opt_ae.step()
+    opt_ae.zero_grad(set_to_none=True)
+    for p in discriminators:
+        p.requires_grad_(True)
+    disc_loss = model._discriminator_loss(x, x_rec, frames, frames_rec)
+    disc_loss.backward()
+    opt_disc.step()
+    opt_disc.zero_grad(set_to_none=True)
+
+
 def hand_worker(args: argparse.Namespace, out: Path) -> None:
     """The hand-written loop over the same VQGAN object, losses, optimizers, batch and data."""
     from hydra import compose, initialize_config_dir
 
     import medvol.resolvers  # noqa: F401 - resolvers used by the configs
-    from lightning_modules.vqgan.vqgan import random_slices
     from medvol.build import build
 
     torch.set_num_threads(1)
@@ -120,30 +142,13 @@ def hand_worker(args: argparse.Namespace, out: Path) -> None:
     torch.manual_seed(0)
     model = build(cfg.model).train()
     opt_ae, opt_disc = model.configure_optimizers()
-    discriminators = [*model.image_discriminator.parameters(), *model.video_discriminator.parameters()]
     generator = torch.Generator().manual_seed(0)
     volumes = [{"image": torch.rand(1, args.size, args.size, args.size, generator=generator) * 2 - 1}
                for _ in range(args.steps * args.batch)]
     loader = torch.utils.data.DataLoader(volumes, batch_size=args.batch, shuffle=True, drop_last=True)
     ends = [(time.perf_counter(), time.process_time())]
     for batch in loader:
-        x = batch["image"]
-        for p in discriminators:
-            p.requires_grad_(False)
-        x_rec, quantized = model(x)
-        index = torch.randint(0, x.shape[2], (x.shape[0],))
-        frames, frames_rec = random_slices(x, index), random_slices(x_rec, index)
-        losses = model._generator_losses(x, x_rec, frames, frames_rec, gan_on=True)
-        ae_loss = torch.stack(list(losses.values())).sum() + quantized.commitment_loss
-        ae_loss.backward()
-        opt_ae.step()
-        opt_ae.zero_grad(set_to_none=True)
-        for p in discriminators:
-            p.requires_grad_(True)
-        disc_loss = model._discriminator_loss(x, x_rec, frames, frames_rec)
-        disc_loss.backward()
-        opt_disc.step()
-        opt_disc.zero_grad(set_to_none=True)
+        gan_step(model, opt_ae, opt_disc, batch["image"])
         ends.append((time.perf_counter(), time.process_time()))
     out.write_text(json.dumps(ends))
 
