@@ -58,3 +58,14 @@ def test_chunked_codebook_equals_the_full_distance_matrix_and_one_hot_over_train
     full.eval()
     z = torch.randn(1, 8, 4, 4, 4)
     assert torch.equal(chunked(z).encodings.flatten(), full_forward(full, z)[1])
+
+
+def test_codebook_initialisation_follows_a_loaded_state_after_the_cached_flag_is_set():
+    torch.manual_seed(0)
+    codebook = EMACodebook(n_codes=8, embedding_dim=2).train()
+    codebook(torch.randn(1, 2, 4, 4, 4))
+    fresh = EMACodebook(n_codes=8, embedding_dim=2).state_dict()
+    codebook.load_state_dict(fresh)
+    # The loaded state is uninitialised, so the next training step initialises from the data again.
+    codebook(torch.randn(1, 2, 4, 4, 4) + 50)
+    assert bool(codebook.initialized) and codebook.embeddings.mean().item() > 40

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,12 @@ class EMACodebook(nn.Module):
         self.register_buffer("cluster_size", torch.zeros(n_codes))
         self.register_buffer("embedding_sum", self.embeddings.clone())
         self.register_buffer("initialized", torch.tensor(False))
+        # Python copy of `initialized` once it is true: reading the buffer on a GPU is a host sync per step.
+        self._known_initialized = False
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._known_initialized = False
+        super()._load_from_state_dict(*args, **kwargs)
 
     def _random_vectors(self, flat: torch.Tensor) -> torch.Tensor:
         """`n_codes` encoder vectors drawn on rank 0 (tiled if there are fewer), identical on every rank."""
@@ -127,8 +133,10 @@ class EMACodebook(nn.Module):
             z = z.float()
             channels_last = z.movedim(1, -1)
             flat = channels_last.reshape(-1, self.embedding_dim)
-            if self.training and not bool(self.initialized):
-                self._initialise(flat.detach())
+            if self.training and not self._known_initialized:
+                if not bool(self.initialized):
+                    self._initialise(flat.detach())
+                self._known_initialized = True
             indices = self.nearest(flat.detach())
             counts = torch.bincount(indices, minlength=self.n_codes).to(flat.dtype)
             quantized = F.embedding(indices, self.embeddings).view_as(channels_last).movedim(-1, 1)
