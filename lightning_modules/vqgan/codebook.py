@@ -102,9 +102,10 @@ class EMACodebook(nn.Module):
         rows = max(1, self.chunk_elements // self.n_codes)
         indices = []
         for chunk in flat.split(rows):
-            # Same expression per row as one full (N x n_codes) matrix, so the same argmin.
-            distances = chunk.pow(2).sum(1, keepdim=True) - 2 * chunk @ self.embeddings.t() + squared_codes
-            indices.append(distances.argmin(1))
+            # |x|^2 - 2 x.e + |e|^2 in place (one chunk-sized buffer): x + (-2 m) is exactly x - 2 m,
+            # so every row's distances, and their argmin, equal those of one full (N x n_codes) matrix.
+            distances = (chunk @ self.embeddings.t()).mul_(-2).add_(chunk.pow(2).sum(1, keepdim=True))
+            indices.append(distances.add_(squared_codes).argmin(1))
         return torch.cat(indices)
 
     @torch.no_grad()
