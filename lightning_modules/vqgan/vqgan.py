@@ -116,6 +116,8 @@ class VQGAN(MedvolModule):
         self.scheduler_factory = scheduler
         self.image_key = image_key
         self.feature_weight = 4.0 / (disc_layers + 1)
+        # Running (sample-weighted sum, samples) of each training term over the current epoch.
+        self._train_sums: dict[str, tuple[torch.Tensor, int]] = {}
         # Metric objects sync sums and counts across ranks, so ranks with unequal shares weigh correctly.
         evaluation = MetricCollection(
             {
@@ -239,9 +241,9 @@ class VQGAN(MedvolModule):
     def _log_training(self, values: dict[str, torch.Tensor], batch_size: int) -> None:
         """`train/<term>_step` at Lightning's logging cadence; the epoch's sample-weighted means at its end.
 
-        Lightning's `self.log` costs about 0.5 ms of CPU per key, and with `on_epoch` it must run at
-        every step: for these eight terms most of medvol's fixed cost per step (benchmarks/overhead.py).
-        Here a step only adds the detached values to running sums.
+        Every `self.log` call goes through Lightning's result bookkeeping, and with `on_epoch` it must
+        run at every step: for these eight terms it was most of medvol's fixed cost per step
+        (docs/BENCHMARKS.md, overhead). Here a step only adds the detached values to running sums.
         """
         for name, value in values.items():
             total, count = self._train_sums.get(name, (0.0, 0))
@@ -253,7 +255,7 @@ class VQGAN(MedvolModule):
                          batch_size=batch_size)
 
     def on_train_epoch_start(self) -> None:
-        self._train_sums: dict[str, tuple[torch.Tensor, int]] = {}
+        self._train_sums = {}
 
     def on_train_epoch_end(self) -> None:
         for name, (total, count) in self._train_sums.items():
