@@ -4,8 +4,8 @@ A step runs from the end of the previous training batch (or the epoch's start) t
 this one; its data wait is the part before the batch starts, where the loop fetches, collates
 and moves the batch. On CUDA the wait is the time the GPU sat idle in that gap
 (CUDA events, no synchronisation), since the loop may fetch while kernels are still running.
-Validation is not counted, nor the run's first step: its batch is loaded before any hook
-runs, and it carries one-off costs (lazy initialisation, cuDNN autotuning, compilation).
+Validation is not counted, nor the run's first step, which carries one-off costs (lazy
+initialisation, cuDNN autotuning, compilation).
 """
 
 from __future__ import annotations
