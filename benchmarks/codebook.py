@@ -63,7 +63,7 @@ def main() -> None:
     parser.add_argument("--codes", type=int, default=16384)
     parser.add_argument("--dim", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--side", choices=["full", "chunked"], help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=["full", "chunked"], help="measure one side only, printed as JSON")
     args = parser.parse_args()
     if args.side:
         print(json.dumps(measure(args.side, args.latents, args.codes, args.dim, args.repeats)))
