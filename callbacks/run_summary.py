@@ -11,6 +11,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities import rank_zero_only
 from rich.console import Console
 from rich.table import Table
@@ -74,9 +75,12 @@ class RunSummary(pl.Callback):
 
     def summary(self, trainer: pl.Trainer) -> dict[str, Any]:
         checkpoint = trainer.checkpoint_callback
-        tensorboard = next((lg.log_dir for lg in trainer.loggers if type(lg).__name__ == "TensorBoardLogger"), None)
+        tensorboard = next((lg.log_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
         metrics = {**self.fit_metrics, **self._metrics(trainer)}
         peak_gpu = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+        # Callbacks that measure the run (callbacks/telemetry.py) add their own fields.
+        extra = {k: v for cb in trainer.callbacks if hasattr(cb, "summary_fields")
+                 for k, v in cb.summary_fields(trainer.lightning_module).items()}
         return {
             "run_dir": str(self.output_dir),
             "best_checkpoint": getattr(checkpoint, "best_model_path", None) or None,
@@ -93,6 +97,7 @@ class RunSummary(pl.Callback):
             "samples_per_second": round(self.samples / self.train_seconds, 3) if self.train_seconds else None,
             "peak_host_memory_mb": round(peak_host_memory_mb(), 1),
             "peak_gpu_memory_mb": round(peak_gpu, 1) if peak_gpu is not None else None,
+            **extra,
         }
 
     @rank_zero_only

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ class EMACodebook(nn.Module):
         commitment_weight: weight of the commitment loss ||z - sg(e)||^2.
         restart_threshold: codes whose EMA usage falls below this are restarted from encoder outputs.
         random_restart: whether dead codes are restarted at all.
+        chunk_elements: most (latent x code) distances held at once; nearest codes are found in
+            chunks of `chunk_elements // n_codes` latents, so memory does not grow with the
+            latent grid (a 128^3 patch at downsample 4 and 16384 codes would need 2 GiB at once)..
     """
 
     def __init__(
@@ -47,6 +50,7 @@ class EMACodebook(nn.Module):
         restart_threshold: float = 1.0,
         random_restart: bool = True,
         eps: float = 1e-5,
+        chunk_elements: int = 2**24,
     ) -> None:
         super().__init__()
         if n_codes < 2:
@@ -58,10 +62,17 @@ class EMACodebook(nn.Module):
         self.restart_threshold = restart_threshold
         self.random_restart = random_restart
         self.eps = eps
+        self.chunk_elements = chunk_elements
         self.register_buffer("embeddings", torch.randn(n_codes, embedding_dim))
         self.register_buffer("cluster_size", torch.zeros(n_codes))
         self.register_buffer("embedding_sum", self.embeddings.clone())
         self.register_buffer("initialized", torch.tensor(False))
+        # Python copy of `initialized` once it is true: reading the buffer on a GPU is a host sync per step.
+        self._known_initialized = False
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._known_initialized = False
+        super()._load_from_state_dict(*args, **kwargs)
 
     def _random_vectors(self, flat: torch.Tensor) -> torch.Tensor:
         """`n_codes` encoder vectors drawn on rank 0 (tiled if there are fewer), identical on every rank."""
@@ -85,9 +96,22 @@ class EMACodebook(nn.Module):
         self.initialized.fill_(True)
 
     @torch.no_grad()
-    def _ema_update(self, flat: torch.Tensor, onehot: torch.Tensor) -> None:
-        counts = onehot.sum(0)
-        sums = onehot.t() @ flat
+    def nearest(self, flat: torch.Tensor) -> torch.Tensor:
+        """Index of the nearest code for each row of `flat` (N, embedding_dim), in chunks of rows."""
+        squared_codes = self.embeddings.pow(2).sum(1).unsqueeze(0)
+        rows = max(1, self.chunk_elements // self.n_codes)
+        indices = []
+        for chunk in flat.split(rows):
+            # |x|^2 - 2 x.e + |e|^2 in place (one chunk-sized buffer): x + (-2 m) is exactly x - 2 m,
+            # so every row's distances, and their argmin, equal those of one full (N x n_codes) matrix.
+            distances = (chunk @ self.embeddings.t()).mul_(-2).add_(chunk.pow(2).sum(1, keepdim=True))
+            indices.append(distances.add_(squared_codes).argmin(1))
+        return torch.cat(indices)
+
+    @torch.no_grad()
+    def _ema_update(self, flat: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor) -> None:
+        # Scatter-adds instead of a one-hot matmul: O(N x dim) memory instead of O(N x n_codes).
+        sums = torch.zeros_like(self.embedding_sum).index_add_(0, indices, flat)
         if _distributed():
             dist.all_reduce(counts)
             dist.all_reduce(sums)
@@ -110,20 +134,17 @@ class EMACodebook(nn.Module):
             z = z.float()
             channels_last = z.movedim(1, -1)
             flat = channels_last.reshape(-1, self.embedding_dim)
-            if self.training and not bool(self.initialized):
-                self._initialise(flat.detach())
-            distances = (
-                flat.pow(2).sum(1, keepdim=True)
-                - 2 * flat @ self.embeddings.t()
-                + self.embeddings.pow(2).sum(1).unsqueeze(0)
-            )
-            indices = distances.argmin(1)
-            onehot = F.one_hot(indices, self.n_codes).type_as(flat)
+            if self.training and not self._known_initialized:
+                if not bool(self.initialized):
+                    self._initialise(flat.detach())
+                self._known_initialized = True
+            indices = self.nearest(flat.detach())
+            counts = torch.bincount(indices, minlength=self.n_codes).to(flat.dtype)
             quantized = F.embedding(indices, self.embeddings).view_as(channels_last).movedim(-1, 1)
             commitment = self.commitment_weight * F.mse_loss(z, quantized.detach())
             if self.training:
-                self._ema_update(flat.detach(), onehot)
+                self._ema_update(flat.detach(), indices, counts.clone())
             straight_through = z + (quantized - z).detach()
-            usage = onehot.mean(0)
+            usage = counts / flat.shape[0]
             perplexity = torch.exp(-(usage * torch.log(usage + 1e-10)).sum())
         return Quantized(straight_through, indices.view(channels_last.shape[:-1]), commitment, perplexity)

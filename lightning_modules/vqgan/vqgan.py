@@ -116,6 +116,8 @@ class VQGAN(MedvolModule):
         self.scheduler_factory = scheduler
         self.image_key = image_key
         self.feature_weight = 4.0 / (disc_layers + 1)
+        # Running (sample-weighted sum, samples) of each training term over the current epoch.
+        self._train_sums: dict[str, tuple[torch.Tensor, int]] = {}
         # Metric objects sync sums and counts across ranks, so ranks with unequal shares weigh correctly.
         evaluation = MetricCollection(
             {
@@ -233,13 +235,34 @@ class VQGAN(MedvolModule):
             self.untoggle_optimizer(opt_disc)
             losses["disc_loss"] = disc_loss
 
-        batch_size = x.shape[0]
-        self.log_dict({f"train/{k}": v.detach() for k, v in losses.items()}, on_step=True, on_epoch=True, batch_size=batch_size)
-        self.log("train/loss", ae_loss.detach(), on_step=True, on_epoch=True, prog_bar=True, batch_size=batch_size)
-        self.log("train/perplexity", quantized.perplexity, on_step=True, on_epoch=True, batch_size=batch_size)
+        self._log_training({**losses, "loss": ae_loss, "perplexity": quantized.perplexity}, x.shape[0])
         return ae_loss.detach()
 
+    def _log_training(self, values: dict[str, torch.Tensor], batch_size: int) -> None:
+        """`train/<term>_step` at Lightning's logging cadence; the epoch's sample-weighted means at its end.
+
+        Every `self.log` call goes through Lightning's result bookkeeping, and with `on_epoch` it must
+        run at every step: for these eight terms it was most of medvol's fixed cost per step
+        (docs/BENCHMARKS.md, overhead). Here a step only adds the detached values to running sums.
+        """
+        for name, value in values.items():
+            total, count = self._train_sums.get(name, (0.0, 0))
+            self._train_sums[name] = (value.detach() * batch_size + total, count + batch_size)
+        # The same test Lightning applies before sending step values to the loggers.
+        if self.trainer._logger_connector.should_update_logs or self.trainer.fast_dev_run:
+            for name, value in values.items():
+                self.log(f"train/{name}_step", value.detach(), on_step=True, on_epoch=False, prog_bar=name == "loss",
+                         batch_size=batch_size)
+
+    def on_train_epoch_start(self) -> None:
+        self._train_sums = {}
+
     def on_train_epoch_end(self) -> None:
+        for name, (total, count) in self._train_sums.items():
+            mean = total / count
+            self.log(f"train/{name}_epoch", mean, on_step=False, on_epoch=True, prog_bar=name == "loss")
+            # Unsuffixed, for callbacks and `optimized_metric` only, as Lightning's on_step+on_epoch logging gave.
+            self.log(f"train/{name}", mean, on_step=False, on_epoch=True, logger=False)
         schedulers = self.lr_schedulers()
         if schedulers is None:
             return

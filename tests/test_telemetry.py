@@ -1,0 +1,90 @@
+"""Telemetry: a slow loader shows as data wait near 1 (with a warning naming the remedies), a cached one near 0."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.data import Dataset
+
+from datamodules.pipeline.volume_datamodule import Record
+from datamodules.sources.synthetic import SyntheticDataModule
+from medvol.training import run
+
+DELAY_SECONDS = 1.0
+
+
+class SlowDataset(Dataset):
+    """Wraps a dataset so that every item takes `DELAY_SECONDS` longer, like a slow disk or transform."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        time.sleep(DELAY_SECONDS)
+        return self.dataset[index]
+
+
+class SlowPhantoms(SyntheticDataModule):
+    """Synthetic phantoms behind an artificially slow loader."""
+
+    def build_dataset(self, records: list[Record], stage: str) -> Dataset:
+        return SlowDataset(super().build_dataset(records, stage))
+
+
+class CachedPhantoms(SyntheticDataModule):
+    """Synthetic phantoms generated once at set-up and served from memory."""
+
+    def build_dataset(self, records: list[Record], stage: str) -> Dataset:
+        dataset = super().build_dataset(records, stage)
+        return [dataset[i] for i in range(len(dataset))]  # type: ignore[return-value]
+
+
+def _train(tiny_cfg, source: str, subjects: int, caplog: pytest.LogCaptureFixture) -> tuple[dict[str, Any], list[str]]:
+    # Discriminators off: a cheaper step, so the test is about the loader.
+    cfg = tiny_cfg(
+        f"dataset._target_=tests.test_telemetry.{source}", f"dataset.num_subjects={subjects}",
+        "model.discriminator_iter_start=100",
+    )
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="medvol"):
+        run(cfg)
+    summary = json.loads((Path(cfg.paths.output_dir) / "summary.json").read_text())
+    warnings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("telemetry:")]
+    return summary["telemetry"], warnings
+
+
+def test_data_wait_is_near_one_for_a_slow_loader_and_warns_with_the_remedies(tiny_cfg, caplog, tmp_path):
+    telemetry, warnings = _train(tiny_cfg, "SlowPhantoms", 8, caplog)
+    assert telemetry["data_wait_fraction"] > 0.75
+    # 6 training subjects in batches of 2: the steps after the first (warm-up), each waiting for a slow batch.
+    assert telemetry["steps"] == 2
+    assert telemetry["step_time_ms"] > 1000 * DELAY_SECONDS * 2
+    assert telemetry["samples_per_second"] == pytest.approx(2000 / telemetry["step_time_ms"], rel=1e-3)
+    assert telemetry["host_peak_rss_mb"] > 0
+    (warning,) = warnings
+    for remedy in ("dataset.cache", "dataset.num_workers", "dataset.gpu_transforms"):
+        assert remedy in warning
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    logged = set(events.Tags()["scalars"])
+    assert {"telemetry/data_wait_fraction", "telemetry/samples_per_second", "telemetry/step_time_ms",
+            "telemetry/host_peak_rss_mb"} <= logged
+    (point,) = events.Scalars("telemetry/data_wait_fraction")
+    assert point.value > 0.75
+
+
+def test_data_wait_is_near_zero_for_a_cached_loader_and_nothing_is_warned(tiny_cfg, caplog):
+    telemetry, warnings = _train(tiny_cfg, "CachedPhantoms", 16, caplog)
+    assert telemetry["data_wait_fraction"] < 0.1
+    assert telemetry["steps"] == 5
+    assert warnings == []
