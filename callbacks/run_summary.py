@@ -11,6 +11,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities import rank_zero_only
 from rich.console import Console
 from rich.table import Table
@@ -74,7 +75,7 @@ class RunSummary(pl.Callback):
 
     def summary(self, trainer: pl.Trainer) -> dict[str, Any]:
         checkpoint = trainer.checkpoint_callback
-        tensorboard = next((lg.log_dir for lg in trainer.loggers if type(lg).__name__ == "TensorBoardLogger"), None)
+        tensorboard = next((lg.log_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
         metrics = {**self.fit_metrics, **self._metrics(trainer)}
         peak_gpu = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
         return {

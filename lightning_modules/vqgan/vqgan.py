@@ -128,6 +128,9 @@ class VQGAN(MedvolModule):
         self.val_metrics = evaluation.clone(prefix="val/")
         self.test_metrics = evaluation.clone(prefix="test/")
 
+    # Learning rates are logged as `lr/<name>`, in the order of `configure_optimizers`.
+    optimizer_names = ("generator", "discriminator")
+
     def configure_optimizers(self) -> Any:
         autoencoder = [*self.encoder.parameters(), *self.decoder.parameters()]
         discriminators = [*self.image_discriminator.parameters(), *self.video_discriminator.parameters()]
@@ -233,11 +236,26 @@ class VQGAN(MedvolModule):
             self.untoggle_optimizer(opt_disc)
             losses["disc_loss"] = disc_loss
 
-        batch_size = x.shape[0]
-        self.log_dict({f"train/{k}": v.detach() for k, v in losses.items()}, on_step=True, on_epoch=True, batch_size=batch_size)
-        self.log("train/loss", ae_loss.detach(), on_step=True, on_epoch=True, prog_bar=True, batch_size=batch_size)
-        self.log("train/perplexity", quantized.perplexity, on_step=True, on_epoch=True, batch_size=batch_size)
+        self._log_training(losses, ae_loss, quantized.perplexity, x.shape[0])
         return ae_loss.detach()
+
+    def _log_training(
+        self, losses: dict[str, torch.Tensor], generator_loss: torch.Tensor, perplexity: torch.Tensor, batch_size: int
+    ) -> None:
+        """Each term under its own name, the GAN terms as `train/gan_*`, and two totals.
+
+        `train/loss` sums the terms that are on from the first batch (reconstruction,
+        commitment, perceptual), so its curve does not jump when the discriminators start;
+        `train/generator_loss` is what the generator minimises, GAN terms included from
+        `discriminator_iter_start` on.
+        """
+        names = {"g_adv_loss": "gan_generator", "gan_feat_loss": "gan_feature_matching", "disc_loss": "gan_discriminator"}
+        terms = {f"train/{names.get(k, k)}": v.detach() for k, v in losses.items()}
+        reconstruction = sum(v.detach() for k, v in losses.items() if k not in names)
+        self.log_dict(terms, on_step=True, on_epoch=True, batch_size=batch_size)
+        self.log("train/loss", reconstruction, on_step=True, on_epoch=True, prog_bar=True, batch_size=batch_size)
+        self.log("train/generator_loss", generator_loss.detach(), on_step=True, on_epoch=True, batch_size=batch_size)
+        self.log("train/perplexity", perplexity, on_step=True, on_epoch=True, batch_size=batch_size)
 
     def on_train_epoch_end(self) -> None:
         schedulers = self.lr_schedulers()
@@ -258,7 +276,7 @@ class VQGAN(MedvolModule):
         metrics[f"{prefix}perplexity"].update(quantized.perplexity, weight=batch_size)
         for name, metric in metrics.items():
             self.log(name, metric, prog_bar=name in ("val/psnr", "val/ssim"), batch_size=batch_size)
-        return {"volumes": {"input": x.detach(), "reconstruction": x_rec.detach()}}
+        return {"volumes": {"input": x.detach(), "reconstruction": x_rec.detach()}, "difference": ("reconstruction", "input")}
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         return self._evaluate(batch, self.val_metrics)
