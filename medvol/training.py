@@ -16,6 +16,7 @@ from medvol.checkpoint_check import check_checkpoint
 from medvol.errors import MedvolError
 from medvol.launch import local_ranks
 from medvol.sync_batchnorm import layer_sync_plugins
+from medvol.trainer_check import check_trainer
 from medvol.world import (
     World,
     build_strategy,
@@ -66,6 +67,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     rank 0 and starts the other ranks itself (see `medvol.launch`).
     """
     world = plan_world(cfg.trainer)
+    check_trainer(OmegaConf.to_container(cfg.trainer, resolve=True), world.accelerator)
     check_strategy(cfg.get("strategy"), world)
     check_launch(world)
     if global_rank() != 0:

@@ -1,0 +1,74 @@
+"""Checks the trainer values that only Lightning would reject, so they cost one line before anything runs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from medvol.errors import MedvolError
+
+PRECISIONS = ("64-true", "32-true", "16-true", "16-mixed", "bf16-true", "bf16-mixed", "64", "32", "16", "bf16")
+_BATCH_LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches", "overfit_batches")
+# key -> (smallest whole number allowed, whether null is allowed, what it means)
+_COUNTS = {
+    "max_epochs": (-1, True, "-1 for no limit"),
+    "min_epochs": (0, True, ""),
+    "max_steps": (-1, True, "-1 for no limit"),
+    "min_steps": (0, True, ""),
+    "check_val_every_n_epoch": (1, True, "null to validate by `val_check_interval` only"),
+    "log_every_n_steps": (0, True, ""),
+    "num_sanity_val_steps": (-1, True, "-1 for the whole validation set"),
+    "accumulate_grad_batches": (1, True, ""),
+}
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_trainer(trainer: Mapping[str, Any], accelerator: str) -> None:
+    """Raise `MedvolError` naming the first `trainer.*` value Lightning would refuse.
+
+    Args:
+        trainer: the resolved `trainer` config.
+        accelerator: `cpu` or `gpu`, as `medvol.world.plan_world` decided.
+    """
+    for key, (smallest, nullable, meaning) in _COUNTS.items():
+        value = trainer.get(key)
+        if (value is None and nullable) or (_whole(value) and value >= smallest):
+            continue
+        hint = f" ({meaning})" if meaning else ""
+        raise MedvolError(f"`trainer.{key}`: got {value!r}; expected a whole number >= {smallest}{hint}")
+    for key in _BATCH_LIMITS:
+        value = trainer.get(key)
+        if value is None or (_whole(value) and value >= 0) or (isinstance(value, float) and 0.0 <= value <= 1.0):
+            continue
+        raise MedvolError(
+            f"`trainer.{key}`: got {value!r}; expected a fraction in [0, 1], a whole number of batches >= 0, or null for all"
+        )
+    interval = trainer.get("val_check_interval")
+    if not (interval is None or (_whole(interval) and interval > 0) or (isinstance(interval, float) and 0 < interval <= 1)):
+        raise MedvolError(
+            f"`trainer.val_check_interval`: got {interval!r}; expected a fraction of an epoch in (0, 1] or a number of batches > 0"
+        )
+    clip = trainer.get("gradient_clip_val")
+    if not (clip is None or (_number(clip) and clip >= 0)):
+        raise MedvolError(f"`trainer.gradient_clip_val`: got {clip!r}; expected a number >= 0 or null")
+    algorithm = trainer.get("gradient_clip_algorithm")
+    if algorithm not in (None, "norm", "value"):
+        raise MedvolError(f"`trainer.gradient_clip_algorithm`: got {algorithm!r}; expected `norm` or `value`")
+    fast = trainer.get("fast_dev_run")
+    if not (isinstance(fast, bool) or fast is None or (_whole(fast) and fast >= 0)):
+        raise MedvolError(f"`trainer.fast_dev_run`: got {fast!r}; expected true, false or a number of batches >= 0")
+    precision = trainer.get("precision")
+    if precision is not None and str(precision) not in PRECISIONS:
+        raise MedvolError(f"`trainer.precision`: got {precision!r}; expected one of {', '.join(PRECISIONS)}")
+    if accelerator == "cpu" and str(precision) in ("16-mixed", "16"):
+        raise MedvolError(
+            f"`trainer.precision`: got {precision!r} on the CPU, where float16 mixed precision is not supported; "
+            "use 32-true or bf16-mixed, or a GPU (`hardware=gpu`)"
+        )
