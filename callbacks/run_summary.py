@@ -6,6 +6,7 @@ import json
 import resource
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,9 @@ def peak_host_memory_mb() -> float:
 class RunSummary(pl.Callback):
     """Counts training samples and time, then writes `summary.json` and prints a table at the end.
 
+    A test-only run (`train=false test=true ckpt_path=...`) keeps the training run's
+    `summary.json` and writes `summary-test-<stamp>.json` beside it.
+
     Samples/s is over all ranks (per-rank count x world size) and counts only time spent in
     training batches (validation excluded).
 
@@ -51,6 +55,8 @@ class RunSummary(pl.Callback):
         self.train_seconds = 0.0
         self._batch_start: float | None = None
         self.fit_metrics: dict[str, float] = {}
+        self.fitted = False
+        self.started = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()
@@ -63,11 +69,18 @@ class RunSummary(pl.Callback):
             self.samples += _batch_size(batch) * trainer.world_size
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.fitted = True
         self.fit_metrics = self._metrics(trainer)
         self._report(trainer, "fit")
 
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._report(trainer, "test")
+
+    def summary_file(self, stage: str) -> Path:
+        """`summary.json` for a training run (and its test); a test-only run adds `summary-test-<stamp>.json`."""
+        if stage == "test" and not self.fitted:
+            return self.output_dir / f"summary-test-{self.started}.json"
+        return self.output_dir / "summary.json"
 
     @staticmethod
     def _metrics(trainer: pl.Trainer) -> dict[str, float]:
@@ -100,7 +113,8 @@ class RunSummary(pl.Callback):
     def _report(self, trainer: pl.Trainer, stage: str) -> None:
         summary = self.summary(trainer)
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        # Never over a training run's record: a test-only command writes a file of its own.
+        self.summary_file(stage).write_text(json.dumps(summary, indent=2) + "\n")
         table = Table(title=f"medvol run summary ({stage})", show_header=False)
         table.add_column("what", style="bold")
         table.add_column("value", overflow="fold")
