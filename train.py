@@ -11,6 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import medvol.resolvers  # noqa: F401 - registers the run-directory resolvers before Hydra composes
+from medvol.console import print_config_tree, quiet_console
 from medvol.errors import MedvolError
 from medvol.refusal import RunDirectoryBefore
 from medvol.resolvers import run_dir_of_checkpoint
@@ -37,11 +38,14 @@ def main(cfg: DictConfig) -> float | None:
         str(Path(output_dir) / f"{hydra_cfg.job.name}.log"),
         resumed=run_dir_of_checkpoint(cfg.get("ckpt_path")) is not None,
     )
+    quiet_console()
     try:
+        if cfg.get("print_config", True) and global_rank() == 0:
+            print_config_tree(cfg)
         metrics = run(cfg)
     except MedvolError as err:
-        if global_rank() == 0:
-            before.take_back()
+        if global_rank() == 0 and not before.take_back():
+            _to_log_file_only(log.makeRecord(log.name, logging.ERROR, __file__, 0, "medvol: error: %s", (err,), None))
         print(f"medvol: error: {err}", file=sys.stderr)
         sys.exit(2)
     except Exception as err:
