@@ -59,6 +59,10 @@ def error_colours(values: np.ndarray, vmax: float) -> np.ndarray:
     return ERROR_RAMP[low] * (1 - frac) + ERROR_RAMP[low + 1] * frac
 
 
+def _difference(a: Plane, b: Plane) -> Plane:
+    return Plane(a.name, (a.image.float() - b.image.float()).abs(), a.spacing, a.top, a.left)
+
+
 def _panel(rgb: np.ndarray, plane: Plane, size: int, font: ImageFont.ImageFont) -> Image.Image:
     """`rgb` scaled with nearest neighbour to fit `size` x `size` at the true voxel aspect, letters at the edges."""
     rows, cols = rgb.shape[:2]
@@ -106,10 +110,14 @@ def slice_grid(samples: list[Sample], panel_size: int = 256, colorbar: bool = Tr
     font = ImageFont.load_default(size=16)
     small = ImageFont.load_default(size=14)
     columns = column_names(samples[0])
+    # Planes first: the error map and its scale come from the shown planes, never whole volumes (256^3 costs seconds).
+    sample_planes = [{name: mid_planes(v, s.affine) for name, v in s.volumes.items()} for s in samples]
     errors = [
-        (s.volumes[s.difference[0]].float() - s.volumes[s.difference[1]].float()).abs() for s in samples if s.difference
+        [_difference(a, b) for a, b in zip(p[s.difference[0]], p[s.difference[1]], strict=True)]
+        for s, p in zip(samples, sample_planes, strict=True)
+        if s.difference
     ]
-    vmax = max([float(e.max()) for e in errors] + [1e-6])
+    vmax = max([float(plane.image.max()) for row in errors for plane in row] + [1e-6])
     with_bar = colorbar and bool(errors)
     pitch = panel_size + GAP
     width = ROW_LABEL + len(columns) * pitch + (COLORBAR if with_bar else 0)
@@ -117,13 +125,13 @@ def slice_grid(samples: list[Sample], panel_size: int = 256, colorbar: bool = Tr
     draw = ImageDraw.Draw(grid)
     for c, name in enumerate(columns):
         draw.text((ROW_LABEL + c * pitch + panel_size // 2, HEADER // 2), name, fill="white", font=font, anchor="mm")
+    error_rows = iter(errors)
     for s, sample in enumerate(samples):
-        floats = [v for v in sample.volumes.values() if torch.is_floating_point(v)]
-        base_planes = mid_planes(floats[0], sample.affine) if floats else None
-        per_column = [mid_planes(v, sample.affine) for v in sample.volumes.values()]
+        per_column = list(sample_planes[s].values())
+        floats = [p for p in per_column if torch.is_floating_point(p[0].image)]
+        base_planes = floats[0] if floats else None
         if sample.difference is not None:
-            a, b = (sample.volumes[n].float() for n in sample.difference)
-            per_column.append(mid_planes((a - b).abs(), sample.affine))
+            per_column.append(next(error_rows))
         for p in range(3):
             top = HEADER + (3 * s + p) * pitch
             plane_name = per_column[0][p].name

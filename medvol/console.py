@@ -53,10 +53,13 @@ def quiet_console() -> None:
 def print_config_tree(cfg: DictConfig, console: Console | None = None) -> None:
     """The composed config as a tree of groups (model, dataset, trainer, ...), each as YAML."""
     tree = rich.tree.Tree("config", guide_style="dim")
+    widest = 0
     for key, value in cfg.items():
         if key == "hydra":
             continue
         branch = tree.add(str(key), style="bold")
-        text = OmegaConf.to_yaml(value, resolve=True) if OmegaConf.is_config(value) else str(value)
-        branch.add(rich.syntax.Syntax(text.rstrip(), "yaml", theme="ansi_dark", background_color="default"))
-    (console or Console()).print(tree)
+        text = (OmegaConf.to_yaml(value, resolve=True) if OmegaConf.is_config(value) else str(value)).rstrip()
+        widest = max([widest, *(len(line) for line in text.splitlines())])
+        branch.add(rich.syntax.Syntax(text, "yaml", theme="ansi_dark", background_color="default"))
+    # Wide enough for the longest line (plus the tree's indent): Rich would crop paths to the terminal width.
+    (console or Console(width=max(Console().width, widest + 12))).print(tree)
