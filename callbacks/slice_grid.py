@@ -120,11 +120,13 @@ def slice_grid(samples: list[Sample], panel_size: int = 256, colorbar: bool = Tr
     vmax = max([float(plane.image.max()) for row in errors for plane in row] + [1e-6])
     with_bar = colorbar and bool(errors)
     pitch = panel_size + GAP
-    width = ROW_LABEL + len(columns) * pitch + (COLORBAR if with_bar else 0)
+    # Row labels never run under the first panel: the column is as wide as the longest subject id needs.
+    label_width = max([ROW_LABEL, *(int(font.getlength(sample.subject)) + 16 for sample in samples)])
+    width = label_width + len(columns) * pitch + (COLORBAR if with_bar else 0)
     grid = Image.new("RGB", (width, HEADER + 3 * len(samples) * pitch), (24, 24, 24))
     draw = ImageDraw.Draw(grid)
     for c, name in enumerate(columns):
-        draw.text((ROW_LABEL + c * pitch + panel_size // 2, HEADER // 2), name, fill="white", font=font, anchor="mm")
+        draw.text((label_width + c * pitch + panel_size // 2, HEADER // 2), name, fill="white", font=font, anchor="mm")
     error_rows = iter(errors)
     for s, sample in enumerate(samples):
         per_column = list(sample_planes[s].values())
@@ -146,7 +148,7 @@ def slice_grid(samples: list[Sample], panel_size: int = 256, colorbar: bool = Tr
                 else:
                     base = _grey(base_planes[p].image) if base_planes else np.zeros((*plane.image.shape, 3), np.float32)
                     rgb = _labels_over(base, plane.image)
-                grid.paste(_panel(rgb, plane, panel_size, small), (ROW_LABEL + c * pitch, top))
+                grid.paste(_panel(rgb, plane, panel_size, small), (label_width + c * pitch, top))
             if with_bar:
-                grid.paste(_colorbar(vmax, panel_size, small), (ROW_LABEL + len(columns) * pitch, top))
+                grid.paste(_colorbar(vmax, panel_size, small), (label_width + len(columns) * pitch, top))
     return np.asarray(grid)

@@ -131,7 +131,8 @@ def test_images_scalars_and_checkpoints_share_one_step_and_hparams_name_the_opti
     assert max(train_steps) < max(psnr_steps) + 1 and len(set(train_steps)) == len(train_steps)
 
     first = Image.open(io.BytesIO(events.Images(TAG)[0].encoded_image_string))
-    assert first.size == (ROW_LABEL + 3 * (256 + GAP) + 70, HEADER + 2 * 3 * (256 + GAP))
+    # Two subjects x three planes of 256 px; the label column widens for long subject ids.
+    assert first.size[1] == HEADER + 2 * 3 * (256 + GAP) and first.size[0] >= ROW_LABEL + 3 * (256 + GAP) + 70
 
     assert {"lr/generator", "lr/discriminator"} <= set(tags["scalars"])
     assert "epoch" not in tags["scalars"]
