@@ -61,6 +61,7 @@ def _snapshot(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", ["checkpoints/lats.ckpt", "checkpoints/broken.ckpt"])
 def test_a_refused_resume_adds_nothing_to_the_run(tmp_path, checkpoint):
     run_dir = _earlier_run(tmp_path)
