@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from medvol.errors import MedvolError
-from medvol.trainer_check import check_trainer
-from tests.conftest import ROOT
+from medvol.run_check import check_run, check_trainer
+from tests.conftest import ROOT, compose_cfg
 
 FAST = ["hardware=cpu", "callbacks.progress_bar=null", "dataset.num_subjects=4", "dataset.size=16", "trainer.max_epochs=1"]
 
@@ -99,3 +99,19 @@ def test_each_trainer_value_lightning_would_refuse_is_named(values, message):
     check_trainer({**good, "precision": "16-mixed", "max_epochs": -1, "limit_test_batches": 3}, "gpu")
     with pytest.raises(MedvolError, match=message.replace("(", r"\(")):
         check_trainer({**good, **values}, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("seed=abc", "`seed`: got 'abc'"),
+        ("optimized_mode=maximum", "`optimized_mode`: got 'maximum'"),
+        ("dataset.num_workers=-1", "`dataset.num_workers`: got -1"),
+        ("model.optimizer.lr=-1", "`model.optimizer`: Invalid learning rate: -1"),
+        ("model.optimizer.lr=abc", r"`model.optimizer`: .*lr=abc"),
+    ],
+)
+def test_values_pytorch_or_the_loader_would_refuse_are_named(tmp_path, override, message):
+    check_run(compose_cfg(tmp_path))
+    with pytest.raises(MedvolError, match=message):
+        check_run(compose_cfg(tmp_path, [override]))

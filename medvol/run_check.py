@@ -1,10 +1,14 @@
-"""Checks the trainer values that only Lightning would reject, so they cost one line before anything runs."""
+"""Checks the values that only Lightning, PyTorch or a loader would reject, so they cost one line before anything runs."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+from omegaconf import DictConfig
+
+from medvol.build import build
 from medvol.errors import MedvolError
 
 PRECISIONS = ("64-true", "32-true", "16-true", "16-mixed", "bf16-true", "bf16-mixed", "64", "32", "16", "bf16")
@@ -72,3 +76,27 @@ def check_trainer(trainer: Mapping[str, Any], accelerator: str) -> None:
             f"`trainer.precision`: got {precision!r} on the CPU, where float16 mixed precision is not supported; "
             "use 32-true or bf16-mixed, or a GPU (`hardware=gpu`)"
         )
+
+
+def check_run(cfg: DictConfig) -> None:
+    """Raise `MedvolError` for a bad `seed`, `optimized_mode`, `dataset.num_workers` or `model.optimizer` value."""
+    seed = cfg.get("seed")
+    if seed is not None and not _whole(seed):
+        raise MedvolError(f"`seed`: got {seed!r}; expected a whole number or null for a random run")
+    mode = cfg.get("optimized_mode", "max")
+    if mode not in ("min", "max"):
+        raise MedvolError(f"`optimized_mode`: got {mode!r}; expected `min` or `max`")
+    workers = cfg.dataset.get("num_workers") if cfg.get("dataset") is not None else None
+    if workers is not None and not (_whole(workers) and workers >= 0):
+        raise MedvolError(f"`dataset.num_workers`: got {workers!r}; expected a whole number >= 0 (0: load in the main process)")
+    optimizer = cfg.model.get("optimizer") if cfg.get("model") is not None else None
+    if optimizer is not None:
+        # PyTorch checks lr, betas, weight decay ... only when the module builds its optimizers inside `fit`.
+        try:
+            build(optimizer)([torch.nn.Parameter(torch.zeros(1))])
+        except (ValueError, TypeError) as err:
+            raise MedvolError(f"`model.optimizer`: {err}; check its values ({_values(optimizer)})") from None
+
+
+def _values(node: DictConfig) -> str:
+    return ", ".join(f"{k}={v}" for k, v in node.items() if not str(k).startswith("_"))
