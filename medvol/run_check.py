@@ -90,10 +90,11 @@ def check_run(cfg: DictConfig) -> None:
     if workers is not None and not (_whole(workers) and workers >= 0):
         raise MedvolError(f"`dataset.num_workers`: got {workers!r}; expected a whole number >= 0 (0: load in the main process)")
     optimizer = cfg.model.get("optimizer") if cfg.get("model") is not None else None
-    if optimizer is not None:
+    if isinstance(optimizer, DictConfig) and "_target_" in optimizer and optimizer.get("_partial_"):
         # PyTorch checks lr, betas, weight decay ... only when the module builds its optimizers inside `fit`.
+        factory = build(optimizer)
         try:
-            build(optimizer)([torch.nn.Parameter(torch.zeros(1))])
+            factory([torch.nn.Parameter(torch.zeros(1))])
         except (ValueError, TypeError) as err:
             raise MedvolError(f"`model.optimizer`: {err}; check its values ({_values(optimizer)})") from None
 
