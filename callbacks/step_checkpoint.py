@@ -14,13 +14,19 @@ from medvol.step import logging_step
 class StepCheckpoint(ModelCheckpoint):
     """`ModelCheckpoint` (same arguments) whose `{step}` is where TensorBoard shows the checkpoint's score.
 
-    That is the step at which the last validation logged its metrics (`medvol.step`), not
-    `global_step`, which counts both optimizers of a GAN; without validation, the current step.
+    That is the step at which the validation just run logged its metrics (`medvol.step`), not
+    `global_step`, which counts both optimizers of a GAN; for saves between validations
+    (`every_n_train_steps`) or without validation, the current step.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._validated_at: int | None = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any) -> None:
+        # Saves every n training steps happen here, before this batch's validation: they take the current step.
+        self._validated_at = None
+        super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
