@@ -41,6 +41,10 @@ class RunDirectoryBefore:
         size = log.stat().st_size if log.is_file() else 0
         return cls(Path(output_dir), hydra_subdir, log, resumed, size, time.time())
 
+    def fresh(self) -> bool:
+        """Whether Hydra made the directory for this command: no resume, nothing logged there before, no checkpoint."""
+        return not self.resumed and self.log_size == 0 and not any(self.output_dir.rglob("*.ckpt"))
+
     def saved_checkpoints(self) -> bool:
         """Whether this command has written a checkpoint (then the run counts: nothing is taken back)."""
         return any(p.stat().st_mtime >= self.started for p in self.output_dir.rglob("*.ckpt"))
@@ -51,9 +55,10 @@ class RunDirectoryBefore:
             return True
         if self.saved_checkpoints():
             return False
-        if not self.resumed:
+        if self.fresh():
             shutil.rmtree(self.output_dir, ignore_errors=True)
             return True
+        # An earlier run's directory (a resume, a SLURM requeue into slurm-<job>): give back only what was added.
         if self.hydra_subdir and Path(self.hydra_subdir).name.startswith("resume-"):
             shutil.rmtree(self.output_dir / self.hydra_subdir, ignore_errors=True)
         if self.log_file.is_file():

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from medvol.errors import MedvolError
+from medvol.refusal import RunDirectoryBefore
 from medvol.run_check import check_run, check_trainer
 from tests.conftest import ROOT, compose_cfg
 
@@ -115,3 +116,24 @@ def test_values_pytorch_or_the_loader_would_refuse_are_named(tmp_path, override,
     check_run(compose_cfg(tmp_path))
     with pytest.raises(MedvolError, match=message):
         check_run(compose_cfg(tmp_path, [override]))
+
+
+def test_take_back_removes_only_a_directory_made_for_the_refused_command(tmp_path):
+    fresh = tmp_path / "runs" / "fresh"
+    (fresh / ".hydra").mkdir(parents=True)
+    (fresh / "train.log").write_text("")
+    before = RunDirectoryBefore.record(str(fresh), ".hydra", str(fresh / "train.log"), resumed=False)
+    (fresh / "train.log").write_text("[INFO] Building datamodule\n")
+    assert before.take_back() and not fresh.exists()
+
+    # A SLURM requeue comes back to slurm-<job> without ckpt_path: an earlier run, never removed.
+    requeued = tmp_path / "runs" / "slurm-42"
+    (requeued / "checkpoints").mkdir(parents=True)
+    (requeued / "checkpoints" / "last.ckpt").write_bytes(b"weights")
+    (requeued / "train.log").write_text("[INFO] first attempt\n")
+    before = RunDirectoryBefore.record(str(requeued), ".hydra", str(requeued / "train.log"), resumed=False)
+    with (requeued / "train.log").open("a") as log:
+        log.write("[INFO] refused attempt\n")
+    assert before.take_back()
+    assert (requeued / "checkpoints" / "last.ckpt").read_bytes() == b"weights"
+    assert (requeued / "train.log").read_text() == "[INFO] first attempt\n"
