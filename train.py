@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 import medvol.resolvers  # noqa: F401 - registers the run-directory resolvers before Hydra composes
 from medvol.console import print_config_tree, quiet_console
 from medvol.errors import MedvolError
+from medvol.override_check import override_error
 from medvol.refusal import RunDirectoryBefore
 from medvol.resolvers import run_dir_of_checkpoint
 from medvol.training import run
@@ -56,4 +57,9 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    # Hydra would report a misspelt key or option in several lines with exit code 1.
+    problem = override_error(Path(__file__).resolve().parent / "conf", "train", sys.argv[1:])
+    if problem:
+        print(f"medvol: error: {problem}", file=sys.stderr)
+        sys.exit(2)
     main()

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from medvol.errors import MedvolError
+from medvol.override_check import override_error
 from medvol.refusal import RunDirectoryBefore
 from medvol.run_check import check_run, check_trainer
-from tests.conftest import ROOT, compose_cfg
+from tests.conftest import CONF_DIR, ROOT, compose_cfg
 
 FAST = ["hardware=cpu", "callbacks.progress_bar=null", "dataset.num_subjects=4", "dataset.size=16", "trainer.max_epochs=1"]
 
@@ -137,3 +138,19 @@ def test_take_back_removes_only_a_directory_made_for_the_refused_command(tmp_pat
     assert before.take_back()
     assert (requeued / "checkpoints" / "last.ckpt").read_bytes() == b"weights"
     assert (requeued / "train.log").read_text() == "[INFO] first attempt\n"
+
+
+def test_a_misspelt_key_or_option_is_one_line_naming_the_override():
+    assert override_error(CONF_DIR, "train", ["model.n_codes=64", "debug=fast", "+extra=1"]) is None
+    key = override_error(CONF_DIR, "train", ["trainer.max_epochs=2", "modle.lr=1"])
+    assert key.startswith("`modle.lr=1`: cannot set this key") and "\n" not in key
+    option = override_error(CONF_DIR, "train", ["model=vqgn"])
+    assert option.startswith("`model=vqgn`: no such option in the `model` group; expected one of: ") and "vqgan" in option
+    # Sweeps and flags are Hydra's to read.
+    assert override_error(CONF_DIR, "train", ["-m", "model.optimizer.lr=1e-4,3e-4"]) is None
+
+
+@pytest.mark.slow
+def test_a_misspelt_key_on_the_command_line_exits_2(tmp_path):
+    _one_error_line(_cli(["modle.lr=1"], tmp_path), "`modle.lr=1`")
+    assert not (tmp_path / "outputs").exists()
