@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from medvol.build import build
 from medvol.errors import MedvolError
@@ -78,8 +78,36 @@ def check_trainer(trainer: Mapping[str, Any], accelerator: str) -> None:
         )
 
 
+def missing_values(cfg: DictConfig) -> list[str]:
+    """Dotted keys whose value is still `???` (a group file's "you must give this"), Hydra's own node aside."""
+
+    def walk(value: Any, key: str) -> list[str]:
+        if isinstance(value, dict):
+            return [m for k, v in value.items() for m in walk(v, f"{key}.{k}")]
+        if isinstance(value, list):
+            return [m for i, v in enumerate(value) for m in walk(v, f"{key}[{i}]")]
+        return [key] if value == "???" else []
+
+    found = []
+    for key in cfg:
+        if key == "hydra":
+            continue
+        if OmegaConf.is_missing(cfg, key):
+            found.append(str(key))
+        elif OmegaConf.is_config(value := cfg[key]):
+            # Unresolved: `???` must be seen as written, and interpolations may need Hydra's runtime.
+            found += walk(OmegaConf.to_container(value, resolve=False), str(key))
+    return found
+
+
 def check_run(cfg: DictConfig) -> None:
-    """Raise `MedvolError` for a bad `seed`, `optimized_mode`, `dataset.num_workers` or `model.optimizer` value."""
+    """Raise `MedvolError` for a required value left out, or a bad `seed`, `optimized_mode`,
+    `dataset.num_workers` or `model.optimizer` value."""
+    missing = missing_values(cfg)
+    if missing:
+        raise MedvolError(
+            f"`{missing[0]}` has no value and this config needs one; give it on the command line, e.g. {missing[0]}=..."
+        )
     seed = cfg.get("seed")
     if seed is not None and not _whole(seed):
         raise MedvolError(f"`seed`: got {seed!r}; expected a whole number or null for a random run")

@@ -106,6 +106,7 @@ def test_each_trainer_value_lightning_would_refuse_is_named(values, message):
 @pytest.mark.parametrize(
     ("override", "message"),
     [
+        ("dataset=nifti", "`dataset.root` has no value"),
         ("seed=abc", "`seed`: got 'abc'"),
         ("optimized_mode=maximum", "`optimized_mode`: got 'maximum'"),
         ("dataset.num_workers=-1", "`dataset.num_workers`: got -1"),
@@ -116,7 +117,7 @@ def test_each_trainer_value_lightning_would_refuse_is_named(values, message):
 def test_values_pytorch_or_the_loader_would_refuse_are_named(tmp_path, override, message):
     check_run(compose_cfg(tmp_path))
     with pytest.raises(MedvolError, match=message):
-        check_run(compose_cfg(tmp_path, [override]))
+        check_run(compose_cfg(tmp_path, [override], tiny=False))
 
 
 def test_take_back_removes_only_a_directory_made_for_the_refused_command(tmp_path):
