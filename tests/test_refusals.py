@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
+from medvol.build import build
 from medvol.errors import MedvolError
 from medvol.override_check import override_error
 from medvol.refusal import RunDirectoryBefore
@@ -155,3 +158,11 @@ def test_a_misspelt_key_or_option_is_one_line_naming_the_override():
 def test_a_misspelt_key_on_the_command_line_exits_2(tmp_path):
     _one_error_line(_cli(["modle.lr=1"], tmp_path), "`modle.lr=1`")
     assert not (tmp_path / "outputs").exists()
+
+
+def test_a_target_that_cannot_be_imported_is_one_line():
+    with pytest.raises(MedvolError, match=r"`_target_: torch.optim.Nope`: no such class"):
+        build(OmegaConf.create({"_target_": "torch.optim.Nope", "_partial_": True}))
+    if importlib.util.find_spec("wandb") is None:
+        with pytest.raises(MedvolError, match=r"WandbLogger` needs a package that is not installed"):
+            build(OmegaConf.create({"_target_": "pytorch_lightning.loggers.WandbLogger", "offline": True}))
