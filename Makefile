@@ -5,9 +5,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.medvol-installed
 ARGS ?=
 
-.PHONY: setup train test test-slow lint clean
+.PHONY: help setup train test test-slow lint clean
 
-setup: $(STAMP)
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## /  make \1\t/' | expand -t 22
+
+setup: $(STAMP)  ## create .venv and install medvol with its dependencies
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,17 +20,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev,slurm,sweep]"
 	touch $(STAMP)
 
-train: setup
+train: setup  ## train with the defaults; pass overrides as ARGS="model=vqgan trainer.max_epochs=5"
 	$(PY) train.py $(ARGS)
 
-test: setup
+test: setup  ## the fast tests (ARGS are passed to pytest)
 	$(PY) -m pytest -q $(ARGS)
 
-test-slow: setup
+test-slow: setup  ## the slow tests (sweeps, DDP, SLURM, command-line runs)
 	$(PY) -m pytest -q -m slow $(ARGS)
 
-lint: setup
+lint: setup  ## ruff
 	$(VENV)/bin/ruff check .
 
-clean:
+clean:  ## remove outputs/ (every run!), multirun/ and pytest caches
 	rm -rf outputs multirun .pytest_cache

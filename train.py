@@ -4,29 +4,62 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import medvol.resolvers  # noqa: F401 - registers the run-directory resolvers before Hydra composes
+from medvol.console import print_config_tree, quiet_console
 from medvol.errors import MedvolError
+from medvol.override_check import override_error
+from medvol.refusal import RunDirectoryBefore
+from medvol.resolvers import run_dir_of_checkpoint
 from medvol.training import run
+from medvol.world import global_rank
 
 log = logging.getLogger("medvol")
 
 
+def _to_log_file_only(record: logging.LogRecord) -> None:
+    """Write a record to the run's train.log only (the console has already shown it, or Hydra will)."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    hydra_cfg = HydraConfig.get()
+    output_dir = hydra_cfg.runtime.output_dir
+    before = RunDirectoryBefore.record(
+        output_dir,
+        hydra_cfg.output_subdir,
+        str(Path(output_dir) / f"{hydra_cfg.job.name}.log"),
+        resumed=run_dir_of_checkpoint(cfg.get("ckpt_path")) is not None,
+    )
+    quiet_console()
     try:
+        if cfg.get("print_config", True) and global_rank() == 0:
+            print_config_tree(cfg)
         metrics = run(cfg)
     except MedvolError as err:
-        # One line for the user; the console handler of Hydra's job logging would print a second copy.
-        log.debug("medvol: error: %s", err)
+        if global_rank() == 0 and not before.take_back():
+            _to_log_file_only(log.makeRecord(log.name, logging.ERROR, __file__, 0, "medvol: error: %s", (err,), None))
         print(f"medvol: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except Exception as err:
+        _to_log_file_only(log.makeRecord(log.name, logging.ERROR, __file__, 0, "run ended by %r", (err,), sys.exc_info()))
+        raise
     metric = cfg.get("optimized_metric")
     return metrics.get(metric) if metric else None
 
 
 if __name__ == "__main__":
+    # Hydra would report a misspelt key or option in several lines with exit code 1.
+    problem = override_error(Path(__file__).resolve().parent / "conf", "train", sys.argv[1:])
+    if problem:
+        print(f"medvol: error: {problem}", file=sys.stderr)
+        sys.exit(2)
     main()

@@ -6,6 +6,7 @@ import json
 import resource
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,9 @@ def peak_host_memory_mb() -> float:
 class RunSummary(pl.Callback):
     """Counts training samples and time, then writes `summary.json` and prints a table at the end.
 
+    A test-only run (`train=false test=true ckpt_path=...`) keeps the training run's
+    `summary.json` and writes `summary-test-<stamp>.json` beside it.
+
     Samples/s is over all ranks (per-rank count x world size) and counts only time spent in
     training batches (validation excluded).
 
@@ -51,6 +55,9 @@ class RunSummary(pl.Callback):
         self.train_seconds = 0.0
         self._batch_start: float | None = None
         self.fit_metrics: dict[str, float] = {}
+        self.fitted = False
+        self._pending: tuple[dict[str, Any], str] | None = None
+        self.started = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()
@@ -63,11 +70,25 @@ class RunSummary(pl.Callback):
             self.samples += _batch_size(batch) * trainer.world_size
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.fitted = True
         self.fit_metrics = self._metrics(trainer)
-        self._report(trainer, "fit")
+        self._write(trainer, "fit")
 
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._report(trainer, "test")
+        self._write(trainer, "test")
+
+    @rank_zero_only
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # After the progress bar's teardown (it comes first in the callback list) and the test table.
+        if self._pending is not None:
+            self._print(*self._pending)
+            self._pending = None
+
+    def summary_file(self, stage: str) -> Path:
+        """`summary.json` for a training run (and its test); a test-only run adds `summary-test-<stamp>.json`."""
+        if stage == "test" and not self.fitted:
+            return self.output_dir / f"summary-test-{self.started}.json"
+        return self.output_dir / "summary.json"
 
     @staticmethod
     def _metrics(trainer: pl.Trainer) -> dict[str, float]:
@@ -101,15 +122,24 @@ class RunSummary(pl.Callback):
         }
 
     @rank_zero_only
-    def _report(self, trainer: pl.Trainer, stage: str) -> None:
+    def _write(self, trainer: pl.Trainer, stage: str) -> None:
         summary = self.summary(trainer)
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        table = Table(title=f"medvol run summary ({stage})", show_header=False)
+        # Never over a training run's record: a test-only command writes a file of its own.
+        path = self.summary_file(stage)
+        path.write_text(json.dumps(summary, indent=2) + "\n")
+        self._pending = ({**summary, "summary": str(path)}, stage)
+
+    def _print(self, summary: dict[str, Any], stage: str) -> None:
+        """Paths as whole lines (a terminal may wrap them, but never inside a name), metrics as a table."""
+        console = Console()
+        console.rule(f"medvol run summary ({stage})")
+        for key in ("run_dir", "summary", "best_checkpoint", "last_checkpoint", "tensorboard"):
+            if summary.get(key):
+                console.print(f"{key:<16} {summary[key]}", soft_wrap=True, highlight=False)
+        table = Table(show_header=False, box=None, padding=(0, 1, 0, 0))
         table.add_column("what", style="bold")
-        table.add_column("value", overflow="fold")
-        for key in ("run_dir", "best_checkpoint", "last_checkpoint", "tensorboard"):
-            table.add_row(key, str(summary[key]))
+        table.add_column("value", justify="right")
         metrics = summary["metrics"]
         shown = [self.optimized_metric] if self.optimized_metric in metrics else []
         shown += [k for k in metrics if k.startswith(("val/", "test/")) and k not in shown]
@@ -119,4 +149,4 @@ class RunSummary(pl.Callback):
         table.add_row("peak host memory", f"{summary['peak_host_memory_mb']} MiB")
         if summary["peak_gpu_memory_mb"] is not None:
             table.add_row("peak GPU memory", f"{summary['peak_gpu_memory_mb']} MiB")
-        Console(width=max(Console().width, 120)).print(table)
+        console.print(table)

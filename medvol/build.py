@@ -1,4 +1,8 @@
-"""`build(node)`: Hydra's instantiate, but a `MedvolError` raised by a constructor reaches the user as itself."""
+"""`build(node)`: Hydra's instantiate, but user errors reach the user as one `MedvolError` line.
+
+A `MedvolError` raised by a constructor is re-raised as itself; a `_target_` that cannot be
+imported (a misspelt class path, a package that is not installed) becomes one.
+"""
 
 from __future__ import annotations
 
@@ -10,14 +14,30 @@ from hydra.errors import InstantiationException
 from medvol.errors import MedvolError
 
 
+def _causes(err: BaseException) -> list[BaseException]:
+    chain = []
+    cause: BaseException | None = err.__cause__
+    while cause is not None and len(chain) < 10:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    return chain
+
+
 def build(node: Any, **kwargs: Any) -> Any:
     """Instantiate a `_target_` config; unwrap Hydra's wrapper around medvol's one-line user errors."""
     try:
         return hydra.utils.instantiate(node, **kwargs)
     except InstantiationException as err:
-        cause = err.__cause__
-        while cause is not None and not isinstance(cause, MedvolError):
-            cause = cause.__cause__
-        if cause is not None:
-            raise cause from None
+        causes = _causes(err)
+        own = next((c for c in causes if isinstance(c, MedvolError)), None)
+        if own is not None:
+            raise own from None
+        missing = next((c for c in causes if isinstance(c, ModuleNotFoundError)), None)
+        target = node.get("_target_") if hasattr(node, "get") else None
+        if str(err).startswith("Error locating target"):
+            raise MedvolError(
+                f"`_target_: {target}`: no such class or function; check the spelling of the class path"
+            ) from None
+        if missing is not None:
+            raise MedvolError(f"`_target_: {target}` needs a package that is not installed ({missing})") from None
         raise

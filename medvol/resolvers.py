@@ -37,7 +37,8 @@ def run_dir_of_checkpoint(ckpt_path: str | None) -> Path | None:
     if not ckpt_path:
         return None
     path = Path(str(ckpt_path)).expanduser().resolve()
-    if path.parent.name == "checkpoints" and (path.parent.parent / ".hydra").is_dir():
+    # A missing file (a typo) is no resume: the command is refused without touching that run.
+    if path.is_file() and path.parent.name == "checkpoints" and (path.parent.parent / ".hydra").is_dir():
         return path.parent.parent
     return None
 

@@ -1,4 +1,4 @@
-"""A TensorBoard logger that flushes its event file every few seconds instead of at every logging step."""
+"""medvol's TensorBoard logger: an HPARAMS tab that compares runs by the metric they optimise, and cheap flushes."""
 
 from __future__ import annotations
 
@@ -9,22 +9,51 @@ from pytorch_lightning.loggers import TensorBoardLogger
 from pytorch_lightning.utilities import rank_zero_only
 
 
-class ThrottledTensorBoardLogger(TensorBoardLogger):
-    """`TensorBoardLogger` whose `save()` (called by Lightning after every logging step) writes to disk
-    at most every `flush_seconds`; the event writer also flushes on its own and at the end of the run.
+class MedvolTensorBoardLogger(TensorBoardLogger):
+    """`TensorBoardLogger` (same arguments) with hparams tied to `optimized_metric` and throttled flushes.
 
-    A flush cost about 30 ms on a busy shared disk, every `log_every_n_steps` steps: the largest
-    fixed cost of medvol's training step (see benchmarks/overhead.py).
+    The hyperparameters are recorded with two metric columns, `hp_metric` and the optimized
+    metric itself; `hp_metric` follows every value logged for the optimized metric. Lightning's
+    `epoch` scalar (a one-point chart for short runs) is left out: the step axis is documented
+    in `medvol.step`.
+
+    `save()`, which Lightning calls after every logging step, writes to disk at most every
+    `flush_seconds`; the event writer also flushes on its own and at the end of the run. A flush
+    cost about 30 ms on a busy shared disk, every `log_every_n_steps` steps: the largest fixed
+    cost of medvol's training step (see benchmarks/overhead.py).
 
     Args:
+        optimized_metric: the metric the run is judged by, e.g. `val/psnr`.
         flush_seconds: least time between two flushes from `save()`.
-        **kwargs: `TensorBoardLogger` arguments.
     """
 
-    def __init__(self, *args: Any, flush_seconds: float = 10.0, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, optimized_metric: str | None = None, flush_seconds: float = 10.0, **kwargs: Any
+    ) -> None:
+        kwargs.setdefault("default_hp_metric", False)
         super().__init__(*args, **kwargs)
+        self.optimized_metric = optimized_metric
         self.flush_seconds = flush_seconds
         self._last_flush = float("-inf")
+        self._declaring = False
+
+    def log_hyperparams(self, params: Any, metrics: dict[str, Any] | None = None, step: int | None = None) -> None:
+        columns = dict.fromkeys(["hp_metric", *([self.optimized_metric] if self.optimized_metric else [])], 0.0)
+        # Lightning writes the declared metric values as scalars; they are placeholders here, not measurements.
+        self._declaring = metrics is None
+        try:
+            super().log_hyperparams(params, metrics=metrics or columns, step=step)
+        finally:
+            self._declaring = False
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        if self._declaring:
+            return
+        metrics = {k: v for k, v in metrics.items() if k != "epoch"}
+        if self.optimized_metric in metrics:
+            metrics["hp_metric"] = metrics[self.optimized_metric]
+        if metrics:
+            super().log_metrics(metrics, step)
 
     @rank_zero_only
     def save(self) -> None:

@@ -15,6 +15,7 @@ from medvol.build import build
 from medvol.checkpoint_check import check_checkpoint
 from medvol.errors import MedvolError
 from medvol.launch import local_ranks
+from medvol.run_check import check_run, check_trainer
 from medvol.sync_batchnorm import layer_sync_plugins
 from medvol.world import (
     World,
@@ -66,6 +67,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     rank 0 and starts the other ranks itself (see `medvol.launch`).
     """
     world = plan_world(cfg.trainer)
+    check_trainer(OmegaConf.to_container(cfg.trainer, resolve=True), world.accelerator)
+    check_run(cfg)
     check_strategy(cfg.get("strategy"), world)
     check_launch(world)
     if global_rank() != 0:

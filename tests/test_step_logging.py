@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from medvol.tensorboard_logger import ThrottledTensorBoardLogger
+from medvol.tensorboard_logger import MedvolTensorBoardLogger
 from medvol.training import run
 
 
@@ -29,7 +29,7 @@ def test_vqgan_epoch_values_are_the_sample_weighted_means_of_its_step_values(tin
 def test_tensorboard_logger_flushes_at_most_every_flush_seconds(tmp_path, monkeypatch):
     calls = []
     for seconds, expected in ((3600.0, 1), (0.0, 5)):
-        logger = ThrottledTensorBoardLogger(save_dir=str(tmp_path), name=f"tb{seconds}", flush_seconds=seconds)
+        logger = MedvolTensorBoardLogger(save_dir=str(tmp_path), name=f"tb{seconds}", flush_seconds=seconds)
         monkeypatch.setattr(logger.experiment, "flush", lambda: calls.append(1))
         calls.clear()
         for _ in range(5):

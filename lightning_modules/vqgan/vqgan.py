@@ -130,6 +130,9 @@ class VQGAN(MedvolModule):
         self.val_metrics = evaluation.clone(prefix="val/")
         self.test_metrics = evaluation.clone(prefix="test/")
 
+    # Learning rates are logged as `lr/<name>`, in the order of `configure_optimizers`.
+    optimizer_names = ("generator", "discriminator")
+
     def configure_optimizers(self) -> Any:
         autoencoder = [*self.encoder.parameters(), *self.decoder.parameters()]
         discriminators = [*self.image_discriminator.parameters(), *self.video_discriminator.parameters()]
@@ -235,23 +238,37 @@ class VQGAN(MedvolModule):
             self.untoggle_optimizer(opt_disc)
             losses["disc_loss"] = disc_loss
 
-        self._log_training({**losses, "loss": ae_loss, "perplexity": quantized.perplexity}, x.shape[0])
+        self._log_training(losses, ae_loss, quantized.perplexity, x.shape[0])
         return ae_loss.detach()
 
-    def _log_training(self, values: dict[str, torch.Tensor], batch_size: int) -> None:
-        """`train/<term>_step` at Lightning's logging cadence; the epoch's sample-weighted means at its end.
+    def _log_training(
+        self, losses: dict[str, torch.Tensor], generator_loss: torch.Tensor, perplexity: torch.Tensor, batch_size: int
+    ) -> None:
+        """Each term under its own name, the GAN terms as `train/gan_*`, and two totals.
 
-        Every `self.log` call goes through Lightning's result bookkeeping, and with `on_epoch` it must
-        run at every step: for these eight terms it was most of medvol's fixed cost per step
-        (docs/BENCHMARKS.md, overhead). Here a step only adds the detached values to running sums.
+        `train/loss` sums the terms that are on from the first batch (reconstruction,
+        commitment, perceptual), so its curve does not jump when the discriminators start;
+        `train/generator_loss` is what the generator minimises, GAN terms included from
+        `discriminator_iter_start` on.
+
+        Values go out as `train/<term>_step` at Lightning's logging cadence, and as the epoch's
+        sample-weighted means at its end. Every `self.log` call goes through Lightning's result
+        bookkeeping, and with `on_epoch` it must run at every step: for these terms it was most of
+        medvol's fixed cost per step (docs/BENCHMARKS.md, overhead). Here a step only adds the
+        detached values to running sums.
         """
+        names = {"g_adv_loss": "gan_generator", "gan_feat_loss": "gan_feature_matching", "disc_loss": "gan_discriminator"}
+        values = {names.get(k, k): v.detach() for k, v in losses.items()}
+        values["loss"] = sum(v.detach() for k, v in losses.items() if k not in names)
+        values["generator_loss"] = generator_loss.detach()
+        values["perplexity"] = perplexity.detach()
         for name, value in values.items():
             total, count = self._train_sums.get(name, (0.0, 0))
-            self._train_sums[name] = (value.detach() * batch_size + total, count + batch_size)
+            self._train_sums[name] = (value * batch_size + total, count + batch_size)
         # The same test Lightning applies before sending step values to the loggers.
         if self.trainer._logger_connector.should_update_logs or self.trainer.fast_dev_run:
             for name, value in values.items():
-                self.log(f"train/{name}_step", value.detach(), on_step=True, on_epoch=False, prog_bar=name == "loss",
+                self.log(f"train/{name}_step", value, on_step=True, on_epoch=False, prog_bar=name == "loss",
                          batch_size=batch_size)
 
     def on_train_epoch_start(self) -> None:
@@ -281,7 +298,7 @@ class VQGAN(MedvolModule):
         metrics[f"{prefix}perplexity"].update(quantized.perplexity, weight=batch_size)
         for name, metric in metrics.items():
             self.log(name, metric, prog_bar=name in ("val/psnr", "val/ssim"), batch_size=batch_size)
-        return {"volumes": {"input": x.detach(), "reconstruction": x_rec.detach()}}
+        return {"volumes": {"input": x.detach(), "reconstruction": x_rec.detach()}, "difference": ("reconstruction", "input")}
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         return self._evaluate(batch, self.val_metrics)

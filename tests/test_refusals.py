@@ -1,0 +1,168 @@
+"""Every bad value is one `medvol: error:` line with exit code 2, and a refused command leaves no trace."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from medvol.build import build
+from medvol.errors import MedvolError
+from medvol.override_check import override_error
+from medvol.refusal import RunDirectoryBefore
+from medvol.run_check import check_run, check_trainer
+from tests.conftest import CONF_DIR, ROOT, compose_cfg
+
+FAST = ["hardware=cpu", "callbacks.progress_bar=null", "dataset.num_subjects=4", "dataset.size=16", "trainer.max_epochs=1"]
+
+
+def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240
+    )
+
+
+def _one_error_line(done: subprocess.CompletedProcess, *expected: str) -> None:
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    errors = [line for line in lines if "medvol: error:" in line]
+    assert len(errors) == 1 and all(e in errors[0] for e in expected), lines
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("trainer.max_epochs=-5", "`trainer.max_epochs`: got -5"),
+        # Each command costs a Python start-up; the rule is the same, so these two run with `make test-slow`.
+        pytest.param("trainer.limit_train_batches=-1", "`trainer.limit_train_batches`: got -1", marks=pytest.mark.slow),
+        pytest.param("trainer.precision=bf17", "`trainer.precision`: got 'bf17'", marks=pytest.mark.slow),
+    ],
+)
+def test_values_only_lightning_checks_end_in_one_line_and_leave_no_run_directory(tmp_path, override, key):
+    done = _cli([*FAST, override], tmp_path)
+    _one_error_line(done, key)
+    assert not (tmp_path / "outputs" / "train" / "runs").exists() or not any((tmp_path / "outputs" / "train" / "runs").iterdir())
+
+
+def _earlier_run(tmp_path: Path) -> Path:
+    """A run directory as a finished run leaves it (the refusals below happen before any training)."""
+    run_dir = tmp_path / "outputs" / "train" / "runs" / "2026-01-01_00-00-00"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text("seed: 42\n")
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "broken.ckpt").write_bytes(b"not a checkpoint")
+    (run_dir / "train.log").write_text("[INFO] the earlier run's record\n")
+    return run_dir
+
+
+def _snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint", ["checkpoints/lats.ckpt", "checkpoints/broken.ckpt"])
+def test_a_refused_resume_adds_nothing_to_the_run(tmp_path, checkpoint):
+    run_dir = _earlier_run(tmp_path)
+    before = _snapshot(run_dir)
+    done = _cli([*FAST, f"ckpt_path={run_dir / checkpoint}"], tmp_path)
+    _one_error_line(done, "`ckpt_path`", checkpoint.split("/")[1])
+    assert _snapshot(run_dir) == before
+    assert sorted(p.name for p in run_dir.parent.iterdir()) == [run_dir.name]
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"max_epochs": -5}, "`trainer.max_epochs`: got -5; expected a whole number >= -1"),
+        ({"max_steps": -2}, "`trainer.max_steps`"),
+        ({"min_epochs": 1.5}, "`trainer.min_epochs`"),
+        ({"limit_val_batches": 1.5}, "`trainer.limit_val_batches`: got 1.5"),
+        ({"overfit_batches": -0.1}, "`trainer.overfit_batches`"),
+        ({"check_val_every_n_epoch": 0}, "`trainer.check_val_every_n_epoch`"),
+        ({"val_check_interval": 0.0}, "`trainer.val_check_interval`"),
+        ({"log_every_n_steps": -1}, "`trainer.log_every_n_steps`"),
+        ({"num_sanity_val_steps": -2}, "`trainer.num_sanity_val_steps`"),
+        ({"accumulate_grad_batches": 0}, "`trainer.accumulate_grad_batches`"),
+        ({"gradient_clip_val": -1.0}, "`trainer.gradient_clip_val`"),
+        ({"gradient_clip_algorithm": "clip"}, "`trainer.gradient_clip_algorithm`"),
+        ({"fast_dev_run": -1}, "`trainer.fast_dev_run`"),
+        ({"precision": "bf17"}, "`trainer.precision`: got 'bf17'"),
+        ({"precision": "16-mixed"}, "on the CPU"),
+    ],
+)
+def test_each_trainer_value_lightning_would_refuse_is_named(values, message):
+    good = {"max_epochs": 2, "precision": "32-true", "limit_train_batches": None, "limit_val_batches": 0.5,
+            "accumulate_grad_batches": 1, "num_sanity_val_steps": -1, "fast_dev_run": False}
+    check_trainer(good, "cpu")
+    check_trainer({**good, "precision": "16-mixed", "max_epochs": -1, "limit_test_batches": 3}, "gpu")
+    with pytest.raises(MedvolError, match=message.replace("(", r"\(")):
+        check_trainer({**good, **values}, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("dataset=nifti", "`dataset.root` has no value"),
+        ("seed=abc", "`seed`: got 'abc'"),
+        ("optimized_mode=maximum", "`optimized_mode`: got 'maximum'"),
+        ("dataset.num_workers=-1", "`dataset.num_workers`: got -1"),
+        ("model.optimizer.lr=-1", "`model.optimizer`: Invalid learning rate: -1"),
+        ("model.optimizer.lr=abc", r"`model.optimizer`: .*lr=abc"),
+    ],
+)
+def test_values_pytorch_or_the_loader_would_refuse_are_named(tmp_path, override, message):
+    check_run(compose_cfg(tmp_path))
+    with pytest.raises(MedvolError, match=message):
+        check_run(compose_cfg(tmp_path, [override], tiny=False))
+
+
+def test_take_back_removes_only_a_directory_made_for_the_refused_command(tmp_path):
+    fresh = tmp_path / "runs" / "fresh"
+    (fresh / ".hydra").mkdir(parents=True)
+    (fresh / "train.log").write_text("")
+    before = RunDirectoryBefore.record(str(fresh), ".hydra", str(fresh / "train.log"), resumed=False)
+    (fresh / "train.log").write_text("[INFO] Building datamodule\n")
+    assert before.take_back() and not fresh.exists()
+
+    # A SLURM requeue comes back to slurm-<job> without ckpt_path: an earlier run, never removed.
+    requeued = tmp_path / "runs" / "slurm-42"
+    (requeued / "checkpoints").mkdir(parents=True)
+    (requeued / "checkpoints" / "last.ckpt").write_bytes(b"weights")
+    (requeued / "train.log").write_text("[INFO] first attempt\n")
+    before = RunDirectoryBefore.record(str(requeued), ".hydra", str(requeued / "train.log"), resumed=False)
+    with (requeued / "train.log").open("a") as log:
+        log.write("[INFO] refused attempt\n")
+    assert before.take_back()
+    assert (requeued / "checkpoints" / "last.ckpt").read_bytes() == b"weights"
+    assert (requeued / "train.log").read_text() == "[INFO] first attempt\n"
+
+
+def test_a_misspelt_key_or_option_is_one_line_naming_the_override():
+    assert override_error(CONF_DIR, "train", ["model.n_codes=64", "debug=fast", "+extra=1"]) is None
+    key = override_error(CONF_DIR, "train", ["trainer.max_epochs=2", "modle.lr=1"])
+    assert key.startswith("`modle.lr=1`: cannot set this key") and "\n" not in key
+    option = override_error(CONF_DIR, "train", ["model=vqgn"])
+    assert option.startswith("`model=vqgn`: no such option in the `model` group; expected one of: ") and "vqgan" in option
+    # Sweeps and flags are Hydra's to read.
+    assert override_error(CONF_DIR, "train", ["-m", "model.optimizer.lr=1e-4,3e-4"]) is None
+
+
+@pytest.mark.slow
+def test_a_misspelt_key_on_the_command_line_exits_2(tmp_path):
+    _one_error_line(_cli(["modle.lr=1"], tmp_path), "`modle.lr=1`")
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_a_target_that_cannot_be_imported_is_one_line():
+    with pytest.raises(MedvolError, match=r"`_target_: torch.optim.Nope`: no such class"):
+        build(OmegaConf.create({"_target_": "torch.optim.Nope", "_partial_": True}))
+    if importlib.util.find_spec("wandb") is None:
+        with pytest.raises(MedvolError, match=r"WandbLogger` needs a package that is not installed"):
+            build(OmegaConf.create({"_target_": "pytorch_lightning.loggers.WandbLogger", "offline": True}))
