@@ -10,6 +10,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_modules.base import MedvolModule
+from medvol.atomic_checkpoint import checkpoint_io_plugins
 from medvol.batch_arithmetic import BatchArithmetic, scale_learning_rates
 from medvol.build import build
 from medvol.checkpoint_check import check_checkpoint
@@ -96,7 +97,7 @@ def _run(cfg: DictConfig, world: World) -> dict[str, float]:
     settings = trainer_settings(cfg, module)
     settings.pop("_target_", None)
     strategy = build_strategy(cfg.get("strategy"), world, manual_optimization=not module.automatic_optimization)
-    plugins = layer_sync_plugins(settings, world.accelerator, world.size)
+    plugins = [*layer_sync_plugins(settings, world.accelerator, world.size), *checkpoint_io_plugins(strategy)]
     trainer = pl.Trainer(
         **settings, callbacks=callbacks, logger=loggers or False, strategy=strategy, plugins=plugins or None
     )
