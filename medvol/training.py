@@ -16,7 +16,7 @@ from medvol.build import build
 from medvol.checkpoint_check import check_checkpoint
 from medvol.errors import MedvolError
 from medvol.launch import local_ranks
-from medvol.process_group import release_process_group
+from medvol.process_group import release_at_exit, run_started
 from medvol.sync_batchnorm import layer_sync_plugins
 from medvol.world import (
     World,
@@ -77,9 +77,10 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if starts_own_ranks(cfg.get("strategy"), world):
         with local_ranks(cfg, world.devices):
             return _run(cfg, world)
+    run_started()
     metrics = _run(cfg, world)
-    # Destroyed here, not at interpreter exit, where gloo's threads abort the process (see medvol.process_group).
-    release_process_group()
+    # Gloo's threads abort a process whose group outlives the interpreter (see medvol.process_group).
+    release_at_exit()
     return metrics
 
 
