@@ -95,7 +95,7 @@ def local_ranks(cfg: DictConfig, devices: int) -> Iterator[None]:
     On leaving, the other ranks have exited (or been stopped), the process group is gone and
     the environment is as before, so the next job of a sweep starts clean.
     """
-    import torch.distributed as dist
+    from medvol.process_group import release_process_group
 
     config_path = _save_config(cfg)
     rank_env = {
@@ -127,8 +127,8 @@ def local_ranks(cfg: DictConfig, devices: int) -> Iterator[None]:
             _stop(children)
         else:
             _wait_for(children)
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        # After the other ranks have gone: rank 0 holds the rendezvous store they talk to until then.
+        release_process_group()
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)

@@ -10,11 +10,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_modules.base import MedvolModule
+from medvol.atomic_checkpoint import checkpoint_io_plugins
 from medvol.batch_arithmetic import BatchArithmetic, scale_learning_rates
 from medvol.build import build
 from medvol.checkpoint_check import check_checkpoint
 from medvol.errors import MedvolError
 from medvol.launch import local_ranks
+from medvol.process_group import release_at_exit, run_started
 from medvol.run_check import check_run, check_trainer
 from medvol.sync_batchnorm import layer_sync_plugins
 from medvol.world import (
@@ -78,7 +80,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if starts_own_ranks(cfg.get("strategy"), world):
         with local_ranks(cfg, world.devices):
             return _run(cfg, world)
-    return _run(cfg, world)
+    run_started()
+    metrics = _run(cfg, world)
+    # Gloo's threads abort a process whose group outlives the interpreter (see medvol.process_group).
+    release_at_exit()
+    return metrics
 
 
 def _run(cfg: DictConfig, world: World) -> dict[str, float]:
@@ -99,7 +105,7 @@ def _run(cfg: DictConfig, world: World) -> dict[str, float]:
     settings = trainer_settings(cfg, module)
     settings.pop("_target_", None)
     strategy = build_strategy(cfg.get("strategy"), world, manual_optimization=not module.automatic_optimization)
-    plugins = layer_sync_plugins(settings, world.accelerator, world.size)
+    plugins = [*layer_sync_plugins(settings, world.accelerator, world.size), *checkpoint_io_plugins(strategy)]
     trainer = pl.Trainer(
         **settings, callbacks=callbacks, logger=loggers or False, strategy=strategy, plugins=plugins or None
     )
