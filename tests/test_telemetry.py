@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytorch_lightning as pl
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.data import Dataset
 
@@ -48,11 +49,20 @@ class CachedPhantoms(SyntheticDataModule):
         return [dataset[i] for i in range(len(dataset))]  # type: ignore[return-value]
 
 
-def _train(tiny_cfg, source: str, subjects: int, caplog: pytest.LogCaptureFixture) -> tuple[dict[str, Any], list[str]]:
+class SlowStep(pl.Callback):
+    """Makes every training step compute for 50 ms more, so the loader's share does not hang on the machine's load."""
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        time.sleep(0.05)
+
+
+def _train(
+    tiny_cfg, source: str, subjects: int, caplog: pytest.LogCaptureFixture, *extra: str
+) -> tuple[dict[str, Any], list[str]]:
     # Discriminators off: a cheaper step, so the test is about the loader.
     cfg = tiny_cfg(
         f"dataset._target_=tests.test_telemetry.{source}", f"dataset.num_subjects={subjects}",
-        "model.discriminator_iter_start=100",
+        "model.discriminator_iter_start=100", *extra,
     )
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="medvol"):
@@ -84,7 +94,9 @@ def test_data_wait_is_near_one_for_a_slow_loader_and_warns_with_the_remedies(tin
 
 
 def test_data_wait_is_near_zero_for_a_cached_loader_and_nothing_is_warned(tiny_cfg, caplog):
-    telemetry, warnings = _train(tiny_cfg, "CachedPhantoms", 16, caplog)
+    telemetry, warnings = _train(
+        tiny_cfg, "CachedPhantoms", 16, caplog, "+callbacks.slow_step._target_=tests.test_telemetry.SlowStep"
+    )
     assert telemetry["data_wait_fraction"] < 0.1
     assert telemetry["steps"] == 5
     assert warnings == []
