@@ -56,11 +56,13 @@ def test_codebook_restarts_dead_codes_and_quantises_to_nearest():
 
 
 def test_straight_through_gradient_reaches_the_encoder_output():
-    codebook = EMACodebook(n_codes=4, embedding_dim=3).train()
+    # Commitment weight 0: the straight-through value is the encoder output's only path to a gradient.
+    codebook = EMACodebook(n_codes=4, embedding_dim=3, commitment_weight=0.0).train()
     z = torch.randn(1, 3, 2, 2, 2, requires_grad=True)
     out = codebook(z)
     (out.embeddings.sum() + out.commitment_loss).backward()
-    assert z.grad is not None and z.grad.abs().sum() > 0
+    # The decoder's gradient is copied onto the encoder output unchanged.
+    assert z.grad is not None and torch.equal(z.grad, torch.ones_like(z))
 
 
 def test_random_slices_picks_one_axial_slice_per_sample():
@@ -152,3 +154,16 @@ def test_validation_logs_slice_grids_to_tensorboard(tiny_cfg, tmp_path):
     assert any("input|reconstruction" in t for t in tags)
     image = accumulator.Images(tags[0])[0]
     assert image.width == 6 * 16 and image.height == 2 * 16  # 3 planes x (input, reconstruction), 2 samples
+
+
+def test_least_squares_discriminator_loss_is_the_squared_distance_to_the_target(tiny_cfg):
+    model = VQGAN(n_hiddens=8, n_codes=16, disc_channels=8, disc_layers=2, disc_loss_type="least_squares")
+    logits = torch.tensor([[0.5, -1.0, 2.0]])
+    real = model.adversarial(logits, target_is_real=True, for_discriminator=True)
+    fake = model.adversarial(logits, target_is_real=False, for_discriminator=True)
+    # MONAI's least-squares criterion puts the logits through a leaky ReLU (slope 0.05) first.
+    activated = torch.nn.functional.leaky_relu(logits, 0.05)
+    assert real.item() == pytest.approx(((activated - 1) ** 2).mean().item())
+    assert fake.item() == pytest.approx((activated**2).mean().item())
+    metrics = run(tiny_cfg("model.disc_loss_type=least_squares", "model.discriminator_iter_start=0", "trainer.fast_dev_run=true"))
+    assert metrics["train/disc_loss_step"] > 0
