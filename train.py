@@ -22,7 +22,10 @@ def main(cfg: DictConfig) -> float | None:
     except MedvolError as err:
         # One line for the user; the console handler of Hydra's job logging would print a second copy.
         log.debug("medvol: error: %s", err)
-        print(f"medvol: error: {err}", file=sys.stderr)
+        # One write: with PYTHONUNBUFFERED (common in batch jobs) print() writes the newline separately,
+        # and the same line from another rank would land in between.
+        sys.stderr.write(f"medvol: error: {err}\n")
+        sys.stderr.flush()
         sys.exit(2)
     metric = cfg.get("optimized_metric")
     return metrics.get(metric) if metric else None

@@ -83,7 +83,8 @@ MUTATIONS = [
         "accumulation-unscaled", "lightning_modules/vqgan/vqgan.py",
         "scale = 1.0 / self.accumulate_grad_batches", "scale = 1.0",
         ("tests/test_vqgan.py::test_accumulation_steps_every_n_batches_and_discriminator_start_counts_batches",
-         "tests/test_ddp_correctness.py::test_vqgan_manual_optimization_matches_single_process"),
+         "tests/test_ddp_correctness.py::test_vqgan_manual_optimization_matches_single_process",
+         "tests/test_vqgan.py::test_accumulating_two_batches_of_one_steps_like_one_batch_of_two"),
         "manual-optimization gradients summed, not averaged, over accumulated batches",
     ),
     Mutation(
@@ -139,7 +140,8 @@ MUTATIONS = [
         "disk-cache-one-folder", "datamodules/sources/nifti.py",
         'fingerprint({"class": type(self).__name__, "settings": asdict(self.settings), "extra": self.cache_key()})',
         'fingerprint({"class": type(self).__name__, "extra": self.cache_key()})',
-        ("tests/test_data_cache.py",),
+        ("tests/test_data_cache.py::test_disk_cache_gets_a_new_folder_when_the_transform_settings_change",
+         "tests/test_data_cache.py::test_cached_items_equal_uncached_ones"),
         "disk cache reused after a change of transform settings",
     ),
     Mutation(
@@ -172,16 +174,19 @@ def copy_repository(destination: Path) -> None:
             shutil.copy2(source, target)
 
 
-def pytest(copy: Path, tests: Sequence[str]) -> tuple[bool, float]:
-    """Run `tests` (slow ones too) in `copy`; True when they all pass."""
+def pytest(copy: Path, tests: Sequence[str]) -> tuple[bool, float, str]:
+    """Run `tests` (slow ones too) in `copy`: whether they all pass, the seconds, the first failure's line."""
     env = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "", "-p", "no:cacheprovider", *tests]
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-rfE", "-m", "", "-p", "no:cacheprovider", *tests]
     start = time.perf_counter()
     try:
         result = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
     except subprocess.TimeoutExpired:
-        return False, time.perf_counter() - start
-    return result.returncode == 0, time.perf_counter() - start
+        return False, time.perf_counter() - start, f"timed out after {RUN_TIMEOUT} s"
+    failures = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    if result.returncode != 0:
+        (copy / "last-failure.txt").write_text(result.stdout + result.stderr)
+    return result.returncode == 0, time.perf_counter() - start, (failures or [""])[0][:200]
 
 
 def check_imports_from(copy: Path) -> None:
@@ -228,17 +233,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             (copy / m.file).write_text((ROOT / m.file).read_text())
         if not args.no_baseline:
             tests = list(dict.fromkeys(t for m in chosen for t in m.tests))
-            passed, seconds = pytest(copy, tests)
+            passed, seconds, failure = pytest(copy, tests)
             print(f"baseline: {len(tests)} test selections on the unmutated copy {'pass' if passed else 'FAIL'} ({seconds:.0f} s)")
+            if failure:
+                print(f"  {failure}")
             if not passed:
+                print((copy / "last-failure.txt").read_text()[-6000:])
                 return 1
         rows = []
         for m in chosen:
             original = apply(copy, m)
-            passed, seconds = pytest(copy, m.tests)
+            passed, seconds, failure = pytest(copy, m.tests)
             (copy / m.file).write_text(original)
             rows.append((m, not passed, seconds))
-            print(f"{m.name}: {'caught' if not passed else 'NOT CAUGHT'} ({seconds:.0f} s)", flush=True)
+            # The failing test's line shows it failed for the mutation, not for an unrelated reason.
+            print(f"{m.name}: {'caught' if not passed else 'NOT CAUGHT'} ({seconds:.0f} s) {failure}", flush=True)
 
     print("\n| mutation | what it breaks | tests run | caught | s |\n|---|---|---|---|---|")
     for m, caught, seconds in rows:
