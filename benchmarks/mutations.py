@@ -82,9 +82,8 @@ MUTATIONS = [
     Mutation(
         "accumulation-unscaled", "lightning_modules/vqgan/vqgan.py",
         "scale = 1.0 / self.accumulate_grad_batches", "scale = 1.0",
-        ("tests/test_vqgan.py::test_accumulation_steps_every_n_batches_and_discriminator_start_counts_batches",
-         "tests/test_ddp_correctness.py::test_vqgan_manual_optimization_matches_single_process",
-         "tests/test_vqgan.py::test_accumulating_two_batches_of_one_steps_like_one_batch_of_two"),
+        ("tests/test_vqgan.py::test_accumulating_two_batches_of_one_steps_like_one_batch_of_two",
+         "tests/test_vqgan.py::test_accumulation_steps_every_n_batches_and_discriminator_start_counts_batches"),
         "manual-optimization gradients summed, not averaged, over accumulated batches",
     ),
     Mutation(
@@ -150,6 +149,31 @@ MUTATIONS = [
         "        if False:\n            # A rank without a batch",
         ("tests/test_ddp_failures.py::test_a_validation_split_with_fewer_subjects_than_ranks_stops_with_one_line",),
         "no check that every rank has a validation subject",
+    ),
+    Mutation(
+        "evaluation-padded", "datamodules/pipeline/volume_datamodule.py",
+        "EvaluationSampler(dataset, even_divisible=False,", "EvaluationSampler(dataset, even_divisible=True,",
+        ("tests/test_ddp_correctness.py::test_validation_and_test_metrics_identical_on_ranks_and_single_process",),
+        "validation pads uneven ranks with duplicate subjects",
+    ),
+    Mutation(
+        "doctor-gzip-trailer", "datamodules/pipeline/check.py",
+        "    return stored != expected % 2**32", "    return False",
+        ("tests/test_data_doctor.py",),
+        "the cheap check no longer spots truncated .nii.gz files",
+    ),
+    Mutation(
+        "codebook-flag-not-saved", "lightning_modules/vqgan/codebook.py",
+        'self.register_buffer("initialized", torch.tensor(False))',
+        'self.register_buffer("initialized", torch.tensor(False), persistent=False)',
+        ("tests/test_train.py::test_resumed_run_matches_uninterrupted_run_and_keeps_the_codebook",),
+        "a resumed run re-initialises the codebook",
+    ),
+    Mutation(
+        "csv-log-not-continued", "medvol/csv_logger.py",
+        "        if self._fs.isfile(self.metrics_file_path):", "        if False:",
+        ("tests/test_train.py::test_resumed_run_matches_uninterrupted_run_and_keeps_the_codebook",),
+        "a resumed run's metrics.csv does not adopt the earlier header",
     ),
     Mutation(
         "find-unused-off", "conf/strategy/ddp_find_unused.yaml",
