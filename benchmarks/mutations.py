@@ -248,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{m.name:<28} {m.file:<45} {m.what}")
         return 0
 
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="medvol-mutations-") as tmp:
         copy = Path(tmp)
         copy_repository(copy)
@@ -269,16 +270,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             original = apply(copy, m)
             passed, seconds, failure = pytest(copy, m.tests)
             (copy / m.file).write_text(original)
-            rows.append((m, not passed, seconds))
+            rows.append((m, not passed, seconds, failure))
             # The failing test's line shows it failed for the mutation, not for an unrelated reason.
             print(f"{m.name}: {'caught' if not passed else 'NOT CAUGHT'} ({seconds:.0f} s) {failure}", flush=True)
 
-    print("\n| mutation | what it breaks | tests run | caught | s |\n|---|---|---|---|---|")
-    for m, caught, seconds in rows:
-        tests = "<br>".join(f"`{t.removeprefix('tests/')}`" for t in m.tests)
-        print(f"| `{m.name}` | {m.what} | {tests} | {'yes' if caught else '**no**'} | {seconds:.0f} |")
-    missed = [m.name for m, caught, _ in rows if not caught]
+    print("\n| mutation | what it breaks | caught by (first failing test) | s |\n|---|---|---|---|")
+    for m, caught, seconds, failure in rows:
+        if caught:
+            # "FAILED tests/x.py::name - AssertionError..." -> "x.py::name"
+            by = f"`{failure.split(' ', 1)[1].split(' - ')[0].removeprefix('tests/')}`" if " " in failure else "yes"
+        else:
+            by = "**not caught** by " + ", ".join(f"`{t.removeprefix('tests/')}`" for t in m.tests)
+        print(f"| `{m.name}` | {m.what} | {by} | {seconds:.0f} |")
+    missed = [m.name for m, caught, _, _ in rows if not caught]
     print(f"\n{len(rows) - len(missed)} of {len(rows)} mutations caught" + (f"; not caught: {', '.join(missed)}" if missed else ""))
+    print(f"{time.perf_counter() - started:.0f} s in all")
     return 0
 
 
