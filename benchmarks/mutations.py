@@ -253,9 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         copy = Path(tmp)
         copy_repository(copy)
         check_imports_from(copy)
-        for m in chosen:
-            apply(copy, m)  # every original text is found before any test runs
-            (copy / m.file).write_text((ROOT / m.file).read_text())
+        for m in chosen:  # every original text is found before any test runs
+            (copy / m.file).write_text(apply(copy, m))
         if not args.no_baseline:
             tests = list(dict.fromkeys(t for m in chosen for t in m.tests))
             passed, seconds, failure = pytest(copy, tests)
@@ -263,7 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if failure:
                 print(f"  {failure}")
             if not passed:
-                print((copy / "last-failure.txt").read_text()[-6000:])
+                report = copy / "last-failure.txt"
+                print(report.read_text()[-6000:] if report.is_file() else "")
                 return 1
         rows = []
         for m in chosen:
