@@ -47,7 +47,10 @@ def main(cfg: DictConfig) -> float | None:
     except MedvolError as err:
         if global_rank() == 0 and not before.take_back():
             _to_log_file_only(log.makeRecord(log.name, logging.ERROR, __file__, 0, "medvol: error: %s", (err,), None))
-        print(f"medvol: error: {err}", file=sys.stderr)
+        # One write: with PYTHONUNBUFFERED (common in batch jobs) print() writes the newline separately,
+        # and the same line from another rank would land in between.
+        sys.stderr.write(f"medvol: error: {err}\n")
+        sys.stderr.flush()
         sys.exit(2)
     except Exception as err:
         _to_log_file_only(log.makeRecord(log.name, logging.ERROR, __file__, 0, "run ended by %r", (err,), sys.exc_info()))

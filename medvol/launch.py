@@ -178,7 +178,9 @@ def main(argv: list[str]) -> int:
     try:
         run(cfg)
     except MedvolError as err:
-        print(f"medvol: error: {err}", file=sys.stderr)
+        # One write, so that rank 0's copy of the same line cannot land inside it (see train.py).
+        sys.stderr.write(f"medvol: error: {err}\n")
+        sys.stderr.flush()
         return 2
     return 0
 

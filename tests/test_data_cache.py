@@ -172,3 +172,32 @@ def test_train_py_with_two_ddp_ranks_and_a_partitioned_cache(volumes, tmp_path):
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert list(tmp_path.glob("train/runs/*/checkpoints/last.ckpt"))
+
+
+def test_disk_cache_gets_a_new_folder_when_the_transform_settings_change(volumes, tmp_path):
+    cache_dir = str(tmp_path / "cache")
+    first = _datamodule(volumes, cache="disk", cache_dir=cache_dir)
+    changed = {"spatial_size": [12, 12, 12], "intensity": "window", "output_range": [0.0, 1.0]}
+    second = _datamodule(volumes, cache="disk", cache_dir=cache_dir, transforms=changed)
+    plain = _datamodule(volumes, transforms=changed)
+    for datamodule in (first, second, plain):
+        datamodule.setup()
+    # The second settings read their own items, not the first settings' cached ones.
+    assert torch.equal(second.datasets["val"][0]["image"], plain.datasets["val"][0]["image"])
+    assert not torch.equal(second.datasets["val"][0]["image"], first.datasets["val"][0]["image"])
+    assert len(list((tmp_path / "cache").glob("*/val"))) == 2
+
+
+def test_each_loader_worker_draws_its_own_random_transforms(tmp_path):
+    # Every subject holds the same volume, so only the random flips tell the draws apart.
+    root = write_nifti_folder(tmp_path / "ct", 10, 12, modalities=("ct",), label=False)
+    for folder in sorted(root.iterdir())[1:]:
+        (folder / "ct.nii.gz").write_bytes((root / "sub-000" / "ct.nii.gz").read_bytes())
+    transforms = {"spatial_size": [12, 12, 12], "intensity": "window", "flip_prob": 0.5}
+    datamodule = _datamodule(root, transforms=transforms, num_workers=2, batch_size=1, val_fraction=0.1, test_fraction=0.1)
+    datamodule.setup()
+    draws = [batch["image"][0] for batch in datamodule.train_dataloader()]
+    assert len(draws) == 8
+    # Workers take batches in turns (0, 1, 0, 1, ...); workers seeded alike would draw equal pairs.
+    pairs = [torch.equal(draws[i], draws[i + 1]) for i in range(0, len(draws), 2)]
+    assert not all(pairs), "both loader workers drew the same random flips"

@@ -14,7 +14,8 @@ import pytest
 from datamodules.pipeline.check import main as check_main
 from datamodules.sources.brats import BratsDataModule
 from datamodules.sources.csv_table import CsvDataModule
-from datamodules.sources.example_data import write_brats, write_mace_csv
+from datamodules.sources.example_data import write_brats, write_mace_csv, write_nifti_folder
+from datamodules.sources.nifti import NiftiDataModule
 from medvol.errors import MedvolError
 from medvol.training import run
 from tests.conftest import ROOT
@@ -133,3 +134,76 @@ def test_check_command_line(tmp_path, capsys):
     assert "no problems found in 2 subject(s)" in good.stdout
     assert check_main(["dataset=brats", f"dataset.root={tmp_path / 'nowhere'}"]) == 2
     assert capsys.readouterr().err.startswith("medvol: error: `dataset.root`")
+
+
+def _nifti_problems(root: Path, **kwargs) -> dict[str, str]:
+    """subject -> its problems (joined) from a full check of a NIfTI folder with labels."""
+    settings = {"root": str(root), "image_modalities": ["ct"], "label_file": "{subject}/label.nii.gz", "num_workers": 0}
+    problems, _ = NiftiDataModule(**{**settings, **kwargs}).data_problems(full=True)
+    found: dict[str, str] = {}
+    for p in problems:
+        found[p.subject] = f"{found.get(p.subject, '')} | {p.problem}"
+    return found
+
+
+def test_inf_voxels_non_integer_labels_and_label_values_are_found(tmp_path):
+    root = write_nifti_folder(tmp_path / "ct", 4, 12, modalities=("ct",))
+    ct = np.asarray(nib.load(str(root / "sub-001" / "ct.nii.gz")).dataobj).astype(np.float32)
+    ct[2, 2, 2] = np.inf  # Inf, no NaN: a check for NaN alone misses it
+    _rewrite(root / "sub-001" / "ct.nii.gz", ct)
+    label = np.asarray(nib.load(str(root / "sub-002" / "label.nii.gz")).dataobj).astype(np.float32)
+    label[0, 0, 0] = 0.5
+    _rewrite(root / "sub-002" / "label.nii.gz", label)
+    label = np.asarray(nib.load(str(root / "sub-003" / "label.nii.gz")).dataobj).copy()
+    label[0, 0, 0] = 9
+    _rewrite(root / "sub-003" / "label.nii.gz", label)
+
+    found = _nifti_problems(root)
+    assert "1 NaN/Inf voxels" in found["sub-001"]
+    # With any integer label allowed, only the non-integer check can find 0.5.
+    assert "label map holds non-integer values" in found["sub-002"]
+    assert "sub-003" not in found and "sub-000" not in found
+
+    found = _nifti_problems(root, label_values=[0, 1, 2])
+    assert "label values [9] outside the expected [0, 1, 2]" in found["sub-003"]
+    assert "sub-000" not in found
+
+
+def test_unreadable_missing_label_and_non_3d_files(tmp_path):
+    root = write_nifti_folder(tmp_path / "ct", 4, 12, modalities=("ct",))
+    (root / "sub-001" / "ct.nii.gz").write_bytes(b"this is not a NIfTI file at all" * 8)
+    (root / "sub-002" / "label.nii.gz").unlink()
+    affine = nib.load(str(root / "sub-003" / "ct.nii.gz")).affine
+    nib.save(nib.Nifti1Image(np.zeros((12, 12), dtype=np.float32), affine), str(root / "sub-003" / "ct.nii.gz"))
+
+    found = _nifti_problems(root)
+    assert "unreadable: " in found["sub-001"] and "truncated" not in found["sub-001"]
+    assert "missing label 'label': no file found for this subject" in found["sub-002"]
+    assert "not a 3D volume: shape (12, 12)" in found["sub-003"]
+    assert "sub-000" not in found
+
+
+def test_brats_2021_accepts_its_own_label_set_only(tmp_path):
+    root = write_brats(tmp_path / "brats", 2, 2021, 12)
+    for case, value in ((0, 4), (1, 3)):  # 2021 marks the enhancing tumour 4; 3 is 2023's number for it
+        seg_path = root / f"BraTS2021_{case:05d}" / f"BraTS2021_{case:05d}_seg.nii.gz"
+        seg = np.asarray(nib.load(str(seg_path)).dataobj).copy()
+        seg[0, 0, 0] = value
+        _rewrite(seg_path, seg)
+    problems, checked = BratsDataModule(root=str(root), num_workers=0).data_problems(full=True)
+    assert checked == 2
+    assert [(p.subject, p.problem) for p in problems] == [
+        ("BraTS2021_00001", "label values [3] outside the expected [0, 1, 2, 4]")
+    ]
+
+
+def test_non_numeric_covariate_is_a_bad_row(tmp_path):
+    table = write_mace_csv(tmp_path / "mace", 3, 12)
+    rows = list(csv.DictReader(table.open()))
+    rows[1]["age"] = "forty"
+    with table.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    problems, _ = CsvDataModule(csv_path=str(table), covariate_columns=["age", "sex"], num_workers=0).data_problems(full=True)
+    assert [f"{p.file} {p.problem}" for p in problems] == ["mace.csv:3 age='forty': expected a number"]

@@ -51,3 +51,22 @@ def test_a_raising_rank_stops_all_ranks(tmp_path, failing_rank):
     started = pids(ranks)
     assert len(started) == 2, explain(result)
     assert not [pid for pid in started if alive(pid)], "a rank outlived the run"
+
+
+@pytest.mark.slow
+def test_a_validation_split_with_fewer_subjects_than_ranks_stops_with_one_line(tmp_path):
+    # 8 subjects with val_fraction 0.1: one validation subject for two ranks.
+    result = train_cli(
+        ["strategy=ddp", "trainer.devices=2", "dataset.batch_size=1", "dataset.val_fraction=0.1",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        timeout=2 * FAILURE_TIMEOUT,
+    )
+    assert result.returncode == 2, explain(result)
+    # Each rank finds it; rank 1 may print the line too before rank 0 stops it, but never inside rank 0's.
+    errors = [line for line in result.stderr.splitlines() if "medvol: error:" in line]
+    assert errors and set(errors) == {
+        "medvol: error: the val split has 1 subjects, fewer than the 2 devices; "
+        "raise `dataset.val_fraction` or add subjects"
+    }, explain(result)
+    assert "Traceback" not in result.stderr

@@ -157,3 +157,23 @@ class RecordingCheckpointIO(TorchCheckpointIO):
         super().save_checkpoint(checkpoint, path, storage_options)
         with self.log_file.open("a") as handle:
             handle.write(f"{rank()} {Path(path).name}\n")
+
+
+class RegressorWithUnusedBranch(TinyRegressor):
+    """`TinyRegressor` with a layer that never takes part in the loss: plain DDP refuses it, `find_unused` does not."""
+
+    def __init__(self, channels: int = 4, lr: float = 0.1) -> None:
+        super().__init__(channels=channels, lr=lr)
+        self.unused = nn.Linear(channels, 1)
+
+
+class CodebookRecorder(pl.Callback):
+    """Writes `<dir>/codebook_rank<r>.pt`: this rank's codebook buffers at the end of training."""
+
+    def __init__(self, directory: str) -> None:
+        self.path = Path(directory)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        buffers = {k: v.detach().cpu().clone() for k, v in pl_module.codebook.state_dict().items()}
+        torch.save(buffers, self.path / f"codebook_rank{trainer.global_rank}.pt")

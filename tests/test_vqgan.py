@@ -13,6 +13,7 @@ from lightning_modules.vqgan.codebook import EMACodebook
 from lightning_modules.vqgan.vqgan import VQGAN, random_slices
 from medvol.errors import MedvolError
 from medvol.training import run
+from tests.conftest import compose_cfg
 
 
 def _epoch_metric(csv_path: Path, key: str) -> list[float]:
@@ -55,11 +56,13 @@ def test_codebook_restarts_dead_codes_and_quantises_to_nearest():
 
 
 def test_straight_through_gradient_reaches_the_encoder_output():
-    codebook = EMACodebook(n_codes=4, embedding_dim=3).train()
+    # Commitment weight 0: the straight-through value is the encoder output's only path to a gradient.
+    codebook = EMACodebook(n_codes=4, embedding_dim=3, commitment_weight=0.0).train()
     z = torch.randn(1, 3, 2, 2, 2, requires_grad=True)
     out = codebook(z)
     (out.embeddings.sum() + out.commitment_loss).backward()
-    assert z.grad is not None and z.grad.abs().sum() > 0
+    # The decoder's gradient is copied onto the encoder output unchanged.
+    assert z.grad is not None and torch.equal(z.grad, torch.ones_like(z))
 
 
 def test_random_slices_picks_one_axial_slice_per_sample():
@@ -141,3 +144,41 @@ def test_perceptual_loss_uses_a_local_torchscript_network(tiny_cfg, tmp_path):
     torch.jit.save(torch.jit.script(net), str(path))
     metrics = run(tiny_cfg("model.perceptual_weight=0.5", f"model.perceptual_model_path={path}", "trainer.fast_dev_run=true"))
     assert metrics["train/perceptual_loss_step"] > 0
+
+
+def test_least_squares_discriminator_loss_is_the_squared_distance_to_the_target(tiny_cfg):
+    model = VQGAN(n_hiddens=8, n_codes=16, disc_channels=8, disc_layers=2, disc_loss_type="least_squares")
+    logits = torch.tensor([[0.5, -1.0, 2.0]])
+    real = model.adversarial(logits, target_is_real=True, for_discriminator=True)
+    fake = model.adversarial(logits, target_is_real=False, for_discriminator=True)
+    # MONAI's least-squares criterion puts the logits through a leaky ReLU (slope 0.05) first.
+    activated = torch.nn.functional.leaky_relu(logits, 0.05)
+    assert real.item() == pytest.approx(((activated - 1) ** 2).mean().item())
+    assert fake.item() == pytest.approx((activated**2).mean().item())
+    metrics = run(tiny_cfg("model.disc_loss_type=least_squares", "model.discriminator_iter_start=0", "trainer.fast_dev_run=true"))
+    assert metrics["train/gan_discriminator_step"] > 0
+
+
+def test_commitment_loss_pulls_the_encoder_output_towards_its_code():
+    codebook = EMACodebook(n_codes=4, embedding_dim=3, commitment_weight=1.0).train()
+    z = torch.randn(1, 3, 2, 2, 2, requires_grad=True)
+    out = codebook(z)
+    out.commitment_loss.backward()
+    codes = out.embeddings.detach()  # the straight-through value equals the code in the forward pass
+    assert torch.allclose(z.grad, 2 * (z.detach() - codes) / z.numel(), atol=1e-6)
+
+
+def test_accumulating_two_batches_of_one_steps_like_one_batch_of_two(tmp_path):
+    # A fixed codebook (decay 1, no restarts) and no discriminators: the step depends on the batch only.
+    common = [
+        "model._target_=tests.test_ddp_support.PreinitialisedVQGAN", "model.random_restart=false",
+        "model.codebook_decay=1.0", "model.discriminator_iter_start=1000", "model.optimizer._target_=torch.optim.SGD",
+        "~model.optimizer.betas", "model.optimizer.lr=0.5", "trainer.limit_val_batches=0", "callbacks.volume_slices=null",
+    ]
+    accumulated, single = tmp_path / "accumulated", tmp_path / "single"
+    run(compose_cfg(accumulated, [*common, "dataset.batch_size=1", "trainer.accumulate_grad_batches=2",
+                                  "trainer.limit_train_batches=2"]))
+    run(compose_cfg(single, [*common, "dataset.batch_size=2", "trainer.limit_train_batches=1"]))
+    first, second = (torch.load(d / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"] for d in (accumulated, single))
+    for key in (k for k in first if k.startswith(("encoder.", "decoder."))):
+        assert torch.allclose(first[key], second[key], rtol=1e-4, atol=1e-6), key
