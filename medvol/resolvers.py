@@ -8,6 +8,7 @@ continues in `<run>`, and Hydra's record of the resumed invocation goes to a new
 from __future__ import annotations
 
 import os
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -33,12 +34,17 @@ def run_stamp() -> str:
 
 
 def run_dir_of_checkpoint(ckpt_path: str | None) -> Path | None:
-    """The run directory a checkpoint belongs to (`<run>/checkpoints/<file>`), or None."""
+    """The run directory a checkpoint belongs to (`<run>/checkpoints/<file>`, or a cascade's `<run>/stage<k>/checkpoints/<file>`), or None."""
     if not ckpt_path:
         return None
     path = Path(str(ckpt_path)).expanduser().resolve()
-    if path.parent.name == "checkpoints" and (path.parent.parent / ".hydra").is_dir():
-        return path.parent.parent
+    if path.parent.name != "checkpoints":
+        return None
+    run = path.parent.parent
+    if (run / ".hydra").is_dir():
+        return run
+    if re.fullmatch(r"stage\d+", run.name) and (run.parent / ".hydra").is_dir():
+        return run.parent
     return None
 
 
