@@ -80,6 +80,13 @@ def gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
+def synthetic_modalities(role: str, task: str | None) -> list[str]:
+    """The synthetic dataset's default channels for `role` (image or cond): a T1 -> T2 pair for translation."""
+    if task == "translation":
+        return ["t2"] if role == "image" else ["t1"]
+    return ["t1"] if role == "image" else []
+
+
 def register_resolvers() -> None:
     """Register medvol's resolvers once; safe to call repeatedly."""
     for name, fn in {
@@ -90,6 +97,7 @@ def register_resolvers() -> None:
         "gpu_available": gpu_available,
         "cwd": working_dir,
         "len": len,
+        "synthetic_modalities": synthetic_modalities,
     }.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
