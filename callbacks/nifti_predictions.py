@@ -6,7 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
 
+from medvol.intensity import scale_from_range
 from medvol.nifti_io import save_volume
 
 
@@ -15,7 +17,9 @@ class NiftiPredictionWriter(pl.Callback):
 
     Each sample is written with its own `affine` from the batch, so the file overlays the
     source scan in any viewer. Patch batches (with `patch_origin`) add the patch corner to the
-    name. Under DDP every rank writes the subjects of its own test partition.
+    name. Under DDP every rank writes the subjects of its own test partition. A model that
+    returns `"window": (low, high)` with its volumes has float volumes written in those raw units
+    (e.g. HU for CT: the inverse of the dataset's window scaling); label maps stay integer.
 
     Args:
         output_dir: folder for the files (the run's `predictions/`).
@@ -35,6 +39,7 @@ class NiftiPredictionWriter(pl.Callback):
         if affines is None or subjects is None:
             return
         origins = batch.get("patch_origin")
+        window = outputs.get("window")
         for name, volumes in outputs["volumes"].items():
             if name in self.skip:
                 continue
@@ -42,4 +47,7 @@ class NiftiPredictionWriter(pl.Callback):
                 stem = str(subject).replace("/", "_")
                 if origins is not None:
                     stem += "_patch" + "-".join(str(int(v)) for v in origins[i])
-                save_volume(volumes[i].float(), self.output_dir / f"{stem}_{name}.nii.gz", affines[i])
+                volume = volumes[i]
+                if torch.is_floating_point(volume):
+                    volume = volume.float() if window is None else scale_from_range(volume.float(), *window, (-1.0, 1.0))
+                save_volume(volume, self.output_dir / f"{stem}_{name}.nii.gz", affines[i])

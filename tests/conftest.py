@@ -40,6 +40,17 @@ TINY_MODEL: dict[str, list[str]] = {
         "model.discriminator_iter_start=2",
     ],
 }
+TINY_MODEL["xray2ct"] = [
+    "dataset.image_modalities=[ct]",
+    "dataset.views=[ap,lateral]",
+    "dataset.xray_size=[16,16]",
+    "model.channels=[8,16]",
+    "model.attention_levels=[false,true]",
+    "model.num_head_channels=8",
+    "model.encoder_channels=[8,16]",
+    "model.token_dim=16",
+    "model.timesteps=4",
+]
 TINY = [*TINY_COMMON, *TINY_MODEL["vqgan"]]
 
 

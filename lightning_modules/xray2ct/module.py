@@ -139,6 +139,11 @@ class XrayToCT(MedvolModule):
             )
         self.prediction_type = check_prediction_type(prediction_type)
         self.network = ViewConditionedDenoiser(**network_settings(self.hparams))
+        if any(s % self.network.downsampling for s in as_size(size)):
+            raise MedvolError(
+                f"stage {stage} volume size {as_size(size)} must divide by the network's downsampling "
+                f"{self.network.downsampling} (2 ** (len(model.channels) - 1)); change the stage's size"
+            )
         self.previous = nn.ModuleList()
         self.previous_settings: list[dict[str, Any]] = []
         for path in previous_stages:
@@ -191,12 +196,6 @@ class XrayToCT(MedvolModule):
             )
         if x0.shape[1] != 1:
             raise MedvolError(f"model=xray2ct generates one CT channel, got image shape {tuple(x0.shape)}")
-        bad = [s for s in x0.shape[2:] if s % self.network.downsampling]
-        if bad:
-            raise MedvolError(
-                f"stage {self.hparams.stage} volume size {list(x0.shape[2:])} must divide by the network's downsampling "
-                f"{self.network.downsampling} (2 ** (len(model.channels) - 1)); change the stage's size"
-            )
         return x0, views, batch["affine"]
 
     def degraded(self, x0: torch.Tensor) -> torch.Tensor:
