@@ -63,3 +63,41 @@ def radiographs(
         image = drr(hounsfield, spacing[:, axis], axis, mu_water)
         images.append(F.interpolate(image[:, None], size=tuple(int(s) for s in size), mode="bilinear", antialias=True)[:, 0])
     return torch.stack(images, dim=1).clamp(0, 1) * (high - low) + low
+
+
+def back_project(
+    views: torch.Tensor,
+    spacing: torch.Tensor,
+    view_names: Sequence[str],
+    size: Sequence[int],
+    mu_water: float = 0.02,
+    output_range: Sequence[float] = (-1.0, 1.0),
+) -> torch.Tensor:
+    """The mean of the views' unfiltered back-projections: (B, V, H, W) views -> (B, x, y, z) HU volumes.
+
+    Each view's path integral, spread evenly along its rays, gives a volume that projects exactly
+    onto that view; the views' volumes are averaged. A baseline for X-ray-to-CT, not a reconstruction.
+
+    Args:
+        views: radiographs in `output_range`, as `radiographs` makes them.
+        spacing: (B, 3) voxel sizes in mm of the volume to fill.
+        view_names: names from `VIEW_AXES`, in the order of the views.
+        size: (x, y, z) of the volume.
+        mu_water: attenuation of water per mm, as the projector used.
+        output_range: the range of the views.
+    """
+    low, high = float(output_range[0]), float(output_range[1])
+    x, y, z = (int(s) for s in size)
+    volumes = []
+    for index, view in enumerate(view_names):
+        axis = VIEW_AXES[view]
+        radiograph = ((views[:, index].float() - low) / (high - low)).clamp(0.0, 1.0 - 1e-6)
+        path_integral = -torch.log1p(-radiograph)
+        across = (y, x) if axis == 0 else (x, y)
+        # (z from head, other axis) on the view grid -> (other axis, z) on the volume grid.
+        grid = F.interpolate(path_integral[:, None], size=(z, across[1]), mode="bilinear", align_corners=False)[:, 0]
+        grid = grid.transpose(-1, -2).flip(-1)
+        length = across[0] * spacing[:, axis].reshape(-1, 1, 1)
+        mu = (grid / length).unsqueeze(axis + 1).expand(-1, x, y, z)
+        volumes.append(1000.0 * (mu / mu_water - 1.0))
+    return torch.stack(volumes).mean(dim=0)

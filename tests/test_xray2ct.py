@@ -140,3 +140,15 @@ def test_a_view_count_other_than_the_previous_stage_is_refused(cascade_run):
     root, _ = cascade_run
     with pytest.raises(MedvolError, match="differ from the views"):
         XrayToCT(stage=2, size=16, views=("ap",), previous_stages=[str(root / "stage1" / "best.ckpt")])
+
+
+def test_a100_preset_has_the_seed_stage_table(tmp_path):
+    cfg = compose_cfg(tmp_path, ["experiment=xray2ct_a100x4", "dataset.root=/data/ct"], tiny=False)
+    assert cfg.trainer.devices == 4 and cfg.trainer.precision == "bf16-mixed"
+    assert cfg.model.prediction_type == "v" and cfg.model.num_train_timesteps == 1000
+    table = []
+    for stage in (1, 2, 3):
+        merged = OmegaConf.merge(cfg, cfg.cascade[f"stage{stage}"])
+        size = list(OmegaConf.to_container(merged.model, resolve=True)["size"])
+        table.append((size[0], merged.dataset.batch_size, merged.trainer.max_epochs))
+    assert table == [(64, 16, 100), (128, 8, 100), (256, 4, 100)]

@@ -9,7 +9,7 @@ import torch
 
 from lightning_modules.xray2ct.physics import ProjectionLoss
 from medvol.intensity import scale_from_range, scale_to_range
-from medvol.projection import drr, radiographs
+from medvol.projection import back_project, drr, radiographs
 
 
 def _ball(n: int, radius_voxels: float, hounsfield: float) -> torch.Tensor:
@@ -69,3 +69,14 @@ def test_projection_loss_is_zero_for_the_true_volume_and_differentiable():
     loss.backward()
     assert float(loss.detach()) > 0.05
     assert guess.grad is not None and float(guess.grad.abs().sum()) > 0
+
+
+def test_back_projection_of_one_view_projects_back_onto_it():
+    hounsfield = _ball(16, 5.0, 400.0).float()[None]
+    spacing = torch.tensor([[2.0, 2.0, 2.0]])
+    for view in ("ap", "lateral"):
+        views = radiographs(hounsfield, spacing, [view], (16, 16))
+        volume = back_project(views, spacing, [view], (16, 16, 16))
+        assert volume.shape == (1, 16, 16, 16)
+        again = radiographs(volume, spacing, [view], (16, 16))
+        assert torch.allclose(again, views, atol=1e-3)
