@@ -87,6 +87,19 @@ def synthetic_modalities(role: str, task: str | None) -> list[str]:
     return ["t1"] if role == "image" else []
 
 
+def batch_per_device(total: int, devices: int, nodes: int = 1) -> int:
+    """A total batch split over every device of the job, e.g. 48 over 4 GPUs -> 12 per GPU."""
+    from medvol.errors import MedvolError
+
+    ranks = int(devices) * int(nodes)
+    if ranks < 1 or int(total) % ranks:
+        raise MedvolError(
+            f"`dataset.batch_size`: a total batch of {total} does not split evenly over {ranks} devices "
+            "(trainer.devices x trainer.num_nodes); choose a total divisible by the device count"
+        )
+    return int(total) // ranks
+
+
 def register_resolvers() -> None:
     """Register medvol's resolvers once; safe to call repeatedly."""
     for name, fn in {
@@ -98,6 +111,7 @@ def register_resolvers() -> None:
         "cwd": working_dir,
         "len": len,
         "synthetic_modalities": synthetic_modalities,
+        "batch_per_device": batch_per_device,
     }.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

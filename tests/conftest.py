@@ -39,6 +39,9 @@ TINY_MODEL: dict[str, list[str]] = {
         "model.ssim_kernel_size=5",
         "model.discriminator_iter_start=2",
     ],
+    "survival": ["model.backbone=resnet10", "model.widen_factor=0.125"],
+    "classifier": ["model.backbone=resnet10", "model.widen_factor=0.125"],
+    "segmentation": ["model.features=[4,8]", "model.patch_size=[8,8,8]", "model.sw_batch_size=8"],
 }
 TINY_MODEL["xray2ct"] = [
     "dataset.image_modalities=[ct]",

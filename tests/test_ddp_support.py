@@ -108,11 +108,15 @@ class TinyRegressor(MedvolModule):
 
 
 class RankRecorder(pl.Callback):
-    """Writes `<dir>/rank<r>.json`: this rank's pid and its validation/test metrics."""
+    """Writes `<dir>/rank<r>.json`: this rank's pid, the subjects of its training batches and its validation/test metrics."""
 
     def __init__(self, directory: str) -> None:
         self.path = Path(directory)
-        self.record: dict[str, Any] = {"pid": os.getpid()}
+        self.record: dict[str, Any] = {"pid": os.getpid(), "train_subjects": []}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if isinstance(batch, dict) and "subject" in batch:
+            self.record["train_subjects"].append([str(s) for s in batch["subject"]])
 
     def _save(self, trainer: pl.Trainer, stage: str) -> None:
         self.record[stage] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(stage + "/")}

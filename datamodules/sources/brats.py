@@ -45,6 +45,9 @@ def detect_year(root: Path) -> int:
 class BratsLabelsd(MapTransform):
     """Unify the label numbering (2021's 4 -> 3) and optionally turn it into binary region channels.
 
+    Also records the file's value of each unified label under `label_values` ((4,) int64: 0, 1, 2, 4
+    for 2021), so a predicted label map can be written with the values the input used.
+
     Args:
         key: the label key.
         year: 2021 or 2023.
@@ -66,6 +69,7 @@ class BratsLabelsd(MapTransform):
             regions = torch.stack([torch.isin(values, torch.tensor(REGIONS[r], dtype=values.dtype)) for r in self.regions])
             label = convert_to_dst_type(regions, label, dtype=label.dtype)[0]
         d[self.keys[0]] = label
+        d["label_values"] = torch.tensor(LABEL_VALUES[self.year], dtype=torch.int64)
         return d
 
 
@@ -115,6 +119,9 @@ class BratsDataModule(NiftiDataModule):
 
     def label_transform(self) -> Callable | None:
         return BratsLabelsd(LABEL_KEY, self.year, self.label_regions)
+
+    def batch_keys(self) -> list[str]:
+        return [*super().batch_keys(), "label_values"]
 
     def cache_key(self) -> dict[str, Any]:
         return {**super().cache_key(), "year": self.year, "regions": self.label_regions}

@@ -133,6 +133,28 @@ class CsvDataModule(NiftiDataModule):
     def source(self) -> str:
         return str(self.csv_path)
 
+    def split_outcomes(self, stage: str) -> dict[str, Any]:
+        """The outcome columns of every subject of split `stage` (all ranks' subjects, in split order).
+
+        Models take training-split statistics (covariate mean/std) and checks (events, classes)
+        from it without loading a volume. Keys: `source` (the table's name), `subject`, and
+        where configured `time`, `event` (N,), `covariates` (N, K) float64, `class_label` (N,) int64.
+        """
+        if self.split is None:
+            self.setup()
+        assert self.split is not None
+        by_id = {str(r["subject"]): r for r in self.subjects()}
+        records = [by_id[s] for s in self.split[stage]]
+        table: dict[str, Any] = {"source": self.csv_path.name, "subject": [str(r["subject"]) for r in records]}
+        for key, dtype in (("time", torch.float64), ("event", torch.float64), ("class_label", torch.int64)):
+            if key in (records[0] if records else {}):
+                table[key] = torch.tensor([r[key] for r in records], dtype=dtype)
+        if self.covariate_columns:
+            table["covariates"] = torch.tensor([r["covariates"] for r in records], dtype=torch.float64).reshape(
+                len(records), len(self.covariate_columns)
+            )
+        return table
+
     def data_problems(self, full: bool) -> tuple[list[Problem], int]:
         problems, count = super().data_problems(full)
         # An empty path cell is already reported against its row; drop the generic "missing file" twin.

@@ -10,12 +10,15 @@ from __future__ import annotations
 import csv
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from monai.data.utils import worker_init_fn
+from monai.transforms import MapTransform
 from torch.utils.data import Dataset
 
 from datamodules.pipeline.cache import fingerprint
@@ -37,7 +40,12 @@ from datamodules.pipeline.volume_datamodule import Record, VolumeDataModule
 from medvol.errors import MedvolError
 
 # The keys a file-based dataset puts in its batch dicts (others in a record are bookkeeping).
-BATCH_KEYS = ("image", "cond", "label", "time", "event", "covariates", "class_label", "subject", "affine")
+# `source_affine` (4x4 float64), `source_shape` (3 ints) and `source_file` (path) describe the voxel grid of
+# the first image file as stored, so outputs can be mapped back onto it (`medvol.source_grid`).
+BATCH_KEYS = (
+    "image", "cond", "label", "time", "event", "covariates", "class_label", "subject", "affine",
+    "source_affine", "source_shape", "source_file",
+)
 
 
 def pattern_regex(pattern: str) -> re.Pattern[str]:
@@ -61,6 +69,25 @@ def match_files(root: Path, pattern: str) -> dict[str, list[Path]]:
         if match and path.is_file():
             found.setdefault(match.group("subject"), []).append(path)
     return found
+
+
+class StoreSourceGridd(MapTransform):
+    """Record the grid of `key` as loaded from disk: `source_affine`, `source_shape` and `source_file`.
+
+    Runs right after loading, before reorientation, resampling and crop/pad change the grid.
+    """
+
+    def __init__(self, key: str) -> None:
+        super().__init__([key])
+
+    def __call__(self, data: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
+        d = dict(data)
+        volume = d[self.keys[0]]
+        d["source_affine"] = torch.as_tensor(np.asarray(volume.affine), dtype=torch.float64)
+        d["source_shape"] = torch.tensor(volume.shape[1:4], dtype=torch.int64)
+        filename = volume.meta.get("filename_or_obj", "")
+        d["source_file"] = str(filename[0] if isinstance(filename, (list, tuple)) else filename)
+        return d
 
 
 class NiftiDataModule(VolumeDataModule):
@@ -256,9 +283,12 @@ class NiftiDataModule(VolumeDataModule):
         return list(BATCH_KEYS)
 
     def deterministic(self, stage: str) -> list[Callable]:
-        return deterministic_transforms(
+        chain = deterministic_transforms(
             self.settings, self.image_keys(), self.label_key, self.label_transform(), self.extra_deterministic()
         )
+        # After loading (the first step), before anything changes the grid.
+        chain.insert(1, StoreSourceGridd(self.image_keys()[0]))
+        return chain
 
     def random(self, stage: str) -> list[Callable]:
         if stage != "train":

@@ -14,6 +14,9 @@ from datamodules.sources.phantom import MODALITIES, make_phantom, phantom_affine
 from medvol.errors import MedvolError
 from medvol.projection import VIEW_AXES, radiographs, voxel_spacing
 
+# Lesion fraction above which a phantom is class 1 (the same cut as the example MACE table's `label`).
+LESION_CLASS_THRESHOLD = 0.02
+
 
 def _to_unit_range(volume: np.ndarray, modality: str, ct_window: Sequence[float]) -> np.ndarray:
     """MR: scale the 99.5th percentile of the head to 1; CT: clip to the HU window. Both then to [-1, 1]."""
@@ -32,8 +35,9 @@ class SyntheticPhantomDataset(Dataset):
     Keys: `image` (C, D, H, W) in [-1, 1] from `image_modalities`; `cond` from
     `cond_modalities` when given (e.g. T1 -> T2 translation); `label` (1, D, H, W) int64
     (0 background, 1 lesion core, 2 oedema); `time` (months), `event` (0/1),
-    `lesion_fraction`, `subject`, `affine` (4x4, RAS mm); with `views`, `xray` (V, H, W): DRRs
-    of the CT channel (within the HU window, so the windowed CT projects onto them exactly).
+    `lesion_fraction`, `class_label` (int64: 1 if lesions fill more than 2% of the brain), `subject`,
+    `affine` (4x4, RAS mm); with `views`, `xray` (V, H, W): DRRs of the CT channel (within the HU
+    window, so the windowed CT projects onto them exactly).
     """
 
     def __init__(
@@ -76,6 +80,7 @@ class SyntheticPhantomDataset(Dataset):
             "time": torch.tensor(phantom.time, dtype=torch.float32),
             "event": torch.tensor(float(phantom.event), dtype=torch.float32),
             "lesion_fraction": torch.tensor(phantom.lesion_fraction, dtype=torch.float32),
+            "class_label": torch.tensor(int(phantom.lesion_fraction > LESION_CLASS_THRESHOLD)),
             "subject": record["subject"],
             "affine": torch.from_numpy(self.affine),
         }

@@ -1,0 +1,1 @@
+"""3D segmentation: MONAI networks, label schemes (classes or nested regions), sliding-window evaluation."""

@@ -1,0 +1,141 @@
+"""What the network predicts and how it maps to label maps: exclusive classes or nested binary regions.
+
+Classes: one softmax channel per label value 0..K-1 (0 background); the prediction is the argmax.
+Regions: one sigmoid channel per region, each a set of label values (BraTS: WT = {1, 2, 3},
+TC = {1, 3}, ET = {3}); the prediction thresholds each channel. Regions must be nested, each one
+adding a single label value to the regions inside it, so a region prediction turns back into
+one label map (BraTS: WT only -> 2 oedema, TC without ET -> 1 necrotic core, ET -> 3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from medvol.errors import MedvolError
+
+
+class LabelScheme:
+    """Targets, predictions and label maps for `num_classes` classes or for `regions`.
+
+    Args:
+        num_classes: classes including background (classes mode; ignored when `regions` is set).
+        regions: region name -> label values, outermost first; null for classes.
+        threshold: sigmoid probability above which a region voxel is foreground.
+        class_names: names of the foreground classes 1..K-1 in metric names; null: class1, class2, ...
+    """
+
+    def __init__(
+        self,
+        num_classes: int = 2,
+        regions: Mapping[str, Sequence[int]] | None = None,
+        threshold: float = 0.5,
+        class_names: Sequence[str] | None = None,
+    ) -> None:
+        self.regions = {str(k): sorted(int(v) for v in values) for k, values in (regions or {}).items()}
+        self.threshold = float(threshold)
+        if not 0.0 < self.threshold < 1.0:
+            raise MedvolError(f"`model.threshold` must be in (0, 1), got {threshold}")
+        if self.regions:
+            self.region_values = self._region_values()
+            self.num_classes = max(max(v) for v in self.regions.values()) + 1
+        else:
+            if int(num_classes) < 2:
+                raise MedvolError(f"`model.num_classes` must be >= 2 (background and one class), got {num_classes}")
+            self.num_classes = int(num_classes)
+        self.class_names = [str(n) for n in class_names] if class_names else [f"class{k}" for k in range(1, self.num_classes)]
+        if not self.regions and len(self.class_names) != self.num_classes - 1:
+            raise MedvolError(
+                f"`model.class_names` has {len(self.class_names)} names; expected one per foreground class "
+                f"({self.num_classes - 1} for model.num_classes={self.num_classes})"
+            )
+
+    @property
+    def is_regions(self) -> bool:
+        return bool(self.regions)
+
+    @property
+    def out_channels(self) -> int:
+        return len(self.regions) if self.regions else self.num_classes
+
+    @property
+    def names(self) -> list[str]:
+        """Names of the scored channels: the regions, or the foreground classes."""
+        return list(self.regions) if self.regions else self.class_names
+
+    def _region_values(self) -> dict[str, int]:
+        """The label value each region adds to the regions nested inside it."""
+        values: dict[str, int] = {}
+        for name, members in self.regions.items():
+            if not members or min(members) < 1:
+                raise MedvolError(f"`model.regions.{name}` is {members}; expected foreground label values (>= 1)")
+            inner: set[int] = set()
+            for other, other_members in self.regions.items():
+                if other != name and set(other_members) < set(members):
+                    inner |= set(other_members)
+                elif other != name and set(other_members) & set(members) and not set(members) < set(other_members):
+                    raise MedvolError(
+                        f"`model.regions`: {name} {members} and {other} {other_members} overlap without nesting; "
+                        "expected nested regions, e.g. {WT: [1, 2, 3], TC: [1, 3], ET: [3]}"
+                    )
+            own = set(members) - inner
+            if len(own) != 1:
+                raise MedvolError(
+                    f"`model.regions.{name}` adds the label values {sorted(own)} to the regions inside it; "
+                    "expected exactly one, so predictions can be written back as one label map"
+                )
+            values[name] = own.pop()
+        return values
+
+    def check_label(self, label: torch.Tensor) -> None:
+        """Raise a `MedvolError` naming the offending values when `label` does not fit the scheme."""
+        if label.shape[1] == self.out_channels and self.is_regions and label.shape[1] > 1:
+            return  # the dataset already gives binary region channels
+        if label.shape[1] != 1:
+            raise MedvolError(
+                f"the batch's `label` has {label.shape[1]} channels; expected a label map (1 channel)"
+                + (f" or {self.out_channels} region channels" if self.is_regions else "")
+            )
+        values = torch.unique(label).tolist()
+        allowed = set(range(self.num_classes)) if not self.is_regions else {0, *self.region_values.values()}
+        outside = [v for v in values if v not in allowed]
+        if outside:
+            key = "model.regions" if self.is_regions else "model.num_classes"
+            raise MedvolError(
+                f"label values {outside} are outside the configured classes (`{key}`): expected values in "
+                f"{sorted(allowed)}; fix the label files or the model config"
+            )
+
+    def target(self, label: torch.Tensor) -> torch.Tensor:
+        """The loss target: the (B, 1, ...) label map for classes, (B, R, ...) binary channels for regions."""
+        if not self.is_regions or label.shape[1] == self.out_channels and label.shape[1] > 1:
+            return label
+        channels = [torch.isin(label[:, 0], torch.tensor(v, device=label.device, dtype=label.dtype)) for v in self.regions.values()]
+        return torch.stack(channels, 1).to(torch.uint8)
+
+    def discretise(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, out_channels, ...) binary masks of the prediction: thresholded regions or a one-hot argmax."""
+        if self.is_regions:
+            return (torch.sigmoid(logits.float()) > self.threshold).to(torch.uint8)
+        return self.one_hot(logits.argmax(1, keepdim=True))
+
+    def one_hot(self, label_map: torch.Tensor) -> torch.Tensor:
+        """(B, 1, ...) class map -> (B, K, ...) one-hot masks."""
+        index = label_map[:, 0].long().clamp(0, self.num_classes - 1)
+        return torch.nn.functional.one_hot(index, self.num_classes).movedim(-1, 1).to(torch.uint8)
+
+    def scored(self, masks: torch.Tensor) -> torch.Tensor:
+        """The masks that metrics score: every region, or the foreground classes (one-hot without background)."""
+        return masks if self.is_regions else masks[:, 1:]
+
+    def label_map(self, masks: torch.Tensor) -> torch.Tensor:
+        """(B, C, ...) binary masks (regions or one-hot classes) -> (B, 1, ...) int64 label map."""
+        if not self.is_regions:
+            return masks.argmax(1, keepdim=True).long()
+        out = torch.zeros_like(masks[:, :1], dtype=torch.int64)
+        # Outer regions first, so the regions nested inside them paint over.
+        order = sorted(range(len(self.regions)), key=lambda i: -len(list(self.regions.values())[i]))
+        for i in order:
+            out[masks[:, i : i + 1].bool()] = self.region_values[list(self.regions)[i]]
+        return out

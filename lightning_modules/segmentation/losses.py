@@ -1,0 +1,52 @@
+"""Segmentation losses for the two label modes.
+
+MONAI's `DiceCELoss(sigmoid=True)` still applies softmax cross-entropy when the input has more
+than one channel (MONAI 1.6: binary cross-entropy only for a single channel), which couples
+overlapping regions such as BraTS WT/TC/ET as if they were exclusive classes. Regions therefore
+get Dice plus a per-channel binary cross-entropy, built here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from monai.losses import DiceCELoss, DiceFocalLoss, DiceLoss
+
+from medvol.errors import MedvolError
+
+LOSSES = ("dice_ce", "dice_focal")
+
+
+class DiceBCELoss(torch.nn.Module):
+    """Sigmoid Dice plus binary cross-entropy per channel, for overlapping binary regions.
+
+    Args:
+        lambda_dice: weight of the Dice term.
+        lambda_bce: weight of the binary cross-entropy term.
+    """
+
+    def __init__(self, lambda_dice: float = 1.0, lambda_bce: float = 1.0) -> None:
+        super().__init__()
+        self.dice = DiceLoss(sigmoid=True)
+        self.lambda_dice = lambda_dice
+        self.lambda_bce = lambda_bce
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        target = target.to(logits.dtype)
+        bce = F.binary_cross_entropy_with_logits(logits, target)
+        return self.lambda_dice * self.dice(logits, target) + self.lambda_bce * bce
+
+
+def build_loss(name: str, regions: bool) -> torch.nn.Module:
+    """The loss `name` (dice_ce or dice_focal) for overlapping regions (sigmoid) or exclusive classes (softmax).
+
+    Class targets are (B, 1, ...) label maps, one-hot encoded inside the loss; region targets are
+    (B, R, ...) binary channels.
+    """
+    if name not in LOSSES:
+        raise MedvolError(f"`model.loss` is {name!r}; expected one of {list(LOSSES)}")
+    if regions:
+        return DiceBCELoss() if name == "dice_ce" else DiceFocalLoss(sigmoid=True)
+    if name == "dice_ce":
+        return DiceCELoss(softmax=True, to_onehot_y=True)
+    return DiceFocalLoss(softmax=True, to_onehot_y=True)

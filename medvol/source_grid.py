@@ -1,0 +1,119 @@
+"""Map a volume from the model's voxel grid back onto the voxel grid of the file it came from.
+
+The transforms between a file and the model (reorientation, resampling to a spacing, crop and
+pad) all change the voxel-to-world affine and nothing else of the geometry, so the model grid's
+affine and the source file's affine and shape are enough to undo them: every source voxel is
+looked up at its world position in the model grid. Labels take the nearest voxel (values stay
+exact integers), intensities are interpolated linearly; source voxels outside the model grid
+(cropped away) take `fill`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+MODES = ("nearest", "linear")
+# Source voxels per lookup chunk: bounds the float64 coordinate buffers to ~50 MB.
+_CHUNK_VOXELS = 2_000_000
+
+
+@dataclass(frozen=True)
+class SourceGrid:
+    """The voxel grid of a source file: its 4x4 voxel-to-world `affine` and spatial `shape` (D, H, W).
+
+    Args:
+        affine: 4x4 voxel-to-world matrix of the file (NIfTI world, mm).
+        shape: the file's three spatial dimensions.
+        header: the file's NIfTI header when read from a file (carried over when writing).
+    """
+
+    affine: np.ndarray
+    shape: tuple[int, int, int]
+    header: nib.Nifti1Header | None = None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> SourceGrid:
+        """The grid of a NIfTI file, from its header only (no voxels are read)."""
+        image = nib.load(str(path))
+        return cls(np.asarray(image.affine, dtype=np.float64), tuple(int(s) for s in image.shape[:3]), image.header)
+
+
+def as_source_grid(
+    source: SourceGrid | str | Path | tuple[torch.Tensor | np.ndarray, Sequence[int] | torch.Tensor],
+) -> SourceGrid:
+    """A `SourceGrid` from a grid, a NIfTI path, or an (affine, shape) pair such as a batch's `source_affine`/`source_shape`."""
+    if isinstance(source, SourceGrid):
+        return source
+    if isinstance(source, (str, Path)):
+        return SourceGrid.from_file(source)
+    affine, shape = source
+    matrix = affine.detach().cpu().numpy() if isinstance(affine, torch.Tensor) else np.asarray(affine)
+    sizes = shape.tolist() if isinstance(shape, torch.Tensor) else list(shape)
+    return SourceGrid(matrix.astype(np.float64), tuple(int(s) for s in sizes))
+
+
+def to_source_grid(
+    volume: torch.Tensor,
+    source: SourceGrid | str | Path | tuple[torch.Tensor | np.ndarray, Sequence[int] | torch.Tensor],
+    transformed_affine: torch.Tensor | np.ndarray,
+    mode: str = "nearest",
+    fill: float = 0.0,
+) -> torch.Tensor:
+    """Resample `volume` from the model grid onto the source file's grid.
+
+    Args:
+        volume: (C, D, H, W) or (D, H, W) on the model grid; integer volumes (label maps) need `nearest`.
+        source: the source grid: a `SourceGrid`, the source NIfTI path, or (affine, shape).
+        transformed_affine: 4x4 voxel-to-world matrix of the model grid (a batch's `affine`).
+        mode: `nearest` (labels) or `linear` (intensities).
+        fill: value of source voxels the model grid does not cover (cropped away).
+
+    Returns:
+        (C, *source shape), or (*source shape) for a 3D input, same dtype and device as `volume`.
+    """
+    if mode not in MODES:
+        raise ValueError(f"`mode` must be one of {list(MODES)}, got {mode!r}")
+    if volume.ndim not in (3, 4):
+        raise ValueError(f"`volume` must be (D, H, W) or (C, D, H, W), got shape {tuple(volume.shape)}")
+    if mode == "linear" and not torch.is_floating_point(volume):
+        raise ValueError(f"`mode` linear needs a floating-point volume, got {volume.dtype}; use nearest for label maps")
+    grid = as_source_grid(source)
+    model_affine = transformed_affine.detach().cpu().numpy() if isinstance(transformed_affine, torch.Tensor) else transformed_affine
+    # Source voxel index -> model voxel index.
+    mapping = np.linalg.inv(np.asarray(model_affine, dtype=np.float64)) @ grid.affine
+    channels = volume if volume.ndim == 4 else volume[None]
+    model_shape = channels.shape[1:]
+    out = channels.new_full((channels.shape[0], *grid.shape), fill)
+    rows = max(1, _CHUNK_VOXELS // max(1, grid.shape[1] * grid.shape[2]))
+    for start in range(0, grid.shape[0], rows):
+        stop = min(start + rows, grid.shape[0])
+        index = np.stack(
+            np.meshgrid(np.arange(start, stop), np.arange(grid.shape[1]), np.arange(grid.shape[2]), indexing="ij"), -1
+        ).reshape(-1, 3)
+        coords = index @ mapping[:3, :3].T + mapping[:3, 3]
+        block = out[:, start:stop]
+        if mode == "nearest":
+            nearest = np.rint(coords).astype(np.int64)
+            inside = np.all((nearest >= 0) & (nearest < np.asarray(model_shape)), axis=1)
+            picked = torch.from_numpy(nearest[inside]).to(volume.device)
+            flat = block.reshape(block.shape[0], -1)
+            flat[:, torch.from_numpy(inside).to(volume.device)] = channels[:, picked[:, 0], picked[:, 1], picked[:, 2]]
+            out[:, start:stop] = flat.reshape(block.shape)
+        else:
+            # grid_sample wants (x, y, z) = (W, H, D) order in [-1, 1], corners aligned with voxel centres.
+            scale = np.asarray([max(n - 1, 1) for n in model_shape], dtype=np.float64)
+            normalised = (coords / scale * 2 - 1)[:, ::-1].copy()
+            sample_grid = torch.from_numpy(normalised).to(device=volume.device, dtype=channels.dtype)
+            sample_grid = sample_grid.reshape(1, stop - start, grid.shape[1], grid.shape[2], 3)
+            sampled = F.grid_sample(
+                (channels - fill)[None], sample_grid, mode="bilinear", padding_mode="zeros", align_corners=True
+            )[0]
+            out[:, start:stop] = sampled + fill
+    return out if volume.ndim == 4 else out[0]
