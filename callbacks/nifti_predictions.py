@@ -9,6 +9,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+from medvol.intensity import scale_from_range
 from medvol.nifti_io import save_volume
 from medvol.source_grid import to_source_grid
 
@@ -26,6 +27,9 @@ class NiftiPredictionWriter(pl.Callback):
     Integer volumes are label maps: with a batch `label_values` ((B, K): the file's value of each
     model label, e.g. BraTS 2021's 0, 1, 2, 4) they are written with the values the input used.
     Patch batches (with `patch_origin`) stay on the patch grid and add the patch corner to the name.
+
+    A model that returns `"window": (low, high)` with its volumes has its float volumes written in
+    those raw units (e.g. HU for CT: the inverse of the dataset's window scaling).
 
     A `subject_metrics` output (name -> (B,) tensor) becomes one row per subject of
     `<output_dir>/metrics.csv`, gathered from every rank. Under DDP every rank writes the volumes
@@ -59,9 +63,12 @@ class NiftiPredictionWriter(pl.Callback):
                 for i, subject in enumerate(subjects)
             )
         if "volumes" in outputs and batch.get("affine") is not None:
-            self._write_volumes(outputs["volumes"], batch, subjects)
+            self._write_volumes(outputs["volumes"], batch, subjects, outputs.get("window"))
 
-    def _write_volumes(self, volumes: dict[str, torch.Tensor], batch: dict[str, Any], subjects: list[str]) -> None:
+    def _write_volumes(
+        self, volumes: dict[str, torch.Tensor], batch: dict[str, Any], subjects: list[str],
+        window: tuple[float, float] | None = None,
+    ) -> None:
         affines, origins = batch["affine"], batch.get("patch_origin")
         on_source = origins is None and all(batch.get(k) is not None for k in SOURCE_KEYS)
         sources = batch.get("source_file")
@@ -75,7 +82,8 @@ class NiftiPredictionWriter(pl.Callback):
                     stem += "_patch" + "-".join(str(int(v)) for v in origins[i])
                 volume = batch_volumes[i].detach().cpu()
                 is_label = not torch.is_floating_point(volume)
-                volume = volume if is_label else volume.float()
+                if not is_label:
+                    volume = volume.float() if window is None else scale_from_range(volume.float(), *window, (-1.0, 1.0))
                 if is_label and label_values is not None:
                     lookup = label_values[i].cpu()
                     volume = lookup[volume.long().clamp(0, len(lookup) - 1)]

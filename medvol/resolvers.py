@@ -8,6 +8,7 @@ continues in `<run>`, and Hydra's record of the resumed invocation goes to a new
 from __future__ import annotations
 
 import os
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -33,13 +34,18 @@ def run_stamp() -> str:
 
 
 def run_dir_of_checkpoint(ckpt_path: str | None) -> Path | None:
-    """The run directory a checkpoint belongs to (`<run>/checkpoints/<file>`), or None."""
+    """The run directory a checkpoint belongs to (`<run>/checkpoints/<file>`, or a cascade's `<run>/stage<k>/checkpoints/<file>`), or None."""
     if not ckpt_path:
         return None
     path = Path(str(ckpt_path)).expanduser().resolve()
     # A missing file (a typo) is no resume: the command is refused without touching that run.
-    if path.is_file() and path.parent.name == "checkpoints" and (path.parent.parent / ".hydra").is_dir():
-        return path.parent.parent
+    if not path.is_file() or path.parent.name != "checkpoints":
+        return None
+    run = path.parent.parent
+    if (run / ".hydra").is_dir():
+        return run
+    if re.fullmatch(r"stage\d+", run.name) and (run.parent / ".hydra").is_dir():
+        return run.parent
     return None
 
 
@@ -75,6 +81,13 @@ def gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
+def synthetic_modalities(role: str, task: str | None) -> list[str]:
+    """The synthetic dataset's default channels for `role` (image or cond): a T1 -> T2 pair for translation."""
+    if task == "translation":
+        return ["t2"] if role == "image" else ["t1"]
+    return ["t1"] if role == "image" else []
+
+
 def batch_per_device(total: int, devices: int, nodes: int = 1) -> int:
     """A total batch split over every device of the job, e.g. 48 over 4 GPUs -> 12 per GPU."""
     from medvol.errors import MedvolError
@@ -98,6 +111,7 @@ def register_resolvers() -> None:
         "gpu_available": gpu_available,
         "cwd": working_dir,
         "len": len,
+        "synthetic_modalities": synthetic_modalities,
         "batch_per_device": batch_per_device,
     }.items():
         if not OmegaConf.has_resolver(name):

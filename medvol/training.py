@@ -13,6 +13,7 @@ from lightning_modules.base import MedvolModule
 from medvol.atomic_checkpoint import checkpoint_io_plugins
 from medvol.batch_arithmetic import BatchArithmetic, scale_learning_rates
 from medvol.build import build
+from medvol.cascade import run_cascade
 from medvol.checkpoint_check import check_checkpoint
 from medvol.errors import MedvolError
 from medvol.launch import local_ranks
@@ -66,8 +67,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
     """Train (and optionally test) as the config says; return the final metrics as floats.
 
     With `trainer.devices=N > 1` on one node and no external launcher, this process becomes
-    rank 0 and starts the other ranks itself (see `medvol.launch`).
+    rank 0 and starts the other ranks itself (see `medvol.launch`). A config with a `cascade`
+    node runs its stages one after another (see `medvol.cascade`).
     """
+    if cfg.get("cascade"):
+        return run_cascade(cfg, run)
     world = plan_world(cfg.trainer)
     check_trainer(OmegaConf.to_container(cfg.trainer, resolve=True), world.accelerator)
     check_run(cfg)

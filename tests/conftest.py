@@ -43,6 +43,17 @@ TINY_MODEL: dict[str, list[str]] = {
     "classifier": ["model.backbone=resnet10", "model.widen_factor=0.125"],
     "segmentation": ["model.features=[4,8]", "model.patch_size=[8,8,8]", "model.sw_batch_size=8"],
 }
+TINY_MODEL["xray2ct"] = [
+    "dataset.image_modalities=[ct]",
+    "dataset.views=[ap,lateral]",
+    "dataset.xray_size=[16,16]",
+    "model.channels=[8,16]",
+    "model.attention_levels=[false,true]",
+    "model.num_head_channels=8",
+    "model.encoder_channels=[8,16]",
+    "model.token_dim=16",
+    "model.timesteps=4",
+]
 TINY = [*TINY_COMMON, *TINY_MODEL["vqgan"]]
 
 

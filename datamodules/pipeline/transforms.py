@@ -28,6 +28,7 @@ from monai.transforms import (
 from monai.utils import convert_to_dst_type, convert_to_tensor
 
 from medvol.errors import MedvolError
+from medvol.intensity import scale_to_range
 
 INTENSITY_MODES = ("percentile", "window", "none")
 
@@ -101,23 +102,6 @@ def _pair(value: Sequence[float], name: str) -> tuple[float, float]:
     if len(value) != 2:
         raise MedvolError(f"`dataset.transforms.{name}` must be two numbers [low, high], got {list(value)}")
     return float(value[0]), float(value[1])
-
-
-def scale_to_range(
-    volume: torch.Tensor, low: float, high: float, output_range: Sequence[float]
-) -> torch.Tensor:
-    """Clip `volume` to [low, high] and map it linearly onto `output_range`.
-
-    A constant volume (high - low ~ 0) becomes all zeros instead of 0/0 = NaN, and
-    non-finite voxels take the low end, so one bad file cannot turn a run's loss into NaN.
-    """
-    out_low, out_high = float(output_range[0]), float(output_range[1])
-    width = high - low
-    if not np.isfinite(width) or width <= 1e-8 * max(abs(low), abs(high), 1.0):
-        return torch.zeros_like(volume, dtype=torch.float32)
-    # One copy, then in place: large volumes should not cost several temporaries each.
-    scaled = torch.nan_to_num(volume.float(), nan=low, posinf=high, neginf=low)
-    return scaled.clamp_(low, high).sub_(low).mul_((out_high - out_low) / width).add_(out_low)
 
 
 class SafeScaleIntensityd(MapTransform):

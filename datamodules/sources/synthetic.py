@@ -12,6 +12,7 @@ from torch.utils.data import Dataset
 from datamodules.pipeline.volume_datamodule import Record, VolumeDataModule
 from datamodules.sources.phantom import MODALITIES, make_phantom, phantom_affine
 from medvol.errors import MedvolError
+from medvol.projection import VIEW_AXES, radiographs, voxel_spacing
 
 # Lesion fraction above which a phantom is class 1 (the same cut as the example MACE table's `label`).
 LESION_CLASS_THRESHOLD = 0.02
@@ -35,7 +36,8 @@ class SyntheticPhantomDataset(Dataset):
     `cond_modalities` when given (e.g. T1 -> T2 translation); `label` (1, D, H, W) int64
     (0 background, 1 lesion core, 2 oedema); `time` (months), `event` (0/1),
     `lesion_fraction`, `class_label` (int64: 1 if lesions fill more than 2% of the brain), `subject`,
-    `affine` (4x4, RAS mm).
+    `affine` (4x4, RAS mm); with `views`, `xray` (V, H, W): DRRs of the CT channel (within the HU
+    window, so the windowed CT projects onto them exactly).
     """
 
     def __init__(
@@ -47,6 +49,9 @@ class SyntheticPhantomDataset(Dataset):
         seed: int,
         spacing: float,
         ct_window: Sequence[float],
+        views: Sequence[str] = (),
+        xray_size: Sequence[int] = (32, 32),
+        mu_water: float = 0.02,
     ) -> None:
         self.records = records
         self.size = tuple(size)
@@ -55,6 +60,9 @@ class SyntheticPhantomDataset(Dataset):
         self.seed = seed
         self.ct_window = ct_window
         self.affine = phantom_affine(self.size, spacing)
+        self.views = list(views)
+        self.xray_size = list(xray_size)
+        self.mu_water = mu_water
 
     def __len__(self) -> int:
         return len(self.records)
@@ -78,6 +86,10 @@ class SyntheticPhantomDataset(Dataset):
         }
         if self.cond_modalities:
             item["cond"] = stack(self.cond_modalities)
+        if self.views:
+            hounsfield = torch.from_numpy(np.clip(phantom.channels["ct"], *self.ct_window))[None]
+            spacing = voxel_spacing(item["affine"])[None]
+            item["xray"] = radiographs(hounsfield, spacing, self.views, self.xray_size, self.mu_water)[0]
         return item
 
 
@@ -92,6 +104,9 @@ class SyntheticDataModule(VolumeDataModule):
         seed: phantom series; the same seed and index always give the same subject.
         spacing: voxel size in mm, written into the affine.
         ct_window: Hounsfield window mapped to [-1, 1] for the ct channel.
+        views: X-ray views of the ct channel to add as `xray` (from ap, lateral); empty for none.
+        xray_size: (H, W) of each view.
+        mu_water: attenuation of water per mm for the views.
         **kwargs: split and loader settings of `VolumeDataModule`.
     """
 
@@ -104,6 +119,9 @@ class SyntheticDataModule(VolumeDataModule):
         seed: int = 0,
         spacing: float = 6.0,
         ct_window: Sequence[float] = (-1000.0, 1000.0),
+        views: Sequence[str] = (),
+        xray_size: Sequence[int] = (32, 32),
+        mu_water: float = 0.02,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -116,6 +134,13 @@ class SyntheticDataModule(VolumeDataModule):
                 raise MedvolError(f"`dataset.{key}`: unknown modality {unknown[0]!r}; expected some of {list(MODALITIES)}")
         if not image_modalities:
             raise MedvolError("`dataset.image_modalities` is empty; name at least one of " + str(list(MODALITIES)))
+        unknown_views = [v for v in views if v not in VIEW_AXES]
+        if unknown_views:
+            raise MedvolError(f"`dataset.views`: {list(views)}; expected some of {list(VIEW_AXES)}")
+        if views and "ct" not in image_modalities:
+            raise MedvolError(f"`dataset.views` needs the ct channel in `dataset.image_modalities`, got {list(image_modalities)}")
+        if len(xray_size) != 2 or min(xray_size) < 1:
+            raise MedvolError(f"`dataset.xray_size` must be two positive ints (H, W), got {list(xray_size)}")
         if num_subjects < 1:
             raise MedvolError(f"`dataset.num_subjects` must be >= 1, got {num_subjects}")
         self.num_subjects = num_subjects
@@ -125,11 +150,15 @@ class SyntheticDataModule(VolumeDataModule):
         self.seed = seed
         self.spacing = spacing
         self.ct_window = tuple(ct_window)
+        self.views = list(views)
+        self.xray_size = [int(v) for v in xray_size]
+        self.mu_water = mu_water
 
     def subjects(self) -> list[Record]:
         return [{"subject": f"phantom-{self.seed}-{i:04d}", "index": i} for i in range(self.num_subjects)]
 
     def build_dataset(self, records: list[Record], stage: str) -> Dataset:
         return SyntheticPhantomDataset(
-            records, self.size, self.image_modalities, self.cond_modalities, self.seed, self.spacing, self.ct_window
+            records, self.size, self.image_modalities, self.cond_modalities, self.seed, self.spacing, self.ct_window,
+            self.views, self.xray_size, self.mu_water,
         )

@@ -12,12 +12,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from monai.transforms import MapTransform, ResizeWithPadOrCropd
 
 from datamodules.sources.nifti import BATCH_KEYS, NiftiDataModule
 from medvol.errors import MedvolError
-from medvol.projection import AIR_HU, VIEW_AXES, drr
+from medvol.projection import AIR_HU, VIEW_AXES, radiographs, voxel_spacing
 
 
 class DRRd(MapTransform):
@@ -46,15 +45,10 @@ class DRRd(MapTransform):
     def __call__(self, data: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
         d = dict(data)
         volume = d[self.keys[0]]
-        spacing = np.sqrt((np.asarray(volume.affine)[:3, :3] ** 2).sum(axis=0))
-        hounsfield = torch.as_tensor(np.asarray(volume[0]))
-        views = []
-        for view in self.views:
-            axis = VIEW_AXES[view]
-            radiograph = drr(hounsfield, float(spacing[axis - 1]), axis - 1, self.mu_water)
-            views.append(F.interpolate(radiograph[None, None], size=self.size, mode="bilinear", antialias=True)[0, 0])
-        low, high = self.output_range
-        d[self.output_key] = (torch.stack(views).clamp(0, 1) * (high - low) + low).float()
+        spacing = voxel_spacing(torch.as_tensor(np.asarray(volume.affine)))[None]
+        hounsfield = torch.as_tensor(np.asarray(volume[:1]))
+        views = radiographs(hounsfield, spacing, self.views, self.size, self.mu_water, self.output_range)
+        d[self.output_key] = views[0].float()
         return d
 
 

@@ -1,0 +1,105 @@
+"""The stage network: a view encoder whose tokens a 3D diffusion UNet attends to by cross-attention."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from monai.networks.nets import DiffusionModelUNet
+from torch import nn
+
+from lightning_modules.xray2ct.view_encoder import ViewEncoder
+
+
+class ViewConditionedDenoiser(nn.Module):
+    """Predicts the diffusion target of a CT stage from x_t, the step, the X-ray tokens and (stage >= 2) the previous stage.
+
+    The input is `cat([previous, x_t])` on channels from stage 2 on (the condition first, as in
+    Fast-DDPM), `x_t` alone at stage 1.
+
+    Args:
+        num_views: radiographs per subject.
+        xray_size: (H, W) of each view.
+        cascaded: True from stage 2 on (one extra input channel).
+        token_dim: width of the view tokens = the UNet's cross-attention dim.
+        encoder_channels: strided stages of the view encoder.
+        channels: UNet channels per level.
+        attention_levels: UNet levels with (self + cross) attention.
+        num_res_blocks: residual blocks per UNet level.
+        num_head_channels: channels per attention head.
+        norm_num_groups: GroupNorm groups (must divide every UNet channel count).
+    """
+
+    def __init__(
+        self,
+        num_views: int = 2,
+        xray_size: Sequence[int] = (32, 32),
+        cascaded: bool = False,
+        token_dim: int = 32,
+        encoder_channels: Sequence[int] = (16, 32),
+        channels: Sequence[int] = (16, 32, 32),
+        attention_levels: Sequence[bool] = (False, False, True),
+        num_res_blocks: int = 1,
+        num_head_channels: int = 16,
+        norm_num_groups: int = 8,
+    ) -> None:
+        super().__init__()
+        self.cascaded = bool(cascaded)
+        self.encoder = ViewEncoder(num_views, (int(xray_size[0]), int(xray_size[1])), token_dim, tuple(encoder_channels))
+        self.unet = DiffusionModelUNet(
+            spatial_dims=3,
+            in_channels=2 if self.cascaded else 1,
+            out_channels=1,
+            channels=tuple(channels),
+            attention_levels=tuple(bool(a) for a in attention_levels),
+            num_res_blocks=num_res_blocks,
+            num_head_channels=num_head_channels,
+            norm_num_groups=norm_num_groups,
+            with_conditioning=True,
+            cross_attention_dim=token_dim,
+        )
+        self.downsampling = 2 ** (len(channels) - 1)
+
+    def forward(
+        self, x_t: torch.Tensor, t: torch.Tensor, views: torch.Tensor, previous: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        tokens = self.encoder(views)
+        inputs = torch.cat([previous, x_t], dim=1) if self.cascaded else x_t
+        return self.unet(inputs, t, context=tokens)
+
+
+def network_settings(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """The `ViewConditionedDenoiser` arguments stored in a stage's hyperparameters."""
+    keys = ("token_dim", "encoder_channels", "channels", "attention_levels", "num_res_blocks", "num_head_channels",
+            "norm_num_groups")
+    settings = {key: hparams[key] for key in keys}
+    settings["num_views"] = len(hparams["views"])
+    settings["xray_size"] = hparams["xray_size"]
+    settings["cascaded"] = int(hparams["stage"]) > 1
+    return settings
+
+
+@torch.no_grad()
+def load_from_previous_stage(network: ViewConditionedDenoiser, previous: ViewConditionedDenoiser) -> list[str]:
+    """Start `network` from `previous`'s weights; the new previous-stage input channel starts at zero.
+
+    Returns the names of the tensors that could not be copied (shape mismatch other than the
+    first convolution's input channels), which the caller reports.
+    """
+    skipped = []
+    source = previous.state_dict()
+    for name, tensor in network.state_dict().items():
+        if name not in source:
+            skipped.append(name)
+            continue
+        weights = source[name]
+        if weights.shape == tensor.shape:
+            tensor.copy_(weights)
+        elif tensor.ndim == 5 and weights.shape[1] == 1 and tensor.shape[1] == 2 and weights.shape[0] == tensor.shape[0]:
+            # First convolution: input channels are [previous, x_t]; x_t's filters carry over.
+            tensor.zero_()
+            tensor[:, 1:].copy_(weights)
+        else:
+            skipped.append(name)
+    return skipped

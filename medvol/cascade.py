@@ -1,0 +1,142 @@
+"""Progressive cascades as one command: train stage 1, then stage 2 from stage 1's best weights, and so on.
+
+A config with a `cascade` node (see `conf/experiment/xray2ct_cascade.yaml`) runs each listed
+stage as an ordinary medvol run in `<run>/stage<k>/`, with the stage's own settings merged over
+the job's config (`cascade.stage<k>`: epochs, learning rate, batch size, volume size, ...).
+Stage k gets the best checkpoints of stages 1..k-1 (`model.previous_stages`) and starts from
+stage k-1's best weights (`model.init_from`). Each finished stage's best checkpoint is copied
+to `<run>/stage<k>/best.ckpt`, which later stages read and nothing overwrites.
+
+- `ckpt_path=<run>/stage<k>/checkpoints/last.ckpt` resumes stage k in its folder, then goes on
+  with the later stages.
+- `cascade.stages=[2] cascade.from_run=<run>` runs stage 2 alone, with stage 1 from that run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from medvol.errors import MedvolError
+
+log = logging.getLogger("medvol")
+STAGE_DIR = re.compile(r"stage(\d+)")
+
+
+def stage_of_checkpoint(ckpt_path: str | None) -> tuple[Path, int] | None:
+    """(cascade run dir, stage) for `<run>/stage<k>/checkpoints/<file>`, else None."""
+    if not ckpt_path:
+        return None
+    stage_dir = Path(str(ckpt_path)).expanduser().resolve().parent.parent
+    match = STAGE_DIR.fullmatch(stage_dir.name)
+    return (stage_dir.parent, int(match.group(1))) if match else None
+
+
+def best_checkpoint(stage_dir: Path) -> Path:
+    """The best checkpoint a finished stage recorded in its last.ckpt, copied to `stage_dir/best.ckpt`."""
+    target = stage_dir / "best.ckpt"
+    last = stage_dir / "checkpoints" / "last.ckpt"
+    if not last.is_file():
+        if target.is_file():
+            return target
+        raise MedvolError(f"cascade: {stage_dir} has no checkpoints/last.ckpt; the stage did not finish an epoch")
+    state = torch.load(last, map_location="cpu", weights_only=False)
+    best = next(
+        (s.get("best_model_path") for k, s in state.get("callbacks", {}).items() if "ModelCheckpoint" in k and s.get("best_model_path")),
+        None,
+    )
+    source = Path(best) if best and Path(best).is_file() else last
+    shutil.copyfile(source, target.with_suffix(".tmp"))
+    target.with_suffix(".tmp").replace(target)
+    return target
+
+
+def _stage_config(cfg: DictConfig, stage: int, stage_dir: Path, previous: list[Path], ckpt_path: str | None) -> DictConfig:
+    settings = cfg.cascade.get(f"stage{stage}")
+    if settings is None:
+        raise MedvolError(f"`cascade.stages` lists stage {stage} but `cascade.stage{stage}` is not configured")
+    stage_cfg = OmegaConf.merge(cfg, settings)
+    with open_dict(stage_cfg):
+        del stage_cfg["cascade"]
+        stage_cfg.paths.output_dir = str(stage_dir)
+        stage_cfg.model.stage = stage
+        stage_cfg.model.previous_stages = [str(p) for p in previous]
+        stage_cfg.model.init_from = str(previous[-1]) if previous and not ckpt_path else None
+        stage_cfg.ckpt_path = ckpt_path
+        # One split for the whole cascade: every stage trains and validates on the same subjects.
+        if "split_file" in stage_cfg.dataset:
+            stage_cfg.dataset.split_file = str(stage_dir.parent / "split.json")
+    return stage_cfg
+
+
+def _check_sizes(cfg: DictConfig, stages: list[int]) -> None:
+    sizes = []
+    for stage in stages:
+        settings = cfg.cascade.get(f"stage{stage}") or {}
+        merged = OmegaConf.merge(cfg, settings)
+        size = OmegaConf.to_container(merged.model, resolve=True).get("size")
+        sizes.append([int(size)] * 3 if isinstance(size, int) else [int(s) for s in size])
+    pairs = list(zip(stages, sizes, strict=True))
+    for (a, size_a), (b, size_b) in zip(pairs, pairs[1:], strict=False):
+        if any(y <= x for x, y in zip(size_a, size_b, strict=True)):
+            raise MedvolError(
+                f"`cascade.stage{b}` volume size {size_b} does not grow from stage {a}'s {size_a}; "
+                "each stage must be larger on every axis"
+            )
+
+
+def run_cascade(cfg: DictConfig, run_stage: Callable[[DictConfig], dict[str, float]]) -> dict[str, float]:
+    """Run the stages that `cfg.cascade.stages` lists, in order; return every stage's metrics, prefixed `stage<k>/`."""
+    stages = sorted(int(s) for s in cfg.cascade.stages)
+    if not stages or stages[0] < 1:
+        raise MedvolError(f"`cascade.stages` must list stage numbers from 1, got {list(cfg.cascade.stages)}")
+    root = Path(str(cfg.paths.output_dir))
+    resumed = stage_of_checkpoint(cfg.get("ckpt_path"))
+    if cfg.get("ckpt_path") and resumed is None:
+        raise MedvolError(
+            f"`ckpt_path` {cfg.ckpt_path} is not a cascade stage's checkpoint; expected <run>/stage<k>/checkpoints/<file>"
+        )
+    if resumed is not None:
+        root, resume_stage = resumed
+        stages = [s for s in stages if s >= resume_stage]
+        if not stages or stages[0] != resume_stage:
+            raise MedvolError(f"`ckpt_path` resumes stage {resume_stage}, which `cascade.stages` {list(cfg.cascade.stages)} does not run")
+    _check_sizes(cfg, sorted(int(s) for s in cfg.cascade.stages))
+    earlier = Path(str(cfg.cascade.from_run)) if cfg.cascade.get("from_run") else root
+    previous: list[Path] = []
+    for stage in range(1, stages[0]):
+        best = earlier / f"stage{stage}" / "best.ckpt"
+        if not best.is_file():
+            raise MedvolError(
+                f"stage {stages[0]} needs stage {stage}'s best.ckpt, but {best} does not exist; run stage {stage} first or set "
+                "`cascade.from_run` to a cascade run that has it"
+            )
+        previous.append(best)
+
+    metrics: dict[str, float] = {}
+    summary: dict[str, dict] = {}
+    for stage in stages:
+        stage_dir = root / f"stage{stage}"
+        ckpt_path = cfg.ckpt_path if resumed is not None and stage == resumed[1] else None
+        stage_cfg = _stage_config(cfg, stage, stage_dir, previous, ckpt_path)
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(stage_cfg, stage_dir / "config.yaml", resolve=False)
+        log.info("cascade: stage %d of %s in %s", stage, stages, stage_dir)
+        stage_metrics = run_stage(stage_cfg)
+        best = best_checkpoint(stage_dir) if stage_cfg.get("train", True) else stage_dir / "best.ckpt"
+        previous.append(best)
+        metrics.update({f"stage{stage}/{k}": v for k, v in stage_metrics.items()})
+        summary[f"stage{stage}"] = {"best_checkpoint": str(best), "metrics": stage_metrics}
+    metrics.update({k: v for k, v in stage_metrics.items()})
+    (root / "cascade_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    optimized = str(cfg.get("optimized_metric") or "")
+    for stage, entry in summary.items():
+        log.info("cascade: %s best %s = %s (%s)", stage, optimized, entry["metrics"].get(optimized), entry["best_checkpoint"])
+    return metrics

@@ -1,0 +1,37 @@
+"""Intensity scaling into model units and its inverse, so outputs go back to the scan's units (HU for CT)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+def scale_to_range(
+    volume: torch.Tensor, low: float, high: float, output_range: Sequence[float]
+) -> torch.Tensor:
+    """Clip `volume` to [low, high] and map it linearly onto `output_range`.
+
+    A constant volume (high - low ~ 0) becomes all zeros instead of 0/0 = NaN, and
+    non-finite voxels take the low end, so one bad file cannot turn a run's loss into NaN.
+    """
+    out_low, out_high = float(output_range[0]), float(output_range[1])
+    width = high - low
+    if not np.isfinite(width) or width <= 1e-8 * max(abs(low), abs(high), 1.0):
+        return torch.zeros_like(volume, dtype=torch.float32)
+    # One copy, then in place: large volumes should not cost several temporaries each.
+    scaled = torch.nan_to_num(volume.float(), nan=low, posinf=high, neginf=low)
+    return scaled.clamp_(low, high).sub_(low).mul_((out_high - out_low) / width).add_(out_low)
+
+
+def scale_from_range(
+    volume: torch.Tensor, low: float, high: float, output_range: Sequence[float]
+) -> torch.Tensor:
+    """The inverse of `scale_to_range` inside the window: model units in `output_range` -> raw units in [low, high].
+
+    Values outside `output_range` are clamped first, as `scale_to_range` clips; differentiable.
+    """
+    out_low, out_high = float(output_range[0]), float(output_range[1])
+    unit = (volume.clamp(out_low, out_high) - out_low) / (out_high - out_low)
+    return unit * (high - low) + low

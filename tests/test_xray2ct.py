@@ -1,0 +1,154 @@
+"""X-ray-to-CT: the cascade as one command, stage hand-over, resume inside a stage, HU outputs, bad input."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from lightning_modules.xray2ct.module import XrayToCT
+from medvol.errors import MedvolError
+from medvol.training import run
+from tests.conftest import TINY_COMMON, compose_cfg
+
+# Two tiny stages (8^3 -> 16^3), 16 px views, a 2-level UNet, 4 Fast-DDPM steps.
+TINY_CASCADE = [
+    *[o for o in TINY_COMMON if not o.startswith("dataset.size")],
+    "experiment=xray2ct_cascade",
+    "dataset.xray_size=[16,16]",
+    "model.channels=[8,16]",
+    "model.attention_levels=[false,true]",
+    "model.num_head_channels=8",
+    "model.encoder_channels=[8,16]",
+    "model.token_dim=16",
+    "model.timesteps=4",
+    "test=false",
+    "cascade.stages=[1,2]",
+    "cascade.stage1={dataset:{size:8,spacing:24.0,batch_size:2},trainer:{max_epochs:2}}",
+    "cascade.stage2={dataset:{size:16,spacing:12.0,batch_size:2},trainer:{max_epochs:1}}",
+]
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _network(checkpoint: Path, prefix: str) -> dict[str, torch.Tensor]:
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+@pytest.fixture(scope="module")
+def cascade_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cascade")
+    metrics = run(compose_cfg(root, TINY_CASCADE, tiny=False))
+    return root, metrics
+
+
+def test_cascade_runs_every_stage_in_one_command(cascade_run):
+    root, metrics = cascade_run
+    for stage in (1, 2):
+        assert (root / f"stage{stage}" / "best.ckpt").is_file()
+        assert (root / f"stage{stage}" / "tensorboard").is_dir()
+        assert f"stage{stage}/val/psnr" in metrics
+    assert "val/physics_loss" in metrics and np.isfinite(metrics["val/physics_loss"])
+    stage2 = OmegaConf.load(root / "stage2" / "config.yaml")
+    assert stage2.model.init_from == str(root / "stage1" / "best.ckpt")
+    assert list(stage2.model.previous_stages) == [str(root / "stage1" / "best.ckpt")]
+    # Stage 2 holds stage 1's network, frozen, so its checkpoint generates from X-rays alone.
+    stage1_ema = _network(root / "stage1" / "best.ckpt", "ema.module.")
+    stage2_previous = _network(root / "stage2" / "best.ckpt", "previous.0.")
+    assert stage1_ema.keys() == stage2_previous.keys()
+    assert all(torch.equal(stage1_ema[k], stage2_previous[k]) for k in stage1_ema)
+
+
+def test_stage_two_starts_from_stage_one_best_weights(cascade_run):
+    root, _ = cascade_run
+    best = root / "stage1" / "best.ckpt"
+    stage1 = _network(best, "ema.module.")
+    module = XrayToCT(
+        stage=2, size=16, xray_size=(16, 16), channels=(8, 16), attention_levels=(False, True), num_head_channels=8,
+        encoder_channels=(8, 16), token_dim=16, timesteps=4, previous_stages=[str(best)], init_from=str(best),
+    )
+    started = module.network.state_dict()
+    first_conv = "unet.conv_in.conv.weight"
+    for name, tensor in stage1.items():
+        if name == first_conv:
+            # Input channels are [previous, x_t]: x_t's filters carry over, the new channel starts at zero.
+            assert torch.equal(started[name][:, 1:], tensor)
+            assert torch.count_nonzero(started[name][:, :1]) == 0
+        else:
+            assert torch.equal(started[name], tensor), name
+
+
+def test_resume_in_stage_two_continues_stage_two_and_never_touches_stage_one(cascade_run, tmp_path):
+    root, _ = cascade_run
+    stage1_best = _digest(root / "stage1" / "best.ckpt")
+    stage1_last = _digest(root / "stage1" / "checkpoints" / "last.ckpt")
+    last = root / "stage2" / "checkpoints" / "last.ckpt"
+    before = torch.load(last, map_location="cpu", weights_only=False)
+    overrides = [
+        *[o for o in TINY_CASCADE if not o.startswith("cascade.stage2=")],
+        "cascade.stage2={dataset:{size:16,spacing:12.0,batch_size:2},trainer:{max_epochs:2}}",
+        f"ckpt_path={last}",
+    ]
+    metrics = run(compose_cfg(tmp_path / "elsewhere", overrides, tiny=False))
+    after = torch.load(last, map_location="cpu", weights_only=False)
+    assert (before["epoch"], after["epoch"]) == (0, 1)
+    assert after["global_step"] > before["global_step"]
+    assert _digest(root / "stage1" / "best.ckpt") == stage1_best
+    assert _digest(root / "stage1" / "checkpoints" / "last.ckpt") == stage1_last
+    assert "stage1/val/psnr" not in metrics and "stage2/val/psnr" in metrics
+    assert not (tmp_path / "elsewhere" / "stage1").exists()
+
+
+def test_test_time_ct_is_written_in_hounsfield_units_on_the_subject_grid(tmp_path):
+    overrides = [*TINY_CASCADE, "cascade.stages=[1]", "test=true"]
+    run(compose_cfg(tmp_path, overrides, tiny=False))
+    files = sorted((tmp_path / "stage1" / "predictions").glob("*_ct.nii.gz"))
+    assert files
+    image = nib.load(files[0])
+    assert image.shape == (8, 8, 8)
+    assert np.allclose(np.diag(image.affine)[:3], 24.0)
+    data = np.asarray(image.dataobj)
+    assert data.min() >= -1000.0 - 1e-3 and data.max() <= 1000.0 + 1e-3
+    assert data.max() - data.min() > 50.0  # HU, not model units in [-1, 1]
+    target = np.asarray(nib.load(str(files[0]).replace("_ct.", "_target.")).dataobj)
+    assert target.min() == pytest.approx(-1000.0, abs=1.0)  # air around the head
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("dataset.views=[]", "has no `xray` views"),
+        ("model.views=[ap]", "X-ray views, model.views lists 1"),
+        ("cascade.stage2={dataset:{size:8,spacing:24.0},trainer:{max_epochs:1}}", "does not grow from stage 1"),
+        ("cascade.stage1={dataset:{size:9,spacing:20.0},trainer:{max_epochs:1}}", "must divide by the network's downsampling"),
+    ],
+)
+def test_bad_input_gets_one_clear_line(tmp_path, override, message):
+    with pytest.raises(MedvolError, match=message):
+        run(compose_cfg(tmp_path, [*TINY_CASCADE, override], tiny=False))
+
+
+def test_a_view_count_other_than_the_previous_stage_is_refused(cascade_run):
+    root, _ = cascade_run
+    with pytest.raises(MedvolError, match="differ from the views"):
+        XrayToCT(stage=2, size=16, views=("ap",), previous_stages=[str(root / "stage1" / "best.ckpt")])
+
+
+def test_a100_preset_has_the_seed_stage_table(tmp_path):
+    cfg = compose_cfg(tmp_path, ["experiment=xray2ct_a100x4", "dataset.root=/data/ct"], tiny=False)
+    assert cfg.trainer.devices == 4 and cfg.trainer.precision == "bf16-mixed"
+    assert cfg.model.prediction_type == "v" and cfg.model.num_train_timesteps == 1000
+    table = []
+    for stage in (1, 2, 3):
+        merged = OmegaConf.merge(cfg, cfg.cascade[f"stage{stage}"])
+        size = list(OmegaConf.to_container(merged.model, resolve=True)["size"])
+        table.append((size[0], merged.dataset.batch_size, merged.trainer.max_epochs))
+    assert table == [(64, 16, 100), (128, 8, 100), (256, 4, 100)]
