@@ -20,6 +20,7 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -58,7 +59,7 @@ def best_checkpoint(stage_dir: Path) -> Path:
     return target
 
 
-def _stage_config(cfg: DictConfig, stage: int, stage_dir: Path, previous: list[Path], ckpt_path: str | None) -> DictConfig:
+def _stage_config(cfg: DictConfig, stage: int, stage_dir: Path, ckpt_path: str | None) -> DictConfig:
     settings = cfg.cascade.get(f"stage{stage}")
     if settings is None:
         raise MedvolError(f"`cascade.stages` lists stage {stage} but `cascade.stage{stage}` is not configured")
@@ -67,8 +68,6 @@ def _stage_config(cfg: DictConfig, stage: int, stage_dir: Path, previous: list[P
         del stage_cfg["cascade"]
         stage_cfg.paths.output_dir = str(stage_dir)
         stage_cfg.model.stage = stage
-        stage_cfg.model.previous_stages = [str(p) for p in previous]
-        stage_cfg.model.init_from = str(previous[-1]) if previous and not ckpt_path else None
         stage_cfg.ckpt_path = ckpt_path
         # One split for the whole cascade: every stage trains and validates on the same subjects.
         if "split_file" in stage_cfg.dataset:
@@ -92,8 +91,14 @@ def _check_sizes(cfg: DictConfig, stages: list[int]) -> None:
             )
 
 
-def run_cascade(cfg: DictConfig, run_stage: Callable[[DictConfig], dict[str, float]]) -> dict[str, float]:
-    """Run the stages that `cfg.cascade.stages` lists, in order; return every stage's metrics, prefixed `stage<k>/`."""
+def run_cascade(
+    cfg: DictConfig, run_stage: Callable[[DictConfig], dict[str, float]], check_stage: Callable[[DictConfig], Any]
+) -> dict[str, float]:
+    """Run the stages that `cfg.cascade.stages` lists, in order; return every stage's metrics, prefixed `stage<k>/`.
+
+    Every stage's config is checked (`check_stage`) before the first stage starts, so a bad value in
+    stage 3 stops the command before stage 1 trains.
+    """
     stages = sorted(int(s) for s in cfg.cascade.stages)
     if not stages or stages[0] < 1:
         raise MedvolError(f"`cascade.stages` must list stage numbers from 1, got {list(cfg.cascade.stages)}")
@@ -120,12 +125,22 @@ def run_cascade(cfg: DictConfig, run_stage: Callable[[DictConfig], dict[str, flo
             )
         previous.append(best)
 
+    stage_configs = {}
+    for stage in stages:
+        stage_dir = root / f"stage{stage}"
+        ckpt_path = cfg.ckpt_path if resumed is not None and stage == resumed[1] else None
+        stage_configs[stage] = _stage_config(cfg, stage, stage_dir, ckpt_path)
+        check_stage(stage_configs[stage])
+
     metrics: dict[str, float] = {}
     summary: dict[str, dict] = {}
     for stage in stages:
         stage_dir = root / f"stage{stage}"
-        ckpt_path = cfg.ckpt_path if resumed is not None and stage == resumed[1] else None
-        stage_cfg = _stage_config(cfg, stage, stage_dir, previous, ckpt_path)
+        stage_cfg = stage_configs[stage]
+        # The earlier stages' best checkpoints exist only now.
+        with open_dict(stage_cfg):
+            stage_cfg.model.previous_stages = [str(p) for p in previous]
+            stage_cfg.model.init_from = str(previous[-1]) if previous and not stage_cfg.ckpt_path else None
         stage_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(stage_cfg, stage_dir / "config.yaml", resolve=False)
         log.info("cascade: stage %d of %s in %s", stage, stages, stage_dir)

@@ -63,6 +63,16 @@ def trainer_settings(cfg: DictConfig, module: MedvolModule) -> dict[str, Any]:
     return settings
 
 
+def check_config(cfg: DictConfig) -> World:
+    """Every check that needs no data or model: bad values stop here, before anything is written."""
+    world = plan_world(cfg.trainer)
+    check_trainer(OmegaConf.to_container(cfg.trainer, resolve=True), world.accelerator)
+    check_run(cfg)
+    check_strategy(cfg.get("strategy"), world)
+    check_launch(world)
+    return world
+
+
 def run(cfg: DictConfig) -> dict[str, float]:
     """Train (and optionally test) as the config says; return the final metrics as floats.
 
@@ -71,12 +81,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     node runs its stages one after another (see `medvol.cascade`).
     """
     if cfg.get("cascade"):
-        return run_cascade(cfg, run)
-    world = plan_world(cfg.trainer)
-    check_trainer(OmegaConf.to_container(cfg.trainer, resolve=True), world.accelerator)
-    check_run(cfg)
-    check_strategy(cfg.get("strategy"), world)
-    check_launch(world)
+        return run_cascade(cfg, run, check_config)
+    world = check_config(cfg)
     if global_rank() != 0:
         # Rank 0 alone prints; the others still report warnings and errors.
         logging.getLogger().setLevel(logging.WARNING)

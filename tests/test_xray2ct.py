@@ -152,3 +152,10 @@ def test_a100_preset_has_the_seed_stage_table(tmp_path):
         size = list(OmegaConf.to_container(merged.model, resolve=True)["size"])
         table.append((size[0], merged.dataset.batch_size, merged.trainer.max_epochs))
     assert table == [(64, 16, 100), (128, 8, 100), (256, 4, 100)]
+
+
+def test_a_bad_value_in_a_later_stage_stops_the_cascade_before_stage_one_trains(tmp_path):
+    bad = "cascade.stage2={dataset:{size:16,spacing:12.0},trainer:{max_epochs:-5}}"
+    with pytest.raises(MedvolError, match="max_epochs"):
+        run(compose_cfg(tmp_path, [*TINY_CASCADE, bad], tiny=False))
+    assert not (tmp_path / "stage1").exists()
