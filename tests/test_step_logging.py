@@ -16,11 +16,11 @@ def test_vqgan_epoch_values_are_the_sample_weighted_means_of_its_step_values(tin
     cfg = tiny_cfg("dataset.batch_size=4", "logger=csv", "trainer.max_epochs=2")
     metrics = run(cfg)
     rows = list(csv.DictReader(next(Path(tmp_path).rglob("metrics.csv")).open()))
-    for term in ("loss", "recon_loss", "commitment_loss", "perplexity", "g_adv_loss"):
+    for term in ("loss", "generator_loss", "recon_loss", "commitment_loss", "perplexity", "gan_generator"):
         steps = [float(r[f"train/{term}_step"]) for r in rows if r.get(f"train/{term}_step")]
         epochs = [float(r[f"train/{term}_epoch"]) for r in rows if r.get(f"train/{term}_epoch")]
         # Every step logged (log_every_n_steps=1); the GAN term only from discriminator_iter_start=2 on.
-        assert (len(steps), len(epochs)) == ((2, 1) if term == "g_adv_loss" else (4, 2)), term
+        assert (len(steps), len(epochs)) == ((2, 1) if term == "gan_generator" else (4, 2)), term
         assert epochs[-1] == pytest.approx((4 * steps[-2] + 2 * steps[-1]) / 6, rel=1e-5), term
     # The unsuffixed epoch value stays available to callbacks and `optimized_metric`.
     assert metrics["train/loss"] == pytest.approx(metrics["train/loss_epoch"])
