@@ -39,6 +39,13 @@ TINY_MODEL: dict[str, list[str]] = {
         "model.ssim_kernel_size=5",
         "model.discriminator_iter_start=2",
     ],
+    "ddpm": [
+        "model.network.channels=[8,8]",
+        "model.network.attention_levels=[false,true]",
+        "model.network.norm_num_groups=4",
+        "model.network.num_head_channels=4",
+        "model.ssim_kernel_size=5",
+    ],
 }
 TINY = [*TINY_COMMON, *TINY_MODEL["vqgan"]]
 
