@@ -10,6 +10,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
+from monai.networks.nets import DiffusionModelUNet
 
 from datamodules.sources.phantom import phantom_affine
 from lightning_modules.diffusion.samplers import sample_ddim
@@ -20,6 +21,14 @@ from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
 from tests.test_ddp_support import explain, train_cli
 
 TINY_DDPM = ["model=ddpm", "logger=csv"]
+
+
+def unet_with_live_output(**kwargs) -> DiffusionModelUNet:
+    """MONAI's UNet with its zero-initialised output convolution given random weights, so that an
+    untrained network's samples depend on their noise."""
+    network = DiffusionModelUNet(**kwargs)
+    torch.nn.init.normal_(network.out[-1].conv.weight, std=0.1)
+    return network
 
 
 def synthetic_batch(module, size: int = 16, batch: int = 2) -> dict:
@@ -163,6 +172,7 @@ def test_two_gloo_ranks_validate_like_one(tmp_path: Path):
     # noise and metrics synced over 3 validation subjects split 2 + 1.
     args = [*TINY_COMMON, *TINY_MODEL["ddpm"], *TINY_DDPM, "dataset.num_subjects=12", "dataset.val_fraction=0.25",
             "dataset.test_fraction=0", "trainer.limit_train_batches=2", "model.optimizer.lr=0", "model.ema_decay=null",
+            "model.network._target_=tests.test_ddpm.unet_with_live_output",
             "+callbacks.rank_recorder._target_=tests.test_ddp_support.RankRecorder"]
     ddp = train_cli([*args, f"+callbacks.rank_recorder.directory={tmp_path / 'ranks'}", "strategy=ddp",
                      "trainer.devices=2", "dataset.batch_size=1", f"hydra.run.dir={tmp_path / 'ddp'}"], cwd=tmp_path, tiny=False)
