@@ -93,6 +93,7 @@ def test_validation_and_sampling_use_the_ema_weights(module):
     assert torch.allclose(module.validation_step(swapped, 5)["volumes"]["sample"].flip(0), sample, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_ema_and_weights_survive_resume_exactly(tmp_path):
     common = [*TINY_DDPM, "seed=3", "trainer.deterministic=true", "dataset.num_subjects=6", "model.sampling_timesteps=2"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -111,6 +112,7 @@ def test_ema_and_weights_survive_resume_exactly(tmp_path):
     assert not torch.equal(a["ema.module.conv_in.conv.weight"], a["network.conv_in.conv.weight"])
 
 
+@pytest.mark.slow
 def test_test_time_samples_are_nifti_on_the_subject_grid_with_overridable_sampler(tmp_path):
     common = [*TINY_DDPM, "dataset.num_subjects=6"]
     train_dir = tmp_path / "train"
@@ -151,6 +153,7 @@ def test_bad_timestep_set_in_config_is_one_clear_line(tmp_path):
         run(compose_cfg(tmp_path, [*TINY_DDPM, "model.sampling_timesteps=[5,5]", "trainer.fast_dev_run=true"]))
 
 
+@pytest.mark.slow
 def test_checkpoint_with_other_channel_counts_is_refused(tmp_path):
     run(compose_cfg(tmp_path / "a", [*TINY_DDPM, "dataset.num_subjects=6", "trainer.max_epochs=1"]))
     ckpt = tmp_path / "a" / "checkpoints" / "last.ckpt"
