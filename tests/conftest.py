@@ -42,6 +42,13 @@ TINY_MODEL: dict[str, list[str]] = {
     "survival": ["model.backbone=resnet10", "model.widen_factor=0.125"],
     "classifier": ["model.backbone=resnet10", "model.widen_factor=0.125"],
     "segmentation": ["model.features=[4,8]", "model.patch_size=[8,8,8]", "model.sw_batch_size=8"],
+    "ddpm": [
+        "model.network.channels=[8,8]",
+        "model.network.attention_levels=[false,true]",
+        "model.network.norm_num_groups=4",
+        "model.network.num_head_channels=4",
+        "model.ssim_kernel_size=5",
+    ],
 }
 TINY_MODEL["xray2ct"] = [
     "dataset.image_modalities=[ct]",

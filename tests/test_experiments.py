@@ -7,9 +7,15 @@ import pytest
 
 from datamodules.sources.phantom import make_phantom, phantom_affine
 from medvol.training import run
-from tests.conftest import CONF_DIR, compose_cfg
+from tests.conftest import CONF_DIR, TINY_MODEL, compose_cfg
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
+# A file-based diffusion experiment on CPU: 16^3 crops, one batch, a tiny UNet.
+TINY_FILES_DDPM = [
+    "hardware=cpu", "callbacks.progress_bar=null", "callbacks.model_summary=null", "trainer.fast_dev_run=true",
+    "dataset.transforms.spatial_size=[16,16,16]", "dataset.val_fraction=0.25", "dataset.test_fraction=0",
+    *TINY_MODEL["ddpm"],
+]
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
@@ -54,3 +60,27 @@ def test_ctpa_vqgan_has_the_seed_values_and_trains_on_ct_patches(tmp_path):
     )
     metrics = run(cfg)
     assert "val/psnr" in metrics and "train/loss_step" in metrics
+
+
+def test_fast_ddpm_brats_has_the_seed_values_and_trains_on_a_brats_folder(tmp_path):
+    from datamodules.sources.example_data import write_brats
+
+    cfg = compose_cfg(tmp_path, ["experiment=fast_ddpm_brats", "dataset.root=/data"], tiny=False)
+    assert (cfg.dataset.batch_size, cfg.trainer.accumulate_grad_batches, cfg.trainer.sync_batchnorm) == (1, 4, True)
+    assert (list(cfg.dataset.image_modalities), list(cfg.dataset.cond_modalities)) == (["t2"], ["t1"])
+    assert (cfg.model.timesteps, cfg.model.timestep_spacing, cfg.model.prediction_type) == (10, "non_uniform", "epsilon")
+    assert list(cfg.dataset.transforms.spatial_size) == [128, 128, 128] and cfg.model.activation_checkpointing
+
+    data = write_brats(tmp_path / "brats", subjects=4, year=2023, size=20)
+    metrics = run(compose_cfg(tmp_path / "run", ["experiment=fast_ddpm_brats", f"dataset.root={data}", *TINY_FILES_DDPM], tiny=False))
+    assert {"val/psnr", "val/ssim", "train/loss"} <= set(metrics)
+
+
+def test_fast_ddpm_ct_denoising_trains_on_a_ct_folder(tmp_path):
+    from datamodules.sources.example_data import write_nifti_folder
+
+    data = write_nifti_folder(tmp_path / "ct", subjects=4, size=20, modalities=("ct",), label=False)
+    metrics = run(
+        compose_cfg(tmp_path / "run", ["experiment=fast_ddpm_ct_denoising", f"dataset.root={data}", *TINY_FILES_DDPM], tiny=False)
+    )
+    assert "val/psnr" in metrics

@@ -21,7 +21,12 @@ from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMe
 from lightning_modules.base import MedvolModule
 from lightning_modules.diffusion.checkpointing import checkpoint_blocks, unet_blocks
 from lightning_modules.diffusion.ema import EMA
-from lightning_modules.diffusion.prediction import check_prediction_type, to_x0_and_epsilon, training_target
+from lightning_modules.diffusion.prediction import (
+    check_prediction_type,
+    clip_x0,
+    to_x0_and_epsilon,
+    training_target,
+)
 from lightning_modules.diffusion.samplers import SAMPLERS, sample_ddim, sample_ddpm
 from lightning_modules.diffusion.schedule import NoiseSchedule
 from lightning_modules.diffusion.timesteps import antithetic_indices, timestep_set
@@ -52,6 +57,8 @@ class ConditionalDiffusion(MedvolModule):
             `sampling_spacing`), or an explicit list.
         sampling_spacing: spacing of a sampling set given by its size.
         eta: DDIM stochasticity (0 deterministic, 1 DDPM-like).
+        clip_sample: clamp each predicted x0 to [-1, 1] while sampling (the reference does not; it
+            steadies short, CPU-sized trainings).
         prediction_type: what the network predicts: `epsilon`, `v` or `sample`.
         loss_reduction: `mean` over voxels, or `sum` over voxels and mean over the batch (the reference).
         ema_decay: decay of the weight EMA used for validation, test and sampling (null: no EMA).
@@ -83,6 +90,7 @@ class ConditionalDiffusion(MedvolModule):
         sampling_timesteps: int | Sequence[int] | None = None,
         sampling_spacing: str = "uniform",
         eta: float = 0.0,
+        clip_sample: bool = False,
         prediction_type: str = "epsilon",
         loss_reduction: str = "mean",
         ema_decay: float | None = 0.999,
@@ -206,7 +214,9 @@ class ConditionalDiffusion(MedvolModule):
 
         def denoise(x_t: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             output = network(self.network_input(x_t, cond), t)
-            return to_x0_and_epsilon(self.prediction_type, output, x_t, self.schedule.alpha_bar(t))
+            alpha_bar = self.schedule.alpha_bar(t)
+            x0, eps = to_x0_and_epsilon(self.prediction_type, output, x_t, alpha_bar)
+            return clip_x0(x0, x_t, alpha_bar) if self.hparams.clip_sample else (x0, eps)
 
         return denoise
 
@@ -258,12 +268,12 @@ class ConditionalDiffusion(MedvolModule):
         cond = self.condition(batch, generators)
         prefix = metrics.prefix
         size = x0.shape[0]
+        sample = self.sample(cond, self.noise_like(x0, generators), generators).clamp(-1.0, 1.0)
         # A fixed (per-subject) step and noise make the validation loss comparable across epochs and ranks.
         index = torch.tensor([int(torch.randint(len(self.train_timesteps), (1,), generator=g)) for g in generators])
         t = self.train_timesteps[index].to(x0.device)
         loss = self.diffusion_loss(self.sampling_network, x0, cond, t, self.noise_like(x0, generators))
         metrics[f"{prefix}loss"].update(loss, weight=size)
-        sample = self.sample(cond, self.noise_like(x0, generators), generators).clamp(-1.0, 1.0)
         volumes: dict[str, torch.Tensor] = {}
         if cond is not None:
             volumes["condition"] = cond.detach()

@@ -58,10 +58,13 @@ class NoiseSchedule(nn.Module):
         self.register_buffer("alphas_cumprod", torch.cumprod(1 - betas, dim=0).float())
 
     def _apply(self, fn: Any, recurse: bool = True) -> NoiseSchedule:
+        # Keep the original fp32 values (a round trip through bf16 would lose them); take only the new device.
+        originals = {name: buffer for name, buffer in self._buffers.items() if buffer is not None}
         super()._apply(fn, recurse)
-        for name, buffer in self._buffers.items():
-            if buffer is not None and buffer.dtype != torch.float32:
-                self._buffers[name] = buffer.float()
+        for name, original in originals.items():
+            moved = self._buffers[name]
+            if moved is not None and moved.dtype != torch.float32:
+                self._buffers[name] = original.to(device=moved.device)
         return self
 
     def alpha_bar(self, t: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,186 @@
+"""Fast-DDPM figures: sampling time (10 vs 1000 steps), peak memory of a training step, quality vs baselines.
+
+    .venv/bin/python benchmarks/ddpm.py sampling [--size 64] [--channels 8 16]
+    .venv/bin/python benchmarks/ddpm.py memory [--size 64] [--device cpu|cuda] [--precision 32|bf16-mixed] [--checkpointing]
+    .venv/bin/python benchmarks/ddpm.py quality [--epochs 24] [--size 16] [hydra overrides ...]
+
+`sampling` times one volume through the DDIM update over Fast-DDPM's 10-step set and through
+DDPM's 1000 ancestral steps, with the same (randomly initialised) network; `memory` runs one
+training step (forward, backward, Adam) in a fresh process and reports its peak (host RSS on
+the CPU, `torch.cuda.max_memory_allocated` on a GPU); `quality` trains model=ddpm on the
+synthetic T1 -> T2 pairs as Fast-DDPM, as full DDPM (validated with the same 10-step DDIM
+sampler) and as a one-step regressor, and prints val PSNR/SSIM per validation against the
+identity baseline (the condition copied as the answer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lightning_modules.diffusion.module import ConditionalDiffusion  # noqa: E402
+
+
+def network_factory(channels: list[int], attention: list[bool], groups: int, head_channels: int):
+    from monai.networks.nets import DiffusionModelUNet
+
+    def make(in_channels: int, out_channels: int) -> torch.nn.Module:
+        return DiffusionModelUNet(
+            spatial_dims=3, in_channels=in_channels, out_channels=out_channels, channels=channels,
+            attention_levels=attention, num_res_blocks=1, norm_num_groups=groups, num_head_channels=head_channels,
+        )
+
+    return make
+
+
+def build_module(args: argparse.Namespace, **kwargs) -> ConditionalDiffusion:
+    attention = [False] * (len(args.channels) - 1) + [args.attention]
+    network = network_factory(args.channels, attention, args.groups, args.head_channels)
+    return ConditionalDiffusion(network, image_channels=1, cond_channels=1, activation_checkpointing=args.checkpointing, **kwargs)
+
+
+def sampling(args: argparse.Namespace) -> None:
+    torch.manual_seed(0)
+    shape = (1, 1, args.size, args.size, args.size)
+    cond, x_T = torch.randn(shape), torch.randn(shape)
+    print(f"one {args.size}^3 volume, network channels {args.channels}, attention {args.attention}, "
+          f"{torch.get_num_threads()} thread(s)")
+    print("| sampler | network passes | time |\n|---|---|---|", flush=True)
+    rows = []
+    for name, kwargs in (("Fast-DDPM, 10 DDIM steps", {"sampler": "ddim"}), ("DDPM, 1000 ancestral steps", {"sampler": "ddpm"})):
+        module = build_module(args, **kwargs).eval()
+        start = time.perf_counter()
+        module.sample(cond, x_T)
+        rows.append(time.perf_counter() - start)
+        passes = 1000 if kwargs["sampler"] == "ddpm" else len(module.sampling_timesteps)
+        print(f"| {name} | {passes} | {rows[-1]:.1f} s |", flush=True)
+    print(f"ratio 10 / 1000 steps: {rows[0] / rows[1]:.4f}x")
+
+
+def memory_step(args: argparse.Namespace) -> None:
+    """One training step in this process; prints the peak."""
+    device = torch.device(args.device)
+    module = build_module(args).to(device)
+    optimizer = torch.optim.Adam(module.network.parameters(), lr=1e-4)
+    shape = (args.batch, 1, args.size, args.size, args.size)
+    x0, cond = torch.rand(shape, device=device) * 2 - 1, torch.rand(shape, device=device) * 2 - 1
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    dtype = torch.bfloat16 if args.precision == "bf16-mixed" else torch.float32
+    with torch.autocast(device.type, dtype=dtype, enabled=args.precision == "bf16-mixed"):
+        t = module.draw_timesteps(args.batch, device)
+        loss = module.diffusion_loss(module.network, x0, cond, t, torch.randn_like(x0))
+    loss.backward()
+    optimizer.step()
+    module.ema.update(module.network)
+    if device.type == "cuda":
+        print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(f"peak host RSS: {peak:.0f} MiB (model and data built: {before:.0f} MiB)")
+
+
+def memory(args: argparse.Namespace) -> None:
+    # A fresh process, so the peak is this step's and not an earlier command's.
+    command = [sys.executable, __file__, "_memory_step", *sys.argv[2:]]
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    parameters = sum(p.numel() for p in build_module(args).network.parameters())
+    print(f"one training step, batch {args.batch} at {args.size}^3, {args.device}, {args.precision}, "
+          f"checkpointing {args.checkpointing}, network channels {args.channels} ({parameters / 1e6:.2f} M parameters)")
+    print(result.stdout.strip())
+
+
+def train(name: str, directory: Path, overrides: list[str]) -> list[dict[str, float]]:
+    start = time.perf_counter()
+    subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "model=ddpm", "logger=csv", "callbacks.progress_bar=null",
+         "callbacks.model_summary=null", f"hydra.run.dir={directory}", *overrides],
+        check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    wall = time.perf_counter() - start
+    rows = [r for r in csv.DictReader((directory / "csv" / "metrics.csv").open()) if r.get("val/psnr")]
+    print(f"{name}: {wall:.0f} s", flush=True)
+    return [{"epoch": int(r["epoch"]) + 1, "psnr": float(r["val/psnr"]), "ssim": float(r["val/ssim"])} for r in rows]
+
+
+def identity_baseline(overrides: list[str], directory: Path) -> tuple[float, float]:
+    """PSNR/SSIM of the condition taken as the answer, on the same validation subjects."""
+    from hydra import compose, initialize_config_dir
+    from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
+
+    import medvol.resolvers  # noqa: F401
+    from medvol.build import build
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        cfg = compose("train", overrides=["model=ddpm", f"paths.output_dir={directory}", *overrides])
+    datamodule = build(cfg.dataset)
+    datamodule.setup("fit")
+    psnr = PeakSignalNoiseRatio(data_range=2.0, reduction="elementwise_mean", dim=(1, 2, 3, 4))
+    ssim = StructuralSimilarityIndexMeasure(data_range=2.0, kernel_size=int(cfg.model.ssim_kernel_size))
+    for batch in datamodule.val_dataloader():
+        psnr.update(batch["cond"], batch["image"])
+        ssim.update(batch["cond"], batch["image"])
+    return float(psnr.compute()), float(ssim.compute())
+
+
+def quality(args: argparse.Namespace, overrides: list[str]) -> None:
+    common = [f"trainer.max_epochs={args.epochs}", f"trainer.check_val_every_n_epoch={args.val_every}",
+              f"dataset.size={args.size}", "trainer.num_sanity_val_steps=0", *overrides]
+    variants = {
+        "Fast-DDPM (10 non-uniform steps, DDIM)": [],
+        "DDPM training (1000 steps), validated with the same 10-step DDIM": [
+            "model.timesteps=1000", "model.timestep_spacing=uniform", "model.sampling_timesteps=10",
+            "model.sampling_spacing=non_uniform"],
+        "same network as a one-step regressor": ["model.timesteps=[999]", "model.prediction_type=sample"],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        identity = identity_baseline(common, Path(tmp) / "identity")
+        results = {name: train(name, Path(tmp) / str(i), [*common, *extra]) for i, (name, extra) in enumerate(variants.items())}
+    print(f"\nsynthetic T1 -> T2, {args.size}^3, overrides: {overrides or 'none'}")
+    print("| model | " + " | ".join(f"epoch {r['epoch']}" for r in next(iter(results.values()))) + " |")
+    print("|---" * (1 + len(next(iter(results.values())))) + "|")
+    print(f"| identity baseline | {identity[0]:.2f} dB / {identity[1]:.3f} (every epoch) |")
+    for name, rows in results.items():
+        print(f"| {name} | " + " | ".join(f"{r['psnr']:.2f} dB / {r['ssim']:.3f}" for r in rows) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["sampling", "memory", "quality", "_memory_step"])
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--channels", type=int, nargs="+", default=[16, 32, 32])
+    parser.add_argument("--attention", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--head-channels", type=int, default=8)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--precision", default="32", choices=["32", "bf16-mixed"])
+    parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--epochs", type=int, default=24)
+    parser.add_argument("--val-every", type=int, default=4)
+    args, overrides = parser.parse_known_args()
+    if args.command == "sampling":
+        sampling(args)
+    elif args.command == "memory":
+        memory(args)
+    elif args.command == "_memory_step":
+        memory_step(args)
+    else:
+        quality(args, overrides)
+
+
+if __name__ == "__main__":
+    main()
