@@ -14,19 +14,13 @@ from omegaconf import OmegaConf
 from lightning_modules.xray2ct.module import XrayToCT
 from medvol.errors import MedvolError
 from medvol.training import run
-from tests.conftest import TINY_COMMON, compose_cfg
+from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
 
 # Two tiny stages (8^3 -> 16^3), 16 px views, a 2-level UNet, 4 Fast-DDPM steps.
 TINY_CASCADE = [
     *[o for o in TINY_COMMON if not o.startswith("dataset.size")],
     "experiment=xray2ct_cascade",
-    "dataset.xray_size=[16,16]",
-    "model.channels=[8,16]",
-    "model.attention_levels=[false,true]",
-    "model.num_head_channels=8",
-    "model.encoder_channels=[8,16]",
-    "model.token_dim=16",
-    "model.timesteps=4",
+    *TINY_MODEL["xray2ct"],
     "test=false",
     "cascade.stages=[1,2]",
     "cascade.stage1={dataset:{size:8,spacing:24.0,batch_size:2},trainer:{max_epochs:2}}",
