@@ -27,10 +27,16 @@ def learning_rates(pl_module: pl.LightningModule, optimizers: list) -> dict[str,
 
 
 class LearningRates(pl.Callback):
-    """Replaces Lightning's `LearningRateMonitor`, whose names (`lr-Adam`, `lr-Adam-1`) say nothing of the role."""
+    """Replaces Lightning's `LearningRateMonitor`, whose names (`lr-Adam`, `lr-Adam-1`) say nothing of the role.
+
+    Only runs with a learning-rate schedule get the charts: a constant rate is a flat line, and
+    it is in the HPARAMS tab already.
+    """
 
     @rank_zero_only
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.lr_scheduler_configs:
+            return
         rates = learning_rates(pl_module, trainer.optimizers)
         for logger in trainer.loggers:
             logger.log_metrics(rates, step=logging_step(trainer))

@@ -13,6 +13,7 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
+from callbacks.learning_rates import LearningRates
 from callbacks.slice_grid import GAP, HEADER, ROW_LABEL, Sample, slice_grid
 from callbacks.volume_slices import TAG, VolumeSliceLogger
 from medvol.anatomical_planes import mid_planes
@@ -118,7 +119,8 @@ def test_the_same_subjects_are_shown_every_epoch_in_any_batch_order():
 
 def test_images_scalars_and_checkpoints_share_one_step_and_hparams_name_the_optimized_metric(tiny_cfg, tmp_path):
     # Discriminators start at batch 2, so global_step (both optimizers) runs ahead of the batch count.
-    run(tiny_cfg("trainer.max_epochs=2", "dataset.val_fraction=0.25", "trainer.log_every_n_steps=1"))
+    scheduler = "model.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,step_size:1,gamma:0.5}"
+    run(tiny_cfg("trainer.max_epochs=2", "dataset.val_fraction=0.25", "trainer.log_every_n_steps=1", scheduler))
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"images": 0, "scalars": 0})
     events.Reload()
     tags = events.Tags()
@@ -135,6 +137,7 @@ def test_images_scalars_and_checkpoints_share_one_step_and_hparams_name_the_opti
     assert first.size[1] == HEADER + 2 * 3 * (256 + GAP) and first.size[0] >= ROW_LABEL + 3 * (256 + GAP) + 70
 
     assert {"lr/generator", "lr/discriminator"} <= set(tags["scalars"])
+    assert [e.value for e in events.Scalars("lr/generator")] == pytest.approx([3e-4, 1.5e-4])
     assert "epoch" not in tags["scalars"]
     assert {"train/loss_step", "train/generator_loss_step", "train/gan_discriminator_step"} <= set(tags["scalars"])
     assert [e.value for e in events.Scalars("hp_metric")] == [e.value for e in events.Scalars("val/psnr")]
@@ -152,3 +155,11 @@ def test_vqgan_training_total_does_not_jump_when_the_discriminators_start(tiny_c
     assert metrics["train/loss_step"] == pytest.approx(
         metrics["train/recon_loss_step"] + metrics["train/commitment_loss_step"], rel=1e-5
     )
+
+
+def test_a_constant_learning_rate_draws_no_chart():
+    logged = []
+    logger = SimpleNamespace(log_metrics=lambda metrics, step: logged.append(metrics))
+    trainer = SimpleNamespace(lr_scheduler_configs=[], loggers=[logger], optimizers=[])
+    LearningRates().on_train_epoch_start(trainer, None)
+    assert logged == []
