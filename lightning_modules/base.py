@@ -7,6 +7,8 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+from medvol.sliding_window import SlidingWindow
+
 MODEL_KEY = "medvol_model"
 
 
@@ -55,6 +57,15 @@ class MedvolModule(pl.LightningModule):
                 gradient_clip_val=self.gradient_clip_val,
                 gradient_clip_algorithm=self.gradient_clip_algorithm,
             )
+
+    def predict_volumes(self, batch: dict[str, Any], window: SlidingWindow) -> dict[str, Any]:
+        """Outputs for one batch of whole volumes of any size (`predict.py`), in the `test_step` contract.
+
+        Families whose forward maps a volume to a volume run it through `window` (the training patch
+        as the window); the default is `test_step`, for families that need the batch's references
+        (a sample's target, a CT's radiographs) or see a whole volume at once (risk, class).
+        """
+        return self.test_step(batch, 0)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[MODEL_KEY] = class_path(self)
