@@ -202,17 +202,18 @@ def predict(cfg: DictConfig) -> dict[str, float]:
     output_dir = Path(str(cfg.output_dir)).expanduser()
     override = cfg.get("dataset")
     device = pick_device(str(cfg.device))
+    module = load_module(run, str(cfg.ckpt_path), device)
     with tempfile.TemporaryDirectory() as scratch:
         if cfg.input is not None:
             source = Path(str(cfg.input)).expanduser()
+            if source.exists():
+                check_output_dir(output_dir, [source if source.is_dir() else source.parent])
             files = input_files(source)
-            check_output_dir(output_dir, [source if source.is_dir() else source.parent])
             dataset, _ = file_dataset(files, run, override, Path(scratch) / "inputs.csv")
         else:
             dataset, resolved = split_dataset(run, override, str(cfg.split), bool(cfg.keep_crop))
             roots = [Path(str(resolved[k])) for k in ("root",) if resolved.get(k)]
             check_output_dir(output_dir, roots)
-        module = load_module(run, str(cfg.ckpt_path), device)
         window = SlidingWindow.of(
             cfg.roi or window_size(run), overlap=float(cfg.overlap), mode=str(cfg.mode),
             batch_size=int(cfg.sw_batch_size), device=device,

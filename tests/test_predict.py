@@ -1,0 +1,166 @@
+"""predict.py: whole volumes through sliding windows, outputs on the source grid and in source units, bad input refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
+
+from datamodules.sources.nifti import NiftiDataModule
+from datamodules.sources.phantom import make_phantom
+from medvol.errors import MedvolError
+from medvol.predicting import predict
+from medvol.prediction_writer import PredictionWriter
+from medvol.sliding_window import SlidingWindow
+from medvol.training import run
+from tests.conftest import CONF_DIR, ROOT, TINY_COMMON, TINY_MODEL, compose_cfg
+
+# LPS-oriented (x and y flipped), anisotropic voxels, an odd shape: what a scanner export looks like.
+LPS_AFFINE = np.array([[-1.2, 0, 0, 30.0], [0, -0.9, 0, 21.0], [0, 0, 2.5, -40.0], [0, 0, 0, 1]])
+SHAPE = (22, 13, 18)
+
+
+def write_lps_scans(root: Path, subjects: int, channels: int = 1) -> Path:
+    """`<root>/<subject>/image.nii.gz`: int16 phantoms (T1-like, scaled to ~0..1000) on an LPS, anisotropic grid."""
+    for i in range(subjects):
+        phantom = make_phantom(0, i, SHAPE)
+        # Channels with different ranges, so swapping their scalings would show.
+        data = np.stack([phantom.channels[m] * (1000 + 500 * c) - 200 * c for c, m in enumerate(("t1", "t2")[:channels])], -1)
+        path = root / f"case{i:02d}" / "image.nii.gz"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        nib.save(nib.Nifti1Image((data[..., 0] if channels == 1 else data).astype(np.int16), LPS_AFFINE), str(path))
+    return root
+
+
+def predict_cfg(*overrides: str) -> DictConfig:
+    """The composed `predict` config, on the CPU."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR), job_name="predict"):
+        cfg = compose(config_name="predict", overrides=["device=cpu", *overrides])
+    GlobalHydra.instance().clear()
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    """A tiny VQ-GAN trained on LPS int16 scans, tested with `test=true`; its config saved as train.py saves it."""
+    base = tmp_path_factory.mktemp("predict")
+    data = write_lps_scans(base / "scans", 8)
+    run_dir = base / "run"
+    common = [o for o in TINY_COMMON if not o.startswith("dataset.")]
+    cfg = compose_cfg(run_dir, [
+        *common, *TINY_MODEL["vqgan"], "dataset=nifti", f"dataset.root={data}", "dataset.transforms.spatial_size=[16,16,16]", "dataset.batch_size=2",
+        "dataset.num_workers=0", "test=true", "logger=none", "callbacks.volume_slices=null",
+    ], tiny=False)
+    run(cfg)
+    (run_dir / ".hydra").mkdir(exist_ok=True)
+    OmegaConf.save({k: v for k, v in cfg.items() if k != "hydra"}, run_dir / ".hydra" / "config.yaml")
+    return run_dir
+
+
+def test_sliding_window_of_an_identity_net_equals_the_input_on_a_larger_non_divisible_volume():
+    volume = torch.randn(1, 2, 19, 23, 13)
+    seen: list[tuple[int, ...]] = []
+
+    def identity(window: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple(window.shape[2:]))
+        return window.clone()
+
+    out = SlidingWindow.of([8, 8, 8], overlap=0.25, mode="gaussian", batch_size=3)(identity, volume)
+    assert out.shape == volume.shape
+    torch.testing.assert_close(out, volume, rtol=0, atol=1e-6)
+    # The network only ever sees windows of the training size, several of them.
+    assert set(seen) == {(8, 8, 8)} and len(seen) > 1
+
+
+def test_identity_output_is_written_on_the_lps_int16_source_grid_in_its_units(tmp_path):
+    root = write_lps_scans(tmp_path / "scans", 1, channels=2)
+    settings = {"orientation": "RAS", "intensity": "percentile", "percentiles": [0.0, 100.0], "spatial_size": [24, 16, 20]}
+    datamodule = NiftiDataModule(root=str(root), transforms=settings)
+    batch = torch.utils.data.default_collate([datamodule.build_dataset(datamodule.subjects(), "test")[0]])
+    assert batch["image"].abs().max() <= 1.0  # model units
+    PredictionWriter(tmp_path / "out").write({"volumes": {"reconstruction": batch["image"]}}, batch)
+
+    out = nib.load(str(tmp_path / "out" / "case00_reconstruction.nii.gz"))
+    source = nib.load(str(root / "case00" / "image.nii.gz"))
+    assert out.shape == source.shape and np.allclose(out.affine, source.affine)
+    written, raw = np.asarray(out.dataobj, dtype=np.float64), np.asarray(source.dataobj, dtype=np.float64)
+    # Per channel (each has its own percentile bounds): within 1e-3 of that channel's range.
+    for c in range(2):
+        span = raw[..., c].max() - raw[..., c].min()
+        assert np.abs(written[..., c] - raw[..., c]).max() <= 1e-3 * span
+
+
+def test_predict_and_test_true_write_the_same_files(trained_run, tmp_path):
+    out = tmp_path / "out"
+    predict(predict_cfg(f"ckpt_path={trained_run}/checkpoints/last.ckpt", "split=test", "keep_crop=true", f"output_dir={out}"))
+    tested = sorted(p.name for p in (trained_run / "predictions").glob("*.nii.gz"))
+    assert tested and sorted(p.name for p in out.glob("*.nii.gz")) == tested
+    for name in tested:
+        a, b = nib.load(str(out / name)), nib.load(str(trained_run / "predictions" / name))
+        assert a.shape == b.shape == SHAPE and np.array_equal(a.affine, b.affine)
+        assert a.get_data_dtype() == b.get_data_dtype()
+        np.testing.assert_allclose(a.get_fdata(), b.get_fdata(), rtol=0, atol=1e-3)
+
+
+def test_predict_reconstructs_unseen_files_on_their_grid_with_per_subject_psnr(trained_run, tmp_path):
+    scans = write_lps_scans(tmp_path / "new", 2)
+    files = tmp_path / "inputs"
+    files.mkdir()
+    for i, path in enumerate(sorted(scans.glob("*/image.nii.gz"))):
+        path.rename(files / f"scan{i}.nii.gz")
+    metrics = predict(predict_cfg(f"ckpt_path={trained_run}/checkpoints/last.ckpt", f"input={files}", f"output_dir={tmp_path / 'out'}"))
+    for i in range(2):
+        out = nib.load(str(tmp_path / "out" / f"scan{i}_reconstruction.nii.gz"))
+        assert out.shape == SHAPE and np.allclose(out.affine, LPS_AFFINE)
+        # Source units: the int16 scan's range (about 0..1000), not the model's [-1, 1].
+        assert out.get_fdata().max() > 100
+    rows = (tmp_path / "out" / "metrics.csv").read_text().splitlines()
+    assert rows[0] == "subject,psnr,ssim" and [r.split(",")[0] for r in rows[1:]] == ["scan0", "scan1"]
+    assert np.isfinite(metrics["psnr"])
+
+
+def test_a_missing_input_is_one_line_and_exit_code_2(trained_run, tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "predict.py"), f"ckpt_path={trained_run}/checkpoints/last.ckpt",
+         f"input={tmp_path / 'nothing.nii.gz'}", f"output_dir={tmp_path / 'out'}"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"medvol: error: `input`: no NIfTI file or folder at {tmp_path / 'nothing.nii.gz'}; "
+        "expected a .nii/.nii.gz file or a folder of them"
+    ]
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_input_is_refused_with_the_key_named(trained_run, tmp_path):
+    ckpt = f"ckpt_path={trained_run}/checkpoints/last.ckpt"
+    scans = write_lps_scans(tmp_path / "scans", 1)
+    two_channels = write_lps_scans(tmp_path / "two", 1, channels=2)
+    # Not medvol's: a Lightning-style checkpoint without medvol's model record, inside a run directory.
+    foreign = trained_run.parent / "foreign" / "checkpoints" / "other.ckpt"
+    foreign.parent.mkdir(parents=True)
+    (foreign.parent.parent / ".hydra").mkdir()
+    (foreign.parent.parent / ".hydra" / "config.yaml").write_text((trained_run / ".hydra" / "config.yaml").read_text())
+    torch.save({"state_dict": {}, "loops": {}}, foreign)
+    cases = [
+        ([ckpt, f"input={scans}", f"output_dir={scans / 'out'}"], "`output_dir`"),
+        ([ckpt, f"input={scans / 'case00' / 'image.nii.gz'}", f"output_dir={scans / 'case00'}"], "`output_dir`"),
+        ([ckpt, f"input={two_channels / 'case00' / 'image.nii.gz'}", f"output_dir={tmp_path / 'o1'}"], "has 2 channels"),
+        ([f"ckpt_path={foreign}", f"input={scans}", f"output_dir={tmp_path / 'o2'}"], "an unknown model"),
+        ([f"ckpt_path={tmp_path / 'none.ckpt'}", f"input={scans}", f"output_dir={tmp_path / 'o3'}"], "`ckpt_path`: no file"),
+        ([ckpt, f"output_dir={tmp_path / 'o4'}"], "`input` is not set"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(MedvolError, match=message.replace("`", ".")):
+            predict(predict_cfg(*overrides))
+    assert not (scans / "out").exists()
