@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch.utils.data import Dataset, default_collate
@@ -77,6 +78,26 @@ def merged(base: DictConfig, override: Any) -> DictConfig:
     return result
 
 
+def command_overrides(prefix: str) -> DictConfig:
+    """The `prefix...=value` overrides of this command line (inside a Hydra app; empty otherwise)."""
+    if not HydraConfig.initialized():
+        return OmegaConf.create({})
+    dotlist = [o.lstrip("+") for o in HydraConfig.get().overrides.task if o.lstrip("+").startswith(prefix)]
+    return OmegaConf.from_dotlist(dotlist)
+
+
+def with_run_transforms(run_dataset: DictConfig, chosen: DictConfig) -> DictConfig:
+    """A dataset chosen with `dataset=NAME`, preprocessed as the run was: the run's `transforms`, then the
+    command's own `dataset.transforms.*` overrides (the group file's defaults would silently differ)."""
+    if run_dataset.get("transforms") is None or chosen.get("transforms") is None:
+        return chosen
+    own = command_overrides("dataset.transforms.")
+    transforms = OmegaConf.merge(run_dataset.transforms, own.dataset.transforms if own else {})
+    with open_dict(chosen):
+        chosen.transforms = transforms
+    return chosen
+
+
 def window_size(cfg: DictConfig) -> list[int]:
     """The training patch or volume size of a run: the sliding window for whole volumes."""
     dataset, model = cfg.dataset, cfg.model
@@ -131,18 +152,23 @@ def file_dataset(files: list[Path], run: DictConfig, override: Any, listing: Pat
     return datamodule.build_dataset(datamodule.subjects(), "test"), config
 
 
-def split_dataset(run: DictConfig, override: Any, split: str, keep_crop: bool) -> tuple[Dataset, DictConfig]:
-    """A split of the run's dataset (or of the `dataset` given), as the run's split.json assigns subjects."""
+def dataset_subjects(run: DictConfig, override: Any, split: str | None, keep_crop: bool) -> tuple[Dataset, DictConfig]:
+    """Subjects of the run's dataset (or of the `dataset` given): one split as the run's split.json assigns
+    them, or with `split` null every subject."""
     config = merged(run.dataset, override)
     with open_dict(config):
         config.cache = "none"
         config.num_workers = 0
+        if split is None:
+            config.split_file = None
         if not keep_crop and config.get("transforms") is not None:
             config.transforms = {**OmegaConf.to_container(config.transforms, resolve=True), **WHOLE_VOLUME}
     resolved = OmegaConf.merge(run, {"dataset": config}).dataset
     datamodule = build(resolved)
     if hasattr(datamodule, "preflight"):
         datamodule.preflight()
+    if split is None:
+        return datamodule.build_dataset(datamodule.subjects(), "test"), resolved
     datamodule.setup("test")
     if split not in datamodule.datasets:
         raise MedvolError(f"`split`: the dataset has no {split!r} split; expected one of {sorted(datamodule.datasets)}")
@@ -196,11 +222,16 @@ def predict(cfg: DictConfig) -> dict[str, float]:
         raise MedvolError(f"`overlap` must be in [0, 1), got {cfg.overlap}")
     if cfg.split is not None and cfg.split not in SPLITS:
         raise MedvolError(f"`split` is {cfg.split!r}; expected one of {list(SPLITS)} or null")
-    if cfg.input is None and cfg.split is None:
-        raise MedvolError("`input` is not set; expected a NIfTI file, a folder of them, or `split=test` for the run's test split")
+    override = cfg.get("dataset")
+    if override is not None and override.get("_target_"):
+        override = with_run_transforms(run.dataset, override)
+    if cfg.input is None and cfg.split is None and not override:
+        raise MedvolError(
+            "`input` is not set; expected a NIfTI file, a folder of them, `split=test` for the run's test split, "
+            "or a dataset (`dataset=nifti dataset.root=DIR`)"
+        )
 
     output_dir = Path(str(cfg.output_dir)).expanduser()
-    override = cfg.get("dataset")
     device = pick_device(str(cfg.device))
     module = load_module(run, str(cfg.ckpt_path), device)
     with tempfile.TemporaryDirectory() as scratch:
@@ -211,7 +242,8 @@ def predict(cfg: DictConfig) -> dict[str, float]:
             files = input_files(source)
             dataset, _ = file_dataset(files, run, override, Path(scratch) / "inputs.csv")
         else:
-            dataset, resolved = split_dataset(run, override, str(cfg.split), bool(cfg.keep_crop))
+            split = str(cfg.split) if cfg.split is not None else None
+            dataset, resolved = dataset_subjects(run, override, split, bool(cfg.keep_crop))
             roots = [Path(str(resolved[k])) for k in ("root",) if resolved.get(k)]
             check_output_dir(output_dir, roots)
         window = SlidingWindow.of(

@@ -111,6 +111,17 @@ def test_predict_and_test_true_write_the_same_files(trained_run, tmp_path):
         np.testing.assert_allclose(a.get_fdata(), b.get_fdata(), rtol=0, atol=1e-3)
 
 
+def test_a_dataset_chosen_by_name_lists_every_subject_and_keeps_the_runs_preprocessing(trained_run, tmp_path):
+    out = tmp_path / "out"
+    scans = trained_run.parent / "scans"
+    # conf/dataset/nifti.yaml crops to 64^3: the run's own 16^3 must win, as the test=true files show.
+    predict(predict_cfg(f"ckpt_path={trained_run}/checkpoints/last.ckpt", "dataset=nifti", f"dataset.root={scans}",
+                        "keep_crop=true", f"output_dir={out}"))
+    assert len(list(out.glob("*_reconstruction.nii.gz"))) == 8
+    for tested in (trained_run / "predictions").glob("*.nii.gz"):
+        np.testing.assert_allclose(nib.load(str(out / tested.name)).get_fdata(), nib.load(str(tested)).get_fdata(), atol=1e-3)
+
+
 def test_predict_reconstructs_unseen_files_on_their_grid_with_per_subject_psnr(trained_run, tmp_path):
     scans = write_lps_scans(tmp_path / "new", 2)
     files = tmp_path / "inputs"
