@@ -163,7 +163,11 @@ def dataset_subjects(run: DictConfig, override: Any, split: str | None, keep_cro
             config.split_file = None
         if not keep_crop and config.get("transforms") is not None:
             config.transforms = {**OmegaConf.to_container(config.transforms, resolve=True), **WHOLE_VOLUME}
-    resolved = OmegaConf.merge(run, {"dataset": config}).dataset
+    # In the run's config, so `${paths.output_dir}` and `${seed}` resolve against the run.
+    whole = run.copy()
+    with open_dict(whole):
+        whole.dataset = config
+    resolved = whole.dataset
     datamodule = build(resolved)
     if hasattr(datamodule, "preflight"):
         datamodule.preflight()

@@ -60,6 +60,11 @@ def trained_run(tmp_path_factory) -> Path:
         *common, *TINY_MODEL["vqgan"], "dataset=nifti", f"dataset.root={data}", "dataset.transforms.spatial_size=[16,16,16]", "dataset.batch_size=2",
         "dataset.num_workers=0", "test=true", "logger=none", "callbacks.volume_slices=null",
     ], tiny=False)
+    return saved_run(run_dir, cfg)
+
+
+def saved_run(run_dir: Path, cfg: DictConfig) -> Path:
+    """Train and test `cfg`, and save its config where train.py saves it."""
     run(cfg)
     (run_dir / ".hydra").mkdir(exist_ok=True)
     OmegaConf.save({k: v for k, v in cfg.items() if k != "hydra"}, run_dir / ".hydra" / "config.yaml")
@@ -137,6 +142,15 @@ def test_predict_reconstructs_unseen_files_on_their_grid_with_per_subject_psnr(t
     rows = (tmp_path / "out" / "metrics.csv").read_text().splitlines()
     assert rows[0] == "subject,psnr,ssim" and [r.split(",")[0] for r in rows[1:]] == ["scan0", "scan1"]
     assert np.isfinite(metrics["psnr"])
+
+
+def test_a_model_trained_on_phantoms_reads_a_nifti_dataset_chosen_by_name(tmp_path):
+    run_dir = saved_run(tmp_path / "run", compose_cfg(tmp_path / "run", ["logger=none", "callbacks.volume_slices=null"]))
+    scans = write_lps_scans(tmp_path / "scans", 2)
+    predict(predict_cfg(f"ckpt_path={run_dir}/checkpoints/last.ckpt", "dataset=nifti", f"dataset.root={scans}",
+                        f"output_dir={tmp_path / 'out'}"))
+    for subject in ("case00", "case01"):
+        assert nib.load(str(tmp_path / "out" / f"{subject}_reconstruction.nii.gz")).shape == SHAPE
 
 
 def test_a_missing_input_is_one_line_and_exit_code_2(trained_run, tmp_path):
