@@ -255,6 +255,7 @@ def predict(cfg: DictConfig) -> dict[str, float]:
             batch_size=int(cfg.sw_batch_size), device=device,
         )
         writer = PredictionWriter(output_dir)
+        extras = ["codes"] if cfg.codes else []
         count = 0
         with Progress(
             TextColumn("[bold]predict"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
@@ -265,7 +266,7 @@ def predict(cfg: DictConfig) -> dict[str, float]:
                 check_channels(batch, expected_channels)
                 progress.update(task, description=str(batch["subject"][0]))
                 with torch.no_grad():
-                    outputs = module.predict_volumes(batch, window)
+                    outputs = module.predict_volumes(batch, window, extras)
                 writer.write(outputs, batch)
                 count += 1
                 progress.advance(task)

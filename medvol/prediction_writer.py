@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from medvol.intensity import INTENSITY_RANGE_KEY, intensity_keys, scale_from_range
@@ -61,7 +62,8 @@ class PredictionWriter:
     whose units a volume has in `"units"` (name -> key, default `image`). Integer volumes are label
     maps: with a batch `label_values` ((B, K): the file's value of each model label, e.g. BraTS
     2021's 0, 1, 2, 4) they are written with the values the input used. Patch batches (with
-    `patch_origin`) stay on the patch grid and add the patch corner to the name.
+    `patch_origin`) stay on the patch grid and add the patch corner to the name. An `"arrays"`
+    output (name -> (B, ...) tensor, e.g. a VQ-GAN's codes) is saved as `<subject>_<name>.npy`.
 
     Args:
         output_dir: folder for the files.
@@ -84,9 +86,18 @@ class PredictionWriter:
                 {"subject": str(subject), **{name: float(values[i]) for name, values in metrics.items()}}
                 for i, subject in enumerate(subjects)
             )
-        if "volumes" not in outputs or batch.get("affine") is None:
-            return []
-        return self._write_volumes(outputs, batch, [str(s) for s in subjects])
+        stems = [str(s).replace("/", "_") for s in subjects]
+        written = [self._write_array(array[i], f"{stem}_{name}") for name, array in (outputs.get("arrays") or {}).items()
+                   for i, stem in enumerate(stems)]
+        if "volumes" in outputs and batch.get("affine") is not None:
+            written += self._write_volumes(outputs, batch, [str(s) for s in subjects])
+        return written
+
+    def _write_array(self, array: torch.Tensor, stem: str) -> Path:
+        path = self.output_dir / f"{stem}.npy"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(path, array.detach().cpu().numpy())
+        return path
 
     def _write_volumes(self, outputs: Mapping[str, Any], batch: Mapping[str, Any], subjects: list[str]) -> list[Path]:
         affines, origins = batch["affine"], batch.get("patch_origin")

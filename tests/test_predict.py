@@ -133,12 +133,18 @@ def test_predict_reconstructs_unseen_files_on_their_grid_with_per_subject_psnr(t
     files.mkdir()
     for i, path in enumerate(sorted(scans.glob("*/image.nii.gz"))):
         path.rename(files / f"scan{i}.nii.gz")
-    metrics = predict(predict_cfg(f"ckpt_path={trained_run}/checkpoints/last.ckpt", f"input={files}", f"output_dir={tmp_path / 'out'}"))
+    metrics = predict(predict_cfg(
+        f"ckpt_path={trained_run}/checkpoints/last.ckpt", f"input={files}", f"output_dir={tmp_path / 'out'}", "codes=true"
+    ))
     for i in range(2):
         out = nib.load(str(tmp_path / "out" / f"scan{i}_reconstruction.nii.gz"))
         assert out.shape == SHAPE and np.allclose(out.affine, LPS_AFFINE)
         # Source units: the int16 scan's range (about 0..1000), not the model's [-1, 1].
         assert out.get_fdata().max() > 100
+        codes = np.load(tmp_path / "out" / f"scan{i}_codes.npy")
+        # The latent grid of the whole scan (downsample 4), indices into the 32-code book.
+        assert codes.shape == tuple(n // 4 for n in SHAPE)
+        assert np.issubdtype(codes.dtype, np.integer) and codes.min() >= 0 and codes.max() < 32
     rows = (tmp_path / "out" / "metrics.csv").read_text().splitlines()
     assert rows[0] == "subject,psnr,ssim" and [r.split(",")[0] for r in rows[1:]] == ["scan0", "scan1"]
     assert np.isfinite(metrics["psnr"])

@@ -202,7 +202,7 @@ class Segmenter(MedvolModule):
     def on_test_epoch_end(self) -> None:
         self._log_epoch("test")
 
-    def predict_volumes(self, batch: dict[str, Any], window: SlidingWindow) -> dict[str, Any]:
+    def predict_volumes(self, batch: dict[str, Any], window: SlidingWindow, extras: Sequence[str] = ()) -> dict[str, Any]:
         """Masks of whole volumes window by window; Dice and HD95 per subject where the batch has a label."""
         image = batch[self.hparams.image_key]
         masks = self.postprocess(window(self.net, image))

@@ -308,8 +308,12 @@ class VQGAN(MedvolModule):
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         return self._evaluate(batch, self.test_metrics)
 
-    def predict_volumes(self, batch: dict[str, Any], window: SlidingWindow) -> dict[str, Any]:
-        """The reconstruction of whole volumes window by window; PSNR and SSIM against the input per subject."""
+    def predict_volumes(self, batch: dict[str, Any], window: SlidingWindow, extras: Sequence[str] = ()) -> dict[str, Any]:
+        """The reconstruction of whole volumes window by window; PSNR and SSIM against the input per subject.
+
+        With `codes` in `extras`, also the codebook index of every latent voxel of the whole volume,
+        encoded at once on the window's device (the latent grid of the whole scan, for a latent model).
+        """
         x = batch[self.image_key].float()
         reconstruction = window(lambda patch: self(patch)[0].clamp(-1.0, 1.0), x)
         psnr = peak_signal_noise_ratio(reconstruction, x, data_range=2.0, reduction="none", dim=(1, 2, 3, 4))
@@ -317,8 +321,11 @@ class VQGAN(MedvolModule):
             reconstruction, x, data_range=2.0, kernel_size=self.hparams.ssim_kernel_size, reduction="none"
         )
         assert isinstance(ssim, torch.Tensor)
-        return {
+        outputs: dict[str, Any] = {
             "volumes": {"input": x, "reconstruction": reconstruction},
             "difference": ("reconstruction", "input"),
             "subject_metrics": {"psnr": psnr, "ssim": ssim},
         }
+        if "codes" in extras:
+            outputs["arrays"] = {"codes": self.encode(x.to(window.device)).encodings.cpu()}
+        return outputs
