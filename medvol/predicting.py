@@ -271,6 +271,7 @@ def predict(cfg: DictConfig) -> dict[str, float]:
                 count += 1
                 progress.advance(task)
     writer.write_metrics()
+    writer.write_predictions()
     print(summary_line(writer.rows, count, output_dir))
     return mean_metrics(writer.rows)
 

@@ -63,7 +63,8 @@ class PredictionWriter:
     maps: with a batch `label_values` ((B, K): the file's value of each model label, e.g. BraTS
     2021's 0, 1, 2, 4) they are written with the values the input used. Patch batches (with
     `patch_origin`) stay on the patch grid and add the patch corner to the name. An `"arrays"`
-    output (name -> (B, ...) tensor, e.g. a VQ-GAN's codes) is saved as `<subject>_<name>.npy`.
+    output (name -> (B, ...) tensor, e.g. a VQ-GAN's codes) is saved as `<subject>_<name>.npy`; a
+    `"rows"` output (per-subject dicts: risks, class probabilities) goes to `predictions.csv`.
 
     Args:
         output_dir: folder for the files.
@@ -74,12 +75,14 @@ class PredictionWriter:
         self.output_dir = Path(output_dir)
         self.skip = set(skip)
         self.rows: list[dict[str, Any]] = []
+        self.prediction_rows: list[dict[str, Any]] = []
 
     def write(self, outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> list[Path]:
         """Write one batch's volumes (a `test_step` output) and keep its `subject_metrics` rows; the files written."""
         subjects = batch.get("subject")
         if subjects is None:
             return []
+        self.prediction_rows.extend(outputs.get("rows") or [])
         metrics = outputs.get("subject_metrics") or {}
         if metrics:
             self.rows.extend(
@@ -134,13 +137,19 @@ class PredictionWriter:
 
     def write_metrics(self, rows: list[dict[str, Any]] | None = None) -> Path | None:
         """Write `rows` (default: the collected ones) to `<output_dir>/metrics.csv`, sorted by subject."""
-        rows = self.rows if rows is None else rows
+        return self._write_table(self.rows if rows is None else rows, "metrics.csv")
+
+    def write_predictions(self) -> Path | None:
+        """Write the collected `"rows"` outputs (risks, class probabilities) to `<output_dir>/predictions.csv`."""
+        return self._write_table(self.prediction_rows, "predictions.csv")
+
+    def _write_table(self, rows: list[dict[str, Any]], name: str) -> Path | None:
         if not rows:
             return None
         rows = sorted(rows, key=lambda row: row["subject"])
         columns = list(dict.fromkeys(key for row in rows for key in row))
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        path = self.output_dir / "metrics.csv"
+        path = self.output_dir / name
         with path.open("w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=columns)
             writer.writeheader()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import subprocess
 import sys
 from pathlib import Path
@@ -157,6 +158,19 @@ def test_a_model_trained_on_phantoms_reads_a_nifti_dataset_chosen_by_name(tmp_pa
                         f"output_dir={tmp_path / 'out'}"))
     for subject in ("case00", "case01"):
         assert nib.load(str(tmp_path / "out" / f"{subject}_reconstruction.nii.gz")).shape == SHAPE
+
+
+@pytest.mark.parametrize(("family", "table", "column"), [("survival", "risks.csv", "risk"), ("classifier", "probabilities.csv", "p1")])
+def test_outcome_models_write_predictions_csv_rows_equal_to_the_test_tables(tmp_path, family, table, column):
+    overrides = [f"model={family}", "dataset.num_subjects=16", "test=true", "logger=none", "callbacks.volume_slices=null"]
+    run_dir = saved_run(tmp_path / "run", compose_cfg(tmp_path / "run", overrides))
+    predict(predict_cfg(f"ckpt_path={run_dir}/checkpoints/last.ckpt", "split=test", f"output_dir={tmp_path / 'out'}"))
+    with (run_dir / "predictions" / table).open() as a, (tmp_path / "out" / "predictions.csv").open() as b:
+        tested, predicted = list(csv.DictReader(a)), list(csv.DictReader(b))
+    assert len(tested) == 2 and [r["subject"] for r in predicted] == [r["subject"] for r in tested]
+    assert list(predicted[0]) == list(tested[0])
+    for t, p in zip(tested, predicted, strict=True):
+        assert float(p[column]) == pytest.approx(float(t[column]), abs=1e-5) and p["split"] == "predict"
 
 
 def test_a_missing_input_is_one_line_and_exit_code_2(trained_run, tmp_path):
