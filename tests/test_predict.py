@@ -105,6 +105,20 @@ def test_identity_output_is_written_on_the_lps_int16_source_grid_in_its_units(tm
         assert np.abs(written[..., c] - raw[..., c]).max() <= 1e-3 * span
 
 
+def test_a_volume_in_the_conditions_units_is_written_with_the_conditions_scaling(tmp_path):
+    batch = {
+        "subject": ["s"], "affine": torch.eye(4, dtype=torch.float64)[None],
+        "intensity_low": torch.tensor([[0.0]]), "intensity_high": torch.tensor([[1000.0]]),
+        "cond_intensity_low": torch.tensor([[-10.0]]), "cond_intensity_high": torch.tensor([[10.0]]),
+        "intensity_range": torch.tensor([[-1.0, 1.0]]),
+    }
+    middle = torch.zeros(1, 1, 4, 4, 4)
+    outputs = {"volumes": {"sample": middle, "condition": middle}, "units": {"condition": "cond"}}
+    PredictionWriter(tmp_path).write(outputs, batch)
+    assert np.allclose(nib.load(str(tmp_path / "s_sample.nii.gz")).get_fdata(), 500.0)
+    assert np.allclose(nib.load(str(tmp_path / "s_condition.nii.gz")).get_fdata(), 0.0)
+
+
 def test_predict_and_test_true_write_the_same_files(trained_run, tmp_path):
     out = tmp_path / "out"
     predict(predict_cfg(f"ckpt_path={trained_run}/checkpoints/last.ckpt", "split=test", "keep_crop=true", f"output_dir={out}"))
