@@ -33,6 +33,7 @@ from medvol.sliding_window import BLEND_MODES, SlidingWindow
 
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
 SPLITS = ("train", "val", "test")
+DEFAULT_OVERLAP = 0.25
 # The dataset class that reads input files given by path; the run's own transforms preprocess them.
 FILE_DATASET = "datamodules.sources.nifti.NiftiDataModule"
 # Training-only settings dropped for prediction: every voxel of a subject is predicted.
@@ -222,8 +223,10 @@ def predict(cfg: DictConfig) -> dict[str, float]:
     expected_channels = len(run.dataset.image_modalities) if run.dataset.get("image_modalities") is not None else None
     if cfg.mode not in BLEND_MODES:
         raise MedvolError(f"`mode` is {cfg.mode!r}; expected one of {list(BLEND_MODES)}")
-    if not 0.0 <= float(cfg.overlap) < 1.0:
-        raise MedvolError(f"`overlap` must be in [0, 1), got {cfg.overlap}")
+    # The model's own validation overlap where it has one (segmentation), so predict.py sees what test=true saw.
+    overlap = float(cfg.overlap if cfg.overlap is not None else run.model.get("overlap", DEFAULT_OVERLAP))
+    if not 0.0 <= overlap < 1.0:
+        raise MedvolError(f"`overlap` must be in [0, 1), got {overlap}")
     if cfg.split is not None and cfg.split not in SPLITS:
         raise MedvolError(f"`split` is {cfg.split!r}; expected one of {list(SPLITS)} or null")
     override = cfg.get("dataset")
@@ -251,7 +254,7 @@ def predict(cfg: DictConfig) -> dict[str, float]:
             roots = [Path(str(resolved[k])) for k in ("root",) if resolved.get(k)]
             check_output_dir(output_dir, roots)
         window = SlidingWindow.of(
-            cfg.roi or window_size(run), overlap=float(cfg.overlap), mode=str(cfg.mode),
+            cfg.roi or window_size(run), overlap=overlap, mode=str(cfg.mode),
             batch_size=int(cfg.sw_batch_size), device=device,
         )
         writer = PredictionWriter(output_dir)

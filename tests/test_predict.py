@@ -174,6 +174,23 @@ def test_a_model_trained_on_phantoms_reads_a_nifti_dataset_chosen_by_name(tmp_pa
         assert nib.load(str(tmp_path / "out" / f"{subject}_reconstruction.nii.gz")).shape == SHAPE
 
 
+@pytest.mark.parametrize("family", ["segmentation", "ddpm"])
+def test_segmentation_and_diffusion_predictions_equal_their_test_outputs(tmp_path, family):
+    overrides = [f"model={family}", "dataset.num_subjects=16", "test=true", "logger=none", "callbacks.volume_slices=null"]
+    run_dir = saved_run(tmp_path / "run", compose_cfg(tmp_path / "run", overrides))
+    out = tmp_path / "out"
+    predict(predict_cfg(f"ckpt_path={run_dir}/checkpoints/last.ckpt", "split=test", f"output_dir={out}"))
+    tested = sorted(p.name for p in (run_dir / "predictions").iterdir())
+    assert len(tested) >= 2 and sorted(p.name for p in out.iterdir()) == tested
+    for name in tested:
+        if name.endswith(".csv"):
+            assert (out / name).read_text() == (run_dir / "predictions" / name).read_text()
+            continue
+        a, b = nib.load(str(out / name)), nib.load(str(run_dir / "predictions" / name))
+        assert a.get_data_dtype() == b.get_data_dtype() and np.array_equal(a.affine, b.affine)
+        np.testing.assert_allclose(a.get_fdata(), b.get_fdata(), rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize(("family", "table", "column"), [("survival", "risks.csv", "risk"), ("classifier", "probabilities.csv", "p1")])
 def test_outcome_models_write_predictions_csv_rows_equal_to_the_test_tables(tmp_path, family, table, column):
     overrides = [f"model={family}", "dataset.num_subjects=16", "test=true", "logger=none", "callbacks.volume_slices=null"]
