@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,7 +70,10 @@ class MedvolModule(pl.LightningModule):
         `extras` names optional outputs asked for (`codes` for the VQ-GAN), returned as `"arrays"`
         (name -> (B, ...) tensor, written as `<subject>_<name>.npy`).
         """
-        return self.test_step(move_data_to_device(batch, self.device), 0)
+        with warnings.catch_warnings():
+            # test_step logs its metrics; outside a Trainer (predict.py) Lightning warns and drops them.
+            warnings.filterwarnings("ignore", message=r".*self\.log\(\)")
+            return self.test_step(move_data_to_device(batch, self.device), 0)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[MODEL_KEY] = class_path(self)
