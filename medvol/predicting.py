@@ -49,8 +49,8 @@ def subject_of(path: Path) -> str:
     return path.name.removesuffix(".gz").removesuffix(".nii")
 
 
-def run_config(ckpt_path: str) -> tuple[DictConfig, Path]:
-    """The composed config of the run a checkpoint belongs to, with its paths pointed at that run."""
+def run_config(ckpt_path: str) -> DictConfig:
+    """The composed config of the run a checkpoint belongs to, with `paths.output_dir` pointed at that run."""
     path = Path(ckpt_path).expanduser()
     if not path.is_file():
         raise MedvolError(f"`ckpt_path`: no file at {path}; expected a .ckpt file of a medvol run, e.g. <run>/checkpoints/last.ckpt")
@@ -63,9 +63,9 @@ def run_config(ckpt_path: str) -> tuple[DictConfig, Path]:
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     assert isinstance(cfg, DictConfig)
     with open_dict(cfg):
-        for key in ("root_dir", "log_dir", "output_dir"):
-            cfg.paths[key] = str(run_dir)
-    return cfg, run_dir
+        # `${hydra:runtime.output_dir}` means nothing outside that run's Hydra job: the run is where split.json is.
+        cfg.paths.output_dir = str(run_dir)
+    return cfg
 
 
 def merged(base: DictConfig, override: Any) -> DictConfig:
@@ -215,7 +215,7 @@ def summary_line(rows: list[dict[str, Any]], count: int, output_dir: Path) -> st
 
 def predict(cfg: DictConfig) -> dict[str, float]:
     """Predict every subject the config names and write the outputs; return the mean per-subject metrics."""
-    run, _ = run_config(str(cfg.ckpt_path))
+    run = run_config(str(cfg.ckpt_path))
     run = merged(run, {"model": cfg.get("model") or {}})
     # The model's channel counts interpolate the run's dataset: resolve them before a dataset override.
     with open_dict(run):
@@ -251,10 +251,12 @@ def predict(cfg: DictConfig) -> dict[str, float]:
         else:
             split = str(cfg.split) if cfg.split is not None else None
             dataset, resolved = dataset_subjects(run, override, split, bool(cfg.keep_crop))
-            roots = [Path(str(resolved[k])) for k in ("root",) if resolved.get(k)]
-            check_output_dir(output_dir, roots)
+            check_output_dir(output_dir, [Path(str(resolved.root))] if resolved.get("root") else [])
+        roi = list(cfg.roi) if cfg.roi is not None else window_size(run)
+        if len(roi) != 3 or min(int(r) for r in roi) < 1:
+            raise MedvolError(f"`roi` is {roi}; expected three positive window sizes [D, H, W] or null")
         window = SlidingWindow.of(
-            cfg.roi or window_size(run), overlap=overlap, mode=str(cfg.mode),
+            roi, overlap=overlap, mode=str(cfg.mode),
             batch_size=int(cfg.sw_batch_size), device=device,
         )
         writer = PredictionWriter(output_dir)
