@@ -218,6 +218,24 @@ def test_a_missing_input_is_one_line_and_exit_code_2(trained_run, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
+def test_command_line_transform_overrides_apply_to_a_dataset_chosen_by_name(trained_run, tmp_path):
+    def command(out: Path, *extra: str) -> Path:
+        subprocess.run(
+            [sys.executable, str(ROOT / "predict.py"), f"ckpt_path={trained_run}/checkpoints/last.ckpt", "device=cpu",
+             "dataset=nifti", f"dataset.root={trained_run.parent / 'scans'}", "keep_crop=true", f"output_dir={out}", *extra],
+            check=True, capture_output=True, cwd=tmp_path, timeout=300,
+        )
+        return out
+
+    tested = next((trained_run / "predictions").glob("*.nii.gz"))
+    plain = nib.load(str(command(tmp_path / "plain") / tested.name)).get_fdata()
+    changed = nib.load(str(command(tmp_path / "changed", "dataset.transforms.percentiles=[20,80]") / tested.name)).get_fdata()
+    # Without overrides the run's own preprocessing (the test=true file); with one, that key changes.
+    np.testing.assert_allclose(plain, nib.load(str(tested)).get_fdata(), atol=1e-3)
+    assert np.abs(changed - plain).max() > 1.0
+
+
 def test_bad_input_is_refused_with_the_key_named(trained_run, tmp_path):
     ckpt = f"ckpt_path={trained_run}/checkpoints/last.ckpt"
     scans = write_lps_scans(tmp_path / "scans", 1)
