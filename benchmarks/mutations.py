@@ -181,6 +181,37 @@ MUTATIONS = [
         ("tests/test_ddp_strategies.py::test_strategy_on_two_ranks_matches_one_process[ddp_find_unused-RegressorWithUnusedBranch]",),
         "strategy=ddp_find_unused is plain ddp",
     ),
+    Mutation(
+        "predict-no-source-units", "medvol/prediction_writer.py",
+        "        return torch.stack([scale_from_range(c, lo, hi, out_range)",
+        "        return volume if True else torch.stack([scale_from_range(c, lo, hi, out_range)",
+        ("tests/test_predict.py",),
+        "outputs written in model units, the dataset's percentile/window scaling not inverted",
+    ),
+    Mutation(
+        "predict-one-channel-scaling", "medvol/prediction_writer.py",
+        "zip(volume, lows, highs, strict=True)", "zip(volume, lows[:1] * len(lows), highs[:1] * len(highs), strict=True)",
+        ("tests/test_predict.py",),
+        "every output channel inverted with the first channel's percentiles",
+    ),
+    Mutation(
+        "predict-whole-volume-window", "medvol/sliding_window.py",
+        "volume.cpu(), list(self.roi)", "volume.cpu(), list(volume.shape[2:])",
+        ("tests/test_predict.py",),
+        "predict.py runs the network on the whole volume, not on windows of the training size",
+    ),
+    Mutation(
+        "predict-channels-unchecked", "medvol/predicting.py",
+        "                check_channels(batch, expected_channels)\n", "",
+        ("tests/test_predict.py",),
+        "an input with another channel count than the model's is not refused",
+    ),
+    Mutation(
+        "predict-output-inside-input", "medvol/predicting.py",
+        "        if out == folder or folder in out.parents:", "        if out == folder:",
+        ("tests/test_predict.py",),
+        "an output_dir below the input folder is accepted",
+    ),
 ]
 
 

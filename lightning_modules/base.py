@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities import move_data_to_device
+
+from medvol.sliding_window import SlidingWindow
 
 MODEL_KEY = "medvol_model"
 
@@ -55,6 +60,20 @@ class MedvolModule(pl.LightningModule):
                 gradient_clip_val=self.gradient_clip_val,
                 gradient_clip_algorithm=self.gradient_clip_algorithm,
             )
+
+    def predict_volumes(self, batch: dict[str, Any], window: SlidingWindow, extras: Sequence[str] = ()) -> dict[str, Any]:
+        """Outputs for one batch of whole volumes of any size (`predict.py`), in the `test_step` contract.
+
+        Families whose forward maps a volume to a volume run it through `window` (the training patch
+        as the window); the default is `test_step` on the device, for families that need the batch's
+        references (a sample's target, a CT's radiographs) or see a whole volume at once (risk, class).
+        `extras` names optional outputs asked for (`codes` for the VQ-GAN), returned as `"arrays"`
+        (name -> (B, ...) tensor, written as `<subject>_<name>.npy`).
+        """
+        with warnings.catch_warnings():
+            # test_step logs its metrics; outside a Trainer (predict.py) Lightning warns and drops them.
+            warnings.filterwarnings("ignore", message=r".*self\.log\(\)")
+            return self.test_step(move_data_to_device(batch, self.device), 0)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[MODEL_KEY] = class_path(self)

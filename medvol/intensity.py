@@ -7,6 +7,19 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+# Batch key of the model-unit range the scaled volumes were mapped onto (2,), e.g. [-1, 1].
+INTENSITY_RANGE_KEY = "intensity_range"
+
+
+def intensity_keys(key: str) -> tuple[str, str]:
+    """Batch keys of the raw values mapped onto the ends of the output range, per channel of `key`.
+
+    `image` -> (`intensity_low`, `intensity_high`); any other key, e.g. `cond` ->
+    (`cond_intensity_low`, `cond_intensity_high`).
+    """
+    prefix = "" if key == "image" else f"{key}_"
+    return f"{prefix}intensity_low", f"{prefix}intensity_high"
+
 
 def scale_to_range(
     volume: torch.Tensor, low: float, high: float, output_range: Sequence[float]

@@ -28,7 +28,7 @@ from monai.transforms import (
 from monai.utils import convert_to_dst_type, convert_to_tensor
 
 from medvol.errors import MedvolError
-from medvol.intensity import scale_to_range
+from medvol.intensity import INTENSITY_RANGE_KEY, intensity_keys, scale_to_range
 
 INTENSITY_MODES = ("percentile", "window", "none")
 
@@ -107,6 +107,11 @@ def _pair(value: Sequence[float], name: str) -> tuple[float, float]:
 class SafeScaleIntensityd(MapTransform):
     """Per-channel intensity scaling by percentiles or a fixed window, safe for constant and NaN volumes.
 
+    The item says how it was scaled, so outputs can be written back in the scan's units
+    (`medvol.intensity.intensity_keys`): per scaled key the raw value mapped onto each end of
+    `output_range`, per channel (`intensity_low`/`intensity_high` for `image`, `cond_intensity_low`/...
+    for `cond`), and `intensity_range` (the output range).
+
     Args:
         keys: keys of the (C, D, H, W) volumes to scale.
         mode: `percentile` or `window`.
@@ -143,7 +148,12 @@ class SafeScaleIntensityd(MapTransform):
         d = dict(data)
         for key in self.key_iterator(d):
             volume = convert_to_tensor(d[key], track_meta=False)
-            scaled = torch.stack([scale_to_range(c, *self._bounds(c.cpu()), self.output_range) for c in volume])
+            bounds = [self._bounds(c.cpu()) for c in volume]
+            scaled = torch.stack([scale_to_range(c, *b, self.output_range) for c, b in zip(volume, bounds, strict=True)])
+            low_key, high_key = intensity_keys(str(key))
+            d[low_key] = torch.tensor([b[0] for b in bounds], dtype=torch.float64)
+            d[high_key] = torch.tensor([b[1] for b in bounds], dtype=torch.float64)
+            d[INTENSITY_RANGE_KEY] = torch.tensor(self.output_range, dtype=torch.float64)
             # Written back into the input's type, so MONAI's metadata (the affine) survives.
             d[key] = convert_to_dst_type(scaled, d[key], dtype=torch.float32)[0]
         return d

@@ -285,7 +285,8 @@ class ConditionalDiffusion(MedvolModule):
         names = [name for name in metrics if cond is not None or name.endswith("loss")]
         for name in names:
             self.log(name, metrics[name], prog_bar=name in (f"{prefix}psnr", f"{prefix}ssim"), batch_size=size)
-        return {"volumes": volumes}
+        # The condition is in the units of the batch's `cond` (e.g. T1), the rest in those of `image`.
+        return {"volumes": volumes, "units": {"condition": "cond"}}
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         return self._evaluate(batch, batch_idx, self.val_metrics)

@@ -85,6 +85,18 @@ class ClassifierModel(OutcomeModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         self._evaluate(batch, self.val_metrics)
 
+    def prediction_rows(self, batch: dict[str, Any], split: str) -> list[dict[str, Any]]:
+        """Per subject the predicted class and the class probabilities, with its label where the batch has one."""
+        probabilities = self(batch).float().softmax(dim=1)
+        rows = []
+        for i, subject in enumerate(batch["subject"]):
+            row: dict[str, Any] = {"subject": str(subject)}
+            if self.label_key in batch:
+                row["class_label"] = int(batch[self.label_key][i])
+            row["predicted"] = int(probabilities[i].argmax())
+            rows.append({**row, **{f"p{c}": float(p) for c, p in enumerate(probabilities[i])}, "split": split})
+        return rows
+
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         probabilities = self._evaluate(batch, self.test_metrics)
         for subject, label, row in zip(batch["subject"], batch[self.label_key], probabilities, strict=True):

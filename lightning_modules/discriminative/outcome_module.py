@@ -15,10 +15,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from pytorch_lightning.utilities import move_data_to_device
 
 from lightning_modules.base import MedvolModule
 from lightning_modules.discriminative.fusion_net import ImageCovariateNet
 from medvol.errors import MedvolError
+from medvol.sliding_window import SlidingWindow
 
 
 class OutcomeModule(MedvolModule):
@@ -119,6 +121,14 @@ class OutcomeModule(MedvolModule):
         scaler.fit(covariates)
 
     # Per-subject predictions at test time ----------------------------------------------------
+
+    def prediction_rows(self, batch: dict[str, Any], split: str) -> list[dict[str, Any]]:
+        """One row per subject of the batch (its prediction, and its reference where the batch has one)."""
+        raise NotImplementedError
+
+    def predict_volumes(self, batch: dict[str, Any], window: SlidingWindow, extras: Sequence[str] = ()) -> dict[str, Any]:
+        """The rows of `predictions.csv` for whole volumes (`predict.py`): the network sees the whole volume."""
+        return {"rows": self.prediction_rows(move_data_to_device(batch, self.device), "predict")}
 
     def add_prediction_rows(self, rows: Sequence[dict[str, Any]]) -> None:
         self._rows.extend(rows)

@@ -77,6 +77,17 @@ class SurvivalModel(OutcomeModule):
             for s, r, t, e in zip(batch["subject"], log_risk, batch["time"], batch["event"], strict=True)
         )
 
+    def prediction_rows(self, batch: dict[str, Any], split: str) -> list[dict[str, Any]]:
+        """Per subject the log risk, with its time and event where the batch has them."""
+        log_risk = self(batch).squeeze(1).float()
+        rows = []
+        for i, subject in enumerate(batch["subject"]):
+            row: dict[str, Any] = {"subject": str(subject), "risk": float(log_risk[i])}
+            if "time" in batch and "event" in batch:
+                row.update(time=float(batch["time"][i]), event=int(batch["event"][i]))
+            rows.append({**row, "split": split})
+        return rows
+
     def _log_metrics(self, metrics: SurvivalMetrics, prefix: str) -> None:
         values = metrics.compute()
         metrics.reset()

@@ -24,6 +24,7 @@ from lightning_modules.segmentation.networks import build_network, check_size
 from lightning_modules.segmentation.patch_sampling import SAMPLINGS, cut_patches, patch_origins
 from lightning_modules.segmentation.subject_scores import SubjectScores, subject_scores
 from medvol.errors import MedvolError
+from medvol.sliding_window import SlidingWindow
 
 
 def voxel_spacing(affine: torch.Tensor) -> list[list[float]]:
@@ -200,3 +201,19 @@ class Segmenter(MedvolModule):
 
     def on_test_epoch_end(self) -> None:
         self._log_epoch("test")
+
+    def predict_volumes(self, batch: dict[str, Any], window: SlidingWindow, extras: Sequence[str] = ()) -> dict[str, Any]:
+        """Masks of whole volumes window by window; Dice and HD95 per subject where the batch has a label."""
+        image = batch[self.hparams.image_key]
+        masks = self.postprocess(window(self.net, image))
+        outputs: dict[str, Any] = {"volumes": {"input": image, "seg": self.scheme.label_map(masks)}}
+        if batch.get("label") is not None:
+            target = self.scheme.target(batch["label"])
+            target_masks = target if self.scheme.is_regions else self.scheme.one_hot(target)
+            spacing = voxel_spacing(batch["affine"]) if "affine" in batch else None
+            dice, hd95 = subject_scores(self.scheme.scored(masks), self.scheme.scored(target_masks), spacing)
+            outputs["subject_metrics"] = {
+                **{f"dice_{n}": dice[:, i] for i, n in enumerate(self.scheme.names)},
+                **{f"hd95_{n}": hd95[:, i] for i, n in enumerate(self.scheme.names)},
+            }
+        return outputs

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from monai.losses import PatchAdversarialLoss
 from monai.networks.nets import PatchDiscriminator
 from torchmetrics import MeanMetric, MetricCollection
+from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 
 from lightning_modules.base import MedvolModule
@@ -24,6 +25,7 @@ from lightning_modules.perceptual import SlicePerceptualLoss
 from lightning_modules.vqgan.codebook import EMACodebook, Quantized
 from lightning_modules.vqgan.vq_autoencoder import Decoder3d, Encoder3d
 from medvol.errors import MedvolError
+from medvol.sliding_window import SlidingWindow
 
 _LOSS_TYPES = {"hinge": "hinge", "least_squares": "least_squares", "lsgan": "least_squares", "vanilla": "bce"}
 
@@ -305,3 +307,25 @@ class VQGAN(MedvolModule):
 
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         return self._evaluate(batch, self.test_metrics)
+
+    def predict_volumes(self, batch: dict[str, Any], window: SlidingWindow, extras: Sequence[str] = ()) -> dict[str, Any]:
+        """The reconstruction of whole volumes window by window; PSNR and SSIM against the input per subject.
+
+        With `codes` in `extras`, also the codebook index of every latent voxel of the whole volume,
+        encoded at once on the window's device (the latent grid of the whole scan, for a latent model).
+        """
+        x = batch[self.image_key].float()
+        reconstruction = window(lambda patch: self(patch)[0].clamp(-1.0, 1.0), x)
+        psnr = peak_signal_noise_ratio(reconstruction, x, data_range=2.0, reduction="none", dim=(1, 2, 3, 4))
+        ssim = structural_similarity_index_measure(
+            reconstruction, x, data_range=2.0, kernel_size=self.hparams.ssim_kernel_size, reduction="none"
+        )
+        assert isinstance(ssim, torch.Tensor)
+        outputs: dict[str, Any] = {
+            "volumes": {"input": x, "reconstruction": reconstruction},
+            "difference": ("reconstruction", "input"),
+            "subject_metrics": {"psnr": psnr, "ssim": ssim},
+        }
+        if "codes" in extras:
+            outputs["arrays"] = {"codes": self.encode(x.to(window.device)).encodings.cpu()}
+        return outputs

@@ -1,0 +1,157 @@
+"""Write a model's output volumes as NIfTI on the source scan's grid and in its units: one code path for
+`test=true` (the NiftiPredictionWriter callback) and `predict.py`, so the two never disagree."""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from medvol.intensity import INTENSITY_RANGE_KEY, intensity_keys, scale_from_range
+from medvol.nifti_io import save_volume
+from medvol.source_grid import to_source_grid
+
+SOURCE_KEYS = ("source_affine", "source_shape")
+
+
+def to_source_units(
+    volume: torch.Tensor, batch: Mapping[str, Any], index: int, key: str = "image",
+    window: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    """A (C, D, H, W) float volume in model units -> the units of the scan it came from.
+
+    The batch says how its `key` volume was scaled (`intensity_low`/`intensity_high` per channel and
+    `intensity_range`, recorded by the dataset's intensity transform): that scaling is inverted per
+    channel (percentile bounds are per subject). Without those keys a model's `window` (raw low, high
+    mapped onto [-1, 1]) is inverted; without either the volume stays as it is.
+
+    Args:
+        volume: one sample's (C, D, H, W) float volume.
+        batch: the batch it was computed from.
+        index: the sample's index in the batch.
+        key: the batch key whose units the volume is in (`image`; `cond` for a condition panel).
+        window: a model's (low, high) raw window, used when the batch carries no scaling record.
+    """
+    low_key, high_key = intensity_keys(key)
+    if batch.get(low_key) is not None and batch.get(INTENSITY_RANGE_KEY) is not None:
+        lows, highs = batch[low_key][index].cpu().tolist(), batch[high_key][index].cpu().tolist()
+        out_range = batch[INTENSITY_RANGE_KEY][index].cpu().tolist()
+        if len(lows) == 1:
+            lows, highs = lows * volume.shape[0], highs * volume.shape[0]
+        if len(lows) != volume.shape[0]:
+            raise ValueError(f"a {volume.shape[0]}-channel output cannot take the scaling of {len(lows)} `{key}` channels")
+        return torch.stack([scale_from_range(c, lo, hi, out_range) for c, lo, hi in zip(volume, lows, highs, strict=True)])
+    if window is not None:
+        return scale_from_range(volume, float(window[0]), float(window[1]), (-1.0, 1.0))
+    return volume
+
+
+class PredictionWriter:
+    """Saves output `volumes` as `<output_dir>/<subject>_<name>.nii.gz` and collects per-subject metric rows.
+
+    Batches from files carry the grid of the source scan (`source_affine`, `source_shape`,
+    `source_file`): each volume is mapped back onto it (`medvol.source_grid`: orientation,
+    resampling and crop/pad undone; nearest for integer label maps, linear otherwise) and written
+    with the source header, so it has the scan's own shape and affine. Without those keys
+    (synthetic data, already on its own grid) a volume is written with the batch's `affine`.
+    Float volumes go back into the scan's units (`to_source_units`); a model names the batch key
+    whose units a volume has in `"units"` (name -> key, default `image`). Integer volumes are label
+    maps: with a batch `label_values` ((B, K): the file's value of each model label, e.g. BraTS
+    2021's 0, 1, 2, 4) they are written with the values the input used. Patch batches (with
+    `patch_origin`) stay on the patch grid and add the patch corner to the name. An `"arrays"`
+    output (name -> (B, ...) tensor, e.g. a VQ-GAN's codes) is saved as `<subject>_<name>.npy`; a
+    `"rows"` output (per-subject dicts: risks, class probabilities) goes to `predictions.csv`.
+
+    Args:
+        output_dir: folder for the files.
+        skip: names of `volumes` entries not to write (the input and label are already on disk).
+    """
+
+    def __init__(self, output_dir: str | Path, skip: Iterable[str] = ("input", "label")) -> None:
+        self.output_dir = Path(output_dir)
+        self.skip = set(skip)
+        self.rows: list[dict[str, Any]] = []
+        self.prediction_rows: list[dict[str, Any]] = []
+
+    def write(self, outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> list[Path]:
+        """Write one batch's volumes (a `test_step` output) and keep its `subject_metrics` rows; the files written."""
+        subjects = batch.get("subject")
+        if subjects is None:
+            return []
+        self.prediction_rows.extend(outputs.get("rows") or [])
+        metrics = outputs.get("subject_metrics") or {}
+        if metrics:
+            self.rows.extend(
+                {"subject": str(subject), **{name: float(values[i]) for name, values in metrics.items()}}
+                for i, subject in enumerate(subjects)
+            )
+        stems = [str(s).replace("/", "_") for s in subjects]
+        written = [self._write_array(array[i], f"{stem}_{name}") for name, array in (outputs.get("arrays") or {}).items()
+                   for i, stem in enumerate(stems)]
+        if "volumes" in outputs and batch.get("affine") is not None:
+            written += self._write_volumes(outputs, batch, [str(s) for s in subjects])
+        return written
+
+    def _write_array(self, array: torch.Tensor, stem: str) -> Path:
+        path = self.output_dir / f"{stem}.npy"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(path, array.detach().cpu().numpy())
+        return path
+
+    def _write_volumes(self, outputs: Mapping[str, Any], batch: Mapping[str, Any], subjects: list[str]) -> list[Path]:
+        affines, origins = batch["affine"], batch.get("patch_origin")
+        on_source = origins is None and all(batch.get(k) is not None for k in SOURCE_KEYS)
+        sources = batch.get("source_file")
+        label_values = batch.get("label_values")
+        units = outputs.get("units") or {}
+        written = []
+        for name, batch_volumes in outputs["volumes"].items():
+            if name in self.skip:
+                continue
+            for i, subject in enumerate(subjects):
+                stem = subject.replace("/", "_")
+                if origins is not None:
+                    stem += "_patch" + "-".join(str(int(v)) for v in origins[i])
+                volume = batch_volumes[i].detach().cpu()
+                is_label = not torch.is_floating_point(volume)
+                if is_label and label_values is not None:
+                    lookup = label_values[i].cpu()
+                    volume = lookup[volume.long().clamp(0, len(lookup) - 1)]
+                elif not is_label:
+                    volume = to_source_units(volume.float(), batch, i, units.get(name, "image"), outputs.get("window"))
+                affine, header = affines[i], None
+                if on_source:
+                    grid = (batch["source_affine"][i], batch["source_shape"][i])
+                    # Cropped-away voxels: background for labels, the darkest output value for intensities.
+                    fill = 0.0 if is_label else float(volume.min())
+                    volume = to_source_grid(volume, grid, affines[i], "nearest" if is_label else "linear", fill)
+                    affine = batch["source_affine"][i]
+                    source_file = sources[i] if sources is not None else ""
+                    header = source_file if source_file and Path(source_file).is_file() else None
+                written.append(save_volume(volume, self.output_dir / f"{stem}_{name}.nii.gz", affine, header=header))
+        return written
+
+    def write_metrics(self, rows: list[dict[str, Any]] | None = None) -> Path | None:
+        """Write `rows` (default: the collected ones) to `<output_dir>/metrics.csv`, sorted by subject."""
+        return self._write_table(self.rows if rows is None else rows, "metrics.csv")
+
+    def write_predictions(self) -> Path | None:
+        """Write the collected `"rows"` outputs (risks, class probabilities) to `<output_dir>/predictions.csv`."""
+        return self._write_table(self.prediction_rows, "predictions.csv")
+
+    def _write_table(self, rows: list[dict[str, Any]], name: str) -> Path | None:
+        if not rows:
+            return None
+        rows = sorted(rows, key=lambda row: row["subject"])
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        path = self.output_dir / name
+        with path.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(rows)
+        return path

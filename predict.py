@@ -1,0 +1,34 @@
+"""medvol's predict entry point: `python predict.py ckpt_path=CKPT input=PATH output_dir=DIR` (see `--help`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+import medvol.resolvers  # noqa: F401 - registers the resolvers the run configs use
+from medvol.console import quiet_console
+from medvol.errors import MedvolError
+from medvol.override_check import override_error
+from medvol.predicting import predict
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="predict")
+def main(cfg: DictConfig) -> None:
+    quiet_console()
+    try:
+        predict(cfg)
+    except MedvolError as err:
+        sys.stderr.write(f"medvol: error: {err}\n")
+        sys.stderr.flush()
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    problem = override_error(Path(__file__).resolve().parent / "conf", "predict", sys.argv[1:])
+    if problem:
+        print(f"medvol: error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    main()
