@@ -9,6 +9,7 @@ synthetic phantoms) simply provide the batch keys.
 from __future__ import annotations
 
 import csv
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from medvol.errors import MedvolError
 from medvol.sliding_window import SlidingWindow
 
 
-class OutcomeModule(MedvolModule):
+class OutcomeModule(MedvolModule, ABC):
     """A LightningModule predicting one outcome per subject from `image` (and `covariates`).
 
     Args:
@@ -122,9 +123,9 @@ class OutcomeModule(MedvolModule):
 
     # Per-subject predictions at test time ----------------------------------------------------
 
+    @abstractmethod
     def prediction_rows(self, batch: dict[str, Any], split: str) -> list[dict[str, Any]]:
         """One row per subject of the batch (its prediction, and its reference where the batch has one)."""
-        raise NotImplementedError
 
     def predict_volumes(self, batch: dict[str, Any], window: SlidingWindow, extras: Sequence[str] = ()) -> dict[str, Any]:
         """The rows of `predictions.csv` for whole volumes (`predict.py`): the network sees the whole volume."""
