@@ -17,13 +17,18 @@ from medvol.errors import MedvolError
 LESION_CLASS_THRESHOLD = 0.02
 
 
-def _to_unit_range(volume: np.ndarray, modality: str, ct_window: Sequence[float]) -> np.ndarray:
-    """MR: scale the 99.5th percentile of the head to 1; CT: clip to the HU window. Both then to [-1, 1]."""
+def _to_unit_range(
+    volume: np.ndarray, modality: str, ct_window: Sequence[float], mr_scale: float | None = None
+) -> np.ndarray:
+    """MR: divide by `mr_scale`, or by the volume's 99.5th percentile when None; CT: clip to the HU window.
+
+    Both are then clipped to [0, 1] and mapped to [-1, 1].
+    """
     if modality == "ct":
         low, high = ct_window
         unit = (np.clip(volume, low, high) - low) / (high - low)
     else:
-        top = np.percentile(volume, 99.5)
+        top = mr_scale if mr_scale is not None else np.percentile(volume, 99.5)
         unit = np.clip(volume / max(top, 1e-6), 0, 1)
     return (unit * 2 - 1).astype(np.float32)
 
@@ -47,6 +52,7 @@ class SyntheticPhantomDataset(Dataset):
         seed: int,
         spacing: float,
         ct_window: Sequence[float],
+        mr_scale: float | None = None,
     ) -> None:
         self.records = records
         self.size = tuple(size)
@@ -54,6 +60,7 @@ class SyntheticPhantomDataset(Dataset):
         self.cond_modalities = list(cond_modalities)
         self.seed = seed
         self.ct_window = ct_window
+        self.mr_scale = mr_scale
         self.affine = phantom_affine(self.size, spacing)
 
     def __len__(self) -> int:
@@ -64,7 +71,7 @@ class SyntheticPhantomDataset(Dataset):
         phantom = make_phantom(self.seed, record["index"], self.size)
 
         def stack(names: Sequence[str]) -> torch.Tensor:
-            return torch.from_numpy(np.stack([_to_unit_range(phantom.channels[n], n, self.ct_window) for n in names]))
+            return torch.from_numpy(np.stack([_to_unit_range(phantom.channels[n], n, self.ct_window, self.mr_scale) for n in names]))
 
         item: dict[str, Any] = {
             "image": stack(self.image_modalities),
@@ -92,6 +99,12 @@ class SyntheticDataModule(VolumeDataModule):
         seed: phantom series; the same seed and index always give the same subject.
         spacing: voxel size in mm, written into the affine.
         ct_window: Hounsfield window mapped to [-1, 1] for the ct channel.
+        mr_scale: MR intensity mapped to 1 in every volume; None scales each volume's 99.5th percentile
+            to 1. The phantoms' MR intensities are absolute (tissue values up to 1, times a bias field
+            within about +-25%), so a fixed scale keeps a lesion equally bright in every subject. The
+            percentile is set by the lesions themselves once they fill ~0.5% of the volume, so it
+            dims lesioned heads and brightens lesion-free ones: fine for image synthesis, but it
+            hides lesion burden from a model that must compare subjects (survival, classification).
         **kwargs: split and loader settings of `VolumeDataModule`.
     """
 
@@ -104,6 +117,7 @@ class SyntheticDataModule(VolumeDataModule):
         seed: int = 0,
         spacing: float = 6.0,
         ct_window: Sequence[float] = (-1000.0, 1000.0),
+        mr_scale: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -116,6 +130,8 @@ class SyntheticDataModule(VolumeDataModule):
                 raise MedvolError(f"`dataset.{key}`: unknown modality {unknown[0]!r}; expected some of {list(MODALITIES)}")
         if not image_modalities:
             raise MedvolError("`dataset.image_modalities` is empty; name at least one of " + str(list(MODALITIES)))
+        if mr_scale is not None and not mr_scale > 0:
+            raise MedvolError(f"`dataset.mr_scale` must be null or a positive number, got {mr_scale}")
         if num_subjects < 1:
             raise MedvolError(f"`dataset.num_subjects` must be >= 1, got {num_subjects}")
         self.num_subjects = num_subjects
@@ -125,11 +141,13 @@ class SyntheticDataModule(VolumeDataModule):
         self.seed = seed
         self.spacing = spacing
         self.ct_window = tuple(ct_window)
+        self.mr_scale = None if mr_scale is None else float(mr_scale)
 
     def subjects(self) -> list[Record]:
         return [{"subject": f"phantom-{self.seed}-{i:04d}", "index": i} for i in range(self.num_subjects)]
 
     def build_dataset(self, records: list[Record], stage: str) -> Dataset:
         return SyntheticPhantomDataset(
-            records, self.size, self.image_modalities, self.cond_modalities, self.seed, self.spacing, self.ct_window
+            records, self.size, self.image_modalities, self.cond_modalities, self.seed, self.spacing, self.ct_window,
+            self.mr_scale,
         )
