@@ -100,11 +100,11 @@ class SyntheticDataModule(VolumeDataModule):
         spacing: voxel size in mm, written into the affine.
         ct_window: Hounsfield window mapped to [-1, 1] for the ct channel.
         mr_scale: MR intensity mapped to 1 in every volume; None scales each volume's 99.5th percentile
-            to 1. The phantoms' MR intensities are absolute (tissue values up to 1, times a bias field
-            within about +-25%), so a fixed scale keeps a lesion equally bright in every subject. The
-            percentile is set by the lesions themselves once they fill ~0.5% of the volume, so it
-            dims lesioned heads and brightens lesion-free ones: fine for image synthesis, but it
-            hides lesion burden from a model that must compare subjects (survival, classification).
+            to 1. The phantoms' MR intensities are absolute (tissue values up to 1 times a smooth bias
+            field; the brightest voxels stay below ~1.25), so a fixed scale keeps a lesion equally bright
+            in every subject. The percentile is set by the lesions themselves once they fill ~0.5% of
+            the volume, so it dims lesioned heads and brightens lesion-free ones: fine for image
+            synthesis, but it hides lesion burden from a model that compares subjects (survival).
         **kwargs: split and loader settings of `VolumeDataModule`.
     """
 
