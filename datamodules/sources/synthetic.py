@@ -18,13 +18,18 @@ from medvol.projection import VIEW_AXES, radiographs, voxel_spacing
 LESION_CLASS_THRESHOLD = 0.02
 
 
-def _to_unit_range(volume: np.ndarray, modality: str, ct_window: Sequence[float]) -> np.ndarray:
-    """MR: scale the 99.5th percentile of the head to 1; CT: clip to the HU window. Both then to [-1, 1]."""
+def _to_unit_range(
+    volume: np.ndarray, modality: str, ct_window: Sequence[float], mr_scale: float | None = None
+) -> np.ndarray:
+    """MR: divide by `mr_scale`, or by the volume's 99.5th percentile when None; CT: clip to the HU window.
+
+    Both are then clipped to [0, 1] and mapped to [-1, 1].
+    """
     if modality == "ct":
         low, high = ct_window
         unit = (np.clip(volume, low, high) - low) / (high - low)
     else:
-        top = np.percentile(volume, 99.5)
+        top = mr_scale if mr_scale is not None else np.percentile(volume, 99.5)
         unit = np.clip(volume / max(top, 1e-6), 0, 1)
     return (unit * 2 - 1).astype(np.float32)
 
@@ -52,6 +57,7 @@ class SyntheticPhantomDataset(Dataset):
         views: Sequence[str] = (),
         xray_size: Sequence[int] = (32, 32),
         mu_water: float = 0.02,
+        mr_scale: float | None = None,
     ) -> None:
         self.records = records
         self.size = tuple(size)
@@ -59,6 +65,7 @@ class SyntheticPhantomDataset(Dataset):
         self.cond_modalities = list(cond_modalities)
         self.seed = seed
         self.ct_window = ct_window
+        self.mr_scale = mr_scale
         self.affine = phantom_affine(self.size, spacing)
         self.views = list(views)
         self.xray_size = list(xray_size)
@@ -72,7 +79,7 @@ class SyntheticPhantomDataset(Dataset):
         phantom = make_phantom(self.seed, record["index"], self.size)
 
         def stack(names: Sequence[str]) -> torch.Tensor:
-            return torch.from_numpy(np.stack([_to_unit_range(phantom.channels[n], n, self.ct_window) for n in names]))
+            return torch.from_numpy(np.stack([_to_unit_range(phantom.channels[n], n, self.ct_window, self.mr_scale) for n in names]))
 
         item: dict[str, Any] = {
             "image": stack(self.image_modalities),
@@ -107,6 +114,12 @@ class SyntheticDataModule(VolumeDataModule):
         views: X-ray views of the ct channel to add as `xray` (from ap, lateral); empty for none.
         xray_size: (H, W) of each view.
         mu_water: attenuation of water per mm for the views.
+        mr_scale: MR intensity mapped to 1 in every volume; None scales each volume's 99.5th percentile
+            to 1. The phantoms' MR intensities are absolute (tissue values up to 1 times a smooth bias
+            field; the brightest voxels stay below ~1.25), so a fixed scale keeps a lesion equally bright
+            in every subject. The percentile is set by the lesions themselves once they fill ~0.5% of
+            the volume, so it dims lesioned heads and brightens lesion-free ones: fine for image
+            synthesis, but it hides lesion burden from a model that compares subjects (survival).
         **kwargs: split and loader settings of `VolumeDataModule`.
     """
 
@@ -122,6 +135,7 @@ class SyntheticDataModule(VolumeDataModule):
         views: Sequence[str] = (),
         xray_size: Sequence[int] = (32, 32),
         mu_water: float = 0.02,
+        mr_scale: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -141,6 +155,8 @@ class SyntheticDataModule(VolumeDataModule):
             raise MedvolError(f"`dataset.views` needs the ct channel in `dataset.image_modalities`, got {list(image_modalities)}")
         if len(xray_size) != 2 or min(xray_size) < 1:
             raise MedvolError(f"`dataset.xray_size` must be two positive ints (H, W), got {list(xray_size)}")
+        if mr_scale is not None and not mr_scale > 0:
+            raise MedvolError(f"`dataset.mr_scale` must be null or a positive number, got {mr_scale}")
         if num_subjects < 1:
             raise MedvolError(f"`dataset.num_subjects` must be >= 1, got {num_subjects}")
         self.num_subjects = num_subjects
@@ -153,6 +169,7 @@ class SyntheticDataModule(VolumeDataModule):
         self.views = list(views)
         self.xray_size = [int(v) for v in xray_size]
         self.mu_water = mu_water
+        self.mr_scale = None if mr_scale is None else float(mr_scale)
 
     def subjects(self) -> list[Record]:
         return [{"subject": f"phantom-{self.seed}-{i:04d}", "index": i} for i in range(self.num_subjects)]
@@ -161,4 +178,5 @@ class SyntheticDataModule(VolumeDataModule):
         return SyntheticPhantomDataset(
             records, self.size, self.image_modalities, self.cond_modalities, self.seed, self.spacing, self.ct_window,
             self.views, self.xray_size, self.mu_water,
+            self.mr_scale,
         )
