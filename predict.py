@@ -8,11 +8,11 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-import medvol.resolvers  # noqa: F401 - registers the resolvers the run configs use
-from medvol.console import quiet_console
-from medvol.errors import MedvolError
-from medvol.override_check import override_error
-from medvol.predicting import predict
+import medvol.run.resolvers  # noqa: F401 - registers the resolvers the run configs use
+from medvol.core.console import quiet_console
+from medvol.core.errors import MedvolError
+from medvol.run.override_check import override_error
+from medvol.run.predicting import predict
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="predict")

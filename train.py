@@ -10,14 +10,14 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-import medvol.resolvers  # noqa: F401 - registers the run-directory resolvers before Hydra composes
-from medvol.console import print_config_tree, quiet_console
-from medvol.errors import MedvolError
-from medvol.override_check import override_error
-from medvol.refusal import RunDirectoryBefore
-from medvol.resolvers import run_dir_of_checkpoint
-from medvol.training import run
-from medvol.world import global_rank
+import medvol.run.resolvers  # noqa: F401 - registers the run-directory resolvers before Hydra composes
+from medvol.core.console import print_config_tree, quiet_console
+from medvol.core.errors import MedvolError
+from medvol.run.override_check import override_error
+from medvol.run.refusal import RunDirectoryBefore
+from medvol.run.resolvers import run_dir_of_checkpoint
+from medvol.run.training import run
+from medvol.run.world import global_rank
 
 log = logging.getLogger("medvol")
 

@@ -121,8 +121,8 @@ def identity_baseline(overrides: list[str], directory: Path) -> tuple[float, flo
     from hydra import compose, initialize_config_dir
     from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 
-    import medvol.resolvers  # noqa: F401
-    from medvol.build import build
+    import medvol.run.resolvers  # noqa: F401
+    from medvol.core.build import build
 
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
         cfg = compose("train", overrides=["model=ddpm", f"paths.output_dir={directory}", *overrides])

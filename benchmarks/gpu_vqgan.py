@@ -39,8 +39,8 @@ from benchmarks.overhead import gan_step  # noqa: E402 - after the path set-up f
 def build_model(overrides: list[str]) -> torch.nn.Module:
     from hydra import compose, initialize_config_dir
 
-    import medvol.resolvers  # noqa: F401 - resolvers used by the configs
-    from medvol.build import build
+    import medvol.run.resolvers  # noqa: F401 - resolvers used by the configs
+    from medvol.core.build import build
 
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="gpu_vqgan"):
         cfg = compose(config_name="train", overrides=["experiment=ctpa_vqgan", "model.in_channels=1", *overrides])

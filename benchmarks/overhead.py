@@ -133,8 +133,8 @@ def hand_worker(args: argparse.Namespace, out: Path) -> None:
     """The hand-written loop over the same VQGAN object, losses, optimizers, batch and data."""
     from hydra import compose, initialize_config_dir
 
-    import medvol.resolvers  # noqa: F401 - resolvers used by the configs
-    from medvol.build import build
+    import medvol.run.resolvers  # noqa: F401 - resolvers used by the configs
+    from medvol.core.build import build
 
     torch.set_num_threads(1)
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="overhead"):

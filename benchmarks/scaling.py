@@ -237,7 +237,7 @@ def plain_worker(rank: int, world: int, port: int, args: argparse.Namespace, out
 
 
 def plain_run(processes: int, args: argparse.Namespace) -> dict[str, float]:
-    from medvol.launch import free_port
+    from medvol.run.launch import free_port
 
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:

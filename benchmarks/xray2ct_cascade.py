@@ -3,7 +3,7 @@
 Runs `python train.py experiment=xray2ct_cascade test=true` (synthetic CT phantoms and their
 DRR views), then reads each stage's test PSNR/SSIM and physics loss, training speed and peak
 memory, and computes the baseline on the same test subjects at each stage's size: the mean of
-the two views' back-projections (`medvol.projection.back_project`), windowed like the CT.
+the two views' back-projections (`medvol.volumes.projection.back_project`), windowed like the CT.
 
     python benchmarks/xray2ct_cascade.py [--out DIR] [extra train.py overrides ...]
 """
@@ -24,10 +24,10 @@ from torchmetrics.functional.image import peak_signal_noise_ratio, structural_si
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import medvol.resolvers  # noqa: E402, F401 - the stage configs use medvol's resolvers
-from medvol.build import build  # noqa: E402
-from medvol.intensity import scale_to_range  # noqa: E402
-from medvol.projection import back_project, voxel_spacing  # noqa: E402
+import medvol.run.resolvers  # noqa: E402, F401 - the stage configs use medvol's resolvers
+from medvol.core.build import build  # noqa: E402
+from medvol.volumes.intensity import scale_to_range  # noqa: E402
+from medvol.volumes.projection import back_project, voxel_spacing  # noqa: E402
 
 
 def baseline(stage_dir: Path) -> dict[str, float]:

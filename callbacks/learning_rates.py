@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_only
 
-from medvol.step import logging_step
+from medvol.core.step import logging_step
 
 
 def learning_rates(pl_module: pl.LightningModule, optimizers: list) -> dict[str, float]:

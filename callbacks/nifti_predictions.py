@@ -7,11 +7,11 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from medvol.prediction_writer import PredictionWriter
+from medvol.volumes.prediction_writer import PredictionWriter
 
 
 class NiftiPredictionWriter(pl.Callback):
-    """At test time, saves the `volumes` a model returns from `test_step` with `medvol.prediction_writer`.
+    """At test time, saves the `volumes` a model returns from `test_step` with `medvol.volumes.prediction_writer`.
 
     Files go to `<output_dir>/<subject>_<name>.nii.gz` on the source scan's grid and in its units
     (the same code `predict.py` uses). A `subject_metrics` output (name -> (B,) tensor) becomes one

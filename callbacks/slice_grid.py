@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from medvol.anatomical_planes import Plane, mid_planes
+from medvol.volumes.anatomical_planes import Plane, mid_planes
 
 HEADER = 30
 ROW_LABEL = 120

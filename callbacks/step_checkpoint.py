@@ -8,13 +8,13 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
-from medvol.step import logging_step
+from medvol.core.step import logging_step
 
 
 class StepCheckpoint(ModelCheckpoint):
     """`ModelCheckpoint` (same arguments) whose `{step}` is where TensorBoard shows the checkpoint's score.
 
-    That is the step at which the validation just run logged its metrics (`medvol.step`), not
+    That is the step at which the validation just run logged its metrics (`medvol.core.step`), not
     `global_step`, which counts both optimizers of a GAN; for saves between validations
     (`every_n_train_steps`) or without validation, the current step.
     """

@@ -9,7 +9,7 @@ import torch
 from pytorch_lightning.utilities import rank_zero_only
 
 from callbacks.slice_grid import Sample, slice_grid
-from medvol.step import logging_step
+from medvol.core.step import logging_step
 
 TAG = "val/slices"
 
@@ -22,7 +22,7 @@ class VolumeSliceLogger(pl.Callback):
     TensorBoard scrubs through training. Planes are named from the batch's `affine`
     (radiological convention). A `"difference": (a, b)` entry in the step output adds an |a - b|
     error-map column. Images are logged at the step of the scalars and checkpoints
-    (`medvol.step.logging_step`).
+    (`medvol.core.step.logging_step`).
 
     Args:
         every_n_epochs: log every this many validation epochs.

@@ -10,7 +10,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import move_data_to_device
 
-from medvol.sliding_window import SlidingWindow
+from medvol.volumes.sliding_window import SlidingWindow
 
 MODEL_KEY = "medvol_model"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 
 class SlicePerceptualLoss(nn.Module):

@@ -12,7 +12,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
-import medvol.resolvers  # noqa: F401 - registers resolvers used by the configs
+import medvol.run.resolvers  # noqa: F401 - registers resolvers used by the configs
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"

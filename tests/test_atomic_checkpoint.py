@@ -11,9 +11,9 @@ import torch
 from pytorch_lightning.plugins.io import TorchCheckpointIO
 from pytorch_lightning.strategies import DDPStrategy
 
-import medvol.atomic_checkpoint as atomic_checkpoint
-from medvol.atomic_checkpoint import AtomicCheckpointIO, checkpoint_io_plugins, partial_path
-from medvol.training import run
+import medvol.core.atomic_checkpoint as atomic_checkpoint
+from medvol.core.atomic_checkpoint import AtomicCheckpointIO, checkpoint_io_plugins, partial_path
+from medvol.run.training import run
 
 
 class Unpicklable:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_modules.base import MedvolModule
-from medvol.training import run
+from medvol.run.training import run
 from tests.conftest import TINY, compose_cfg
 
 TINY_DATA = [item for item in TINY if not item.startswith("model.")]

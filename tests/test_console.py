@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from medvol.console import ConsoleFilter, print_config_tree
+from medvol.core.console import ConsoleFilter, print_config_tree
 from tests.conftest import ROOT, TINY
 
 

@@ -22,8 +22,8 @@ from datamodules.pipeline.cache import (
 )
 from datamodules.sources.example_data import write_nifti_folder
 from datamodules.sources.nifti import NiftiDataModule
-from medvol.errors import MedvolError
-from medvol.training import run
+from medvol.core.errors import MedvolError
+from medvol.run.training import run
 from tests.conftest import ROOT
 from tests.test_data_layouts import TINY_MODEL, data_cfg
 

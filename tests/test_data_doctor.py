@@ -11,13 +11,13 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from datamodules.pipeline.check import main as check_main
 from datamodules.sources.brats import BratsDataModule
 from datamodules.sources.csv_table import CsvDataModule
 from datamodules.sources.example_data import write_brats, write_mace_csv, write_nifti_folder
 from datamodules.sources.nifti import NiftiDataModule
-from medvol.errors import MedvolError
-from medvol.training import run
+from medvol.core.errors import MedvolError
+from medvol.run.data_check import main as check_main
+from medvol.run.training import run
 from tests.conftest import ROOT
 from tests.test_data_layouts import data_cfg
 
@@ -92,7 +92,7 @@ def test_training_refuses_to_start_and_names_the_full_check(corrupted_brats, tmp
         run(cfg)
     message = str(err.value)
     assert "problem(s), training not started" in message and "truncated" in message
-    assert "run the full check for the whole table: python -m datamodules.pipeline.check dataset=brats " in message
+    assert "run the full check for the whole table: python check_data.py dataset=brats " in message
     assert f" dataset.root={corrupted_brats}" in message
     assert not (tmp_path / "run" / "checkpoints").exists()
 
@@ -128,7 +128,7 @@ def test_missing_columns_and_folders_are_one_clear_error(tmp_path):
 
 def test_check_command_line(tmp_path, capsys):
     clean = write_brats(tmp_path / "clean", 2, 2021, 12)
-    command = [sys.executable, "-m", "datamodules.pipeline.check", "dataset=brats", f"dataset.root={clean}"]
+    command = [sys.executable, str(ROOT / "check_data.py"), "dataset=brats", f"dataset.root={clean}"]
     good = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert good.returncode == 0, good.stderr
     assert "no problems found in 2 subject(s)" in good.stdout

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from datamodules.pipeline.split import STAGES
 from datamodules.sources.brats import BratsDataModule
 from datamodules.sources.example_data import write_brats, write_mace_csv, write_nifti_folder
-from medvol.training import run
+from medvol.run.training import run
 from tests.conftest import TINY, compose_cfg
 
 # The shared tiny settings minus the synthetic dataset's own keys.

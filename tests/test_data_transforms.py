@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from datamodules.pipeline.transforms import SafeScaleIntensityd, TransformSettings, scale_to_range
-from medvol.errors import MedvolError
-from medvol.nifti_io import save_volume
+from medvol.core.errors import MedvolError
+from medvol.volumes.nifti_io import save_volume
 
 
 def test_constant_volume_becomes_zeros_not_nan():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from medvol.training import run
+from medvol.run.training import run
 from tests.conftest import TINY, compose_cfg
 from tests.test_ddp_support import explain, train_cli
 

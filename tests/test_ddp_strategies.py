@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from medvol.training import run
+from medvol.run.training import run
 from tests.conftest import compose_cfg
 from tests.test_ddp_correctness import DDP, TINY_DATA, assert_same_weights, weights
 from tests.test_ddp_support import explain, train_cli

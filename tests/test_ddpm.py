@@ -14,9 +14,9 @@ from monai.networks.nets import DiffusionModelUNet
 
 from datamodules.sources.phantom import phantom_affine
 from lightning_modules.diffusion.samplers import sample_ddim
-from medvol.build import build
-from medvol.errors import MedvolError
-from medvol.training import run
+from medvol.core.build import build
+from medvol.core.errors import MedvolError
+from medvol.run.training import run
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
 from tests.test_ddp_support import explain, train_cli
 

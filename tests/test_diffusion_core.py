@@ -18,7 +18,7 @@ from lightning_modules.diffusion.timesteps import (
     timestep_set,
     uniform_set,
 )
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 
 def test_non_uniform_set_for_ten_steps_is_the_papers():

@@ -6,7 +6,7 @@ import nibabel as nib
 import pytest
 
 from datamodules.sources.phantom import make_phantom, phantom_affine
-from medvol.training import run
+from medvol.run.training import run
 from tests.conftest import CONF_DIR, TINY_MODEL, compose_cfg
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))

@@ -13,8 +13,8 @@ import pytorch_lightning as pl
 import torch
 
 from lightning_modules.vqgan.vqgan import VQGAN
-from medvol.build import build
-from medvol.training import run
+from medvol.core.build import build
+from medvol.run.training import run
 
 pytestmark = [
     pytest.mark.gpu,

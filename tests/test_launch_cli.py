@@ -11,11 +11,11 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from medvol.batch_arithmetic import scale_learning_rates
-from medvol.errors import MedvolError
-from medvol.launch import free_port
-from medvol.training import run
-from medvol.world import World, check_strategy, plan_world
+from medvol.core.errors import MedvolError
+from medvol.run.batch_arithmetic import scale_learning_rates
+from medvol.run.launch import free_port
+from medvol.run.training import run
+from medvol.run.world import World, check_strategy, plan_world
 from tests.test_ddp_support import explain, train_cli
 
 SMALL = ["dataset.batch_size=1", "dataset.val_fraction=0.25", "callbacks.volume_slices=null"]

@@ -17,11 +17,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from datamodules.sources.nifti import NiftiDataModule
 from datamodules.sources.phantom import make_phantom
-from medvol.errors import MedvolError
-from medvol.predicting import predict
-from medvol.prediction_writer import PredictionWriter
-from medvol.sliding_window import SlidingWindow
-from medvol.training import run
+from medvol.core.errors import MedvolError
+from medvol.run.predicting import predict
+from medvol.run.training import run
+from medvol.volumes.prediction_writer import PredictionWriter
+from medvol.volumes.sliding_window import SlidingWindow
 from tests.conftest import CONF_DIR, ROOT, TINY_COMMON, TINY_MODEL, compose_cfg
 
 # LPS-oriented (x and y flipped), anisotropic voxels, an odd shape: what a scanner export looks like.

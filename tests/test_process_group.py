@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-import medvol.process_group as process_group
-from medvol.training import run
+import medvol.core.process_group as process_group
+from medvol.run.training import run
 
 # One DDP rank still initialises a (gloo) process group, in this process.
 ONE_RANK_DDP = ["strategy=ddp", "trainer.devices=1", "trainer.max_epochs=1", "trainer.limit_train_batches=1",

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from medvol.build import build
-from medvol.errors import MedvolError
-from medvol.override_check import override_error
-from medvol.refusal import RunDirectoryBefore
-from medvol.run_check import check_run, check_trainer
+from medvol.core.build import build
+from medvol.core.errors import MedvolError
+from medvol.run.override_check import override_error
+from medvol.run.refusal import RunDirectoryBefore
+from medvol.run.run_check import check_run, check_trainer
 from tests.conftest import CONF_DIR, ROOT, compose_cfg
 
 FAST = ["hardware=cpu", "callbacks.progress_bar=null", "dataset.num_subjects=4", "dataset.size=16", "trainer.max_epochs=1"]

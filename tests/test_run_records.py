@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from medvol.training import run
+from medvol.run.training import run
 from tests.conftest import ROOT
 
 

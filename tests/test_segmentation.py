@@ -17,8 +17,8 @@ from lightning_modules.segmentation.label_scheme import LabelScheme
 from lightning_modules.segmentation.losses import build_loss
 from lightning_modules.segmentation.segmentation import Segmenter
 from lightning_modules.segmentation.subject_scores import SubjectScores, subject_scores
-from medvol.errors import MedvolError
-from medvol.training import run
+from medvol.core.errors import MedvolError
+from medvol.run.training import run
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
 from tests.test_ddp_correctness import recorder
 from tests.test_ddp_support import explain, train_cli

@@ -1,4 +1,4 @@
-from medvol.training import run
+from medvol.run.training import run
 
 
 def test_vqgan_trains_one_epoch(tiny_cfg, tmp_path):

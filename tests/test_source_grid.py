@@ -12,7 +12,7 @@ import torch
 from callbacks.nifti_predictions import NiftiPredictionWriter
 from datamodules.sources.brats import BratsDataModule
 from datamodules.sources.phantom import make_phantom
-from medvol.source_grid import SourceGrid, to_source_grid
+from medvol.volumes.source_grid import SourceGrid, to_source_grid
 
 # LPS-oriented (x and y flipped), anisotropic voxels, an odd shape: what a scanner export looks like.
 LPS_AFFINE = np.array([[-1.2, 0, 0, 30.0], [0, -0.9, 0, 21.0], [0, 0, 2.5, -40.0], [0, 0, 0, 1]])

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from medvol.tensorboard_logger import MedvolTensorBoardLogger
-from medvol.training import run
+from medvol.core.tensorboard_logger import MedvolTensorBoardLogger
+from medvol.run.training import run
 
 
 def test_vqgan_epoch_values_are_the_sample_weighted_means_of_its_step_values(tiny_cfg, tmp_path):

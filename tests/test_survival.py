@@ -19,8 +19,8 @@ from torchsurv.stats.ipcw import get_ipcw
 from datamodules.sources.example_data import write_mace_csv
 from lightning_modules.discriminative.cox_loss import cox_loss
 from lightning_modules.discriminative.survival_metrics import SurvivalMetrics, survival_metrics
-from medvol.errors import MedvolError
-from medvol.training import run
+from medvol.core.errors import MedvolError
+from medvol.run.training import run
 from tests.conftest import compose_cfg
 
 TINY_NET = ["model.backbone=resnet10", "model.widen_factor=0.125"]

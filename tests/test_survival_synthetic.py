@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from datamodules.sources.synthetic import SyntheticDataModule, SyntheticPhantomDataset
-from medvol.errors import MedvolError
-from medvol.training import run
+from medvol.core.errors import MedvolError
+from medvol.run.training import run
 from tests.conftest import compose_cfg
 
 

@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 
 from datamodules.pipeline.volume_datamodule import Record
 from datamodules.sources.synthetic import SyntheticDataModule
-from medvol.training import run
+from medvol.run.training import run
 
 DELAY_SECONDS = 1.0
 

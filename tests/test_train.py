@@ -16,8 +16,8 @@ import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from datamodules.sources.phantom import phantom_affine
-from medvol.errors import MedvolError
-from medvol.training import run
+from medvol.core.errors import MedvolError
+from medvol.run.training import run
 from tests.conftest import CONF_DIR, ROOT, TINY, compose_cfg
 
 MODELS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))

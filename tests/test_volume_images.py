@@ -16,8 +16,8 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 from callbacks.learning_rates import LearningRates
 from callbacks.slice_grid import GAP, HEADER, ROW_LABEL, Sample, slice_grid
 from callbacks.volume_slices import TAG, VolumeSliceLogger
-from medvol.anatomical_planes import mid_planes
-from medvol.training import run
+from medvol.run.training import run
+from medvol.volumes.anatomical_planes import mid_planes
 
 # World extent in voxels: 12 from right to left, 8 from anterior to posterior, 6 from inferior to superior.
 R_L, A_P, I_S = 12, 8, 6

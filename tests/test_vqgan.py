@@ -11,8 +11,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lightning_modules.vqgan.codebook import EMACodebook
 from lightning_modules.vqgan.vqgan import VQGAN, random_slices
-from medvol.errors import MedvolError
-from medvol.training import run
+from medvol.core.errors import MedvolError
+from medvol.run.training import run
 from tests.conftest import compose_cfg
 
 

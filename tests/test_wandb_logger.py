@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from medvol.training import run
+from medvol.run.training import run
 
 
 def test_wandb_logger_writes_an_offline_run(tiny_cfg, tmp_path, monkeypatch):

@@ -12,8 +12,8 @@ import torch
 from omegaconf import OmegaConf
 
 from lightning_modules.xray2ct.module import XrayToCT
-from medvol.errors import MedvolError
-from medvol.training import run
+from medvol.core.errors import MedvolError
+from medvol.run.training import run
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
 
 # Two tiny stages (8^3 -> 16^3), 16 px views, a 2-level UNet, 4 Fast-DDPM steps.

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_modules.xray2ct.physics import ProjectionLoss
-from medvol.intensity import scale_from_range, scale_to_range
-from medvol.projection import back_project, drr, radiographs
+from medvol.volumes.intensity import scale_from_range, scale_to_range
+from medvol.volumes.projection import back_project, drr, radiographs
 
 
 def _ball(n: int, radius_voxels: float, hounsfield: float) -> torch.Tensor:

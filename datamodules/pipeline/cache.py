@@ -25,7 +25,7 @@ from monai.data import Dataset as TransformDataset
 from monai.transforms import Compose
 from torch.utils.data import Dataset, DistributedSampler
 
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 CACHE_MODES = ("none", "memory", "smart", "disk")
 PARTITIONED_MODES = ("memory", "smart")

@@ -1,8 +1,8 @@
 """The data doctor: find unreadable, truncated, mismatched or degenerate data before a run spends hours on it.
 
-    python -m datamodules.pipeline.check dataset=brats dataset.root=/data/BraTS2023
+    python check_data.py dataset=brats dataset.root=/data/BraTS2023
 
-reads every file of the configured dataset and prints one table of problems (exit status 1
+(`medvol.run.data_check`) reads every file of the configured dataset and prints one table of problems (exit status 1
 if there are any). Training runs the cheap mode of the same check (headers and existence,
 no voxel reads) in `preflight()` and refuses to start on errors.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gzip
 import struct
-import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from typing import Any
 import nibabel as nib
 import numpy as np
 
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 LABEL_KEY = "label"
 
@@ -194,7 +193,7 @@ def format_table(problems: Sequence[Problem]) -> str:
 def preflight_error(problems: Sequence[Problem], overrides: Sequence[str]) -> MedvolError:
     """The one-line refusal training gives when the cheap check finds problems."""
     first = "; ".join(f"{p.file}: {p.problem}" for p in problems[:3])
-    command = " ".join(["python -m datamodules.pipeline.check", *overrides]).strip()
+    command = " ".join(["python check_data.py", *overrides]).strip()
     return MedvolError(
         f"the data check found {len(problems)} problem(s), training not started (first: {first}); "
         f"run the full check for the whole table: {command}"
@@ -214,43 +213,3 @@ def dataset_overrides() -> list[str]:
     chosen = [o for o in task if o.split("=")[0].lstrip("+~").startswith("dataset")]
     # The group choice first, as a user would type it.
     return sorted(chosen, key=lambda o: not o.lstrip("+~").startswith("dataset="))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Compose the training config with the given overrides and run the full check of its dataset."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import open_dict
-
-    import medvol.resolvers  # noqa: F401 - the configs use medvol's resolvers
-    from medvol.build import build
-
-    overrides = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in overrides):
-        print(__doc__)
-        return 0
-    conf_dir = Path(__file__).resolve().parents[2] / "conf"
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir), job_name="check"):
-            cfg = compose(config_name="train", overrides=overrides)
-        with open_dict(cfg):
-            cfg.dataset.split_file = None
-        datamodule = build(cfg.dataset)
-        if not hasattr(datamodule, "data_problems"):
-            print(f"medvol: {cfg.dataset._target_} has no files to check")
-            return 0
-        problems, checked = datamodule.data_problems(full=True)
-    except MedvolError as err:
-        print(f"medvol: error: {err}", file=sys.stderr)
-        return 2
-    if problems:
-        print(format_table(problems))
-        print(f"\n{len(problems)} problem(s) in {checked} subject(s)")
-        return 1
-    print(f"no problems found in {checked} subject(s)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,7 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 STAGES = ("train", "val", "test")
 

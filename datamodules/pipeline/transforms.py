@@ -27,8 +27,8 @@ from monai.transforms import (
 )
 from monai.utils import convert_to_dst_type, convert_to_tensor
 
-from medvol.errors import MedvolError
-from medvol.intensity import INTENSITY_RANGE_KEY, intensity_keys, scale_to_range
+from medvol.core.errors import MedvolError
+from medvol.volumes.intensity import INTENSITY_RANGE_KEY, intensity_keys, scale_to_range
 
 INTENSITY_MODES = ("percentile", "window", "none")
 
@@ -108,7 +108,7 @@ class SafeScaleIntensityd(MapTransform):
     """Per-channel intensity scaling by percentiles or a fixed window, safe for constant and NaN volumes.
 
     The item says how it was scaled, so outputs can be written back in the scan's units
-    (`medvol.intensity.intensity_keys`): per scaled key the raw value mapped onto each end of
+    (`medvol.volumes.intensity.intensity_keys`): per scaled key the raw value mapped onto each end of
     `output_range`, per channel (`intensity_low`/`intensity_high` for `image`, `cond_intensity_low`/...
     for `cond`), and `intensity_range` (the output range).
 

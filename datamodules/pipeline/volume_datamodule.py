@@ -26,7 +26,7 @@ from datamodules.pipeline.cache import (
     validate_cache,
 )
 from datamodules.pipeline.split import load_split, make_split, save_split
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 Record = dict[str, Any]
 # The tensors of a batch dict that `gpu_transforms` moves to the device before the random transforms.

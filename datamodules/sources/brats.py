@@ -17,7 +17,7 @@ from monai.utils import convert_to_dst_type, convert_to_tensor
 
 from datamodules.pipeline.check import LABEL_KEY
 from datamodules.sources.nifti import NiftiDataModule
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 MODALITIES = ("t1", "t1ce", "t2", "flair")
 SUFFIXES = {

@@ -19,7 +19,7 @@ from monai.transforms import EnsureTyped
 from datamodules.pipeline.check import LABEL_KEY, Problem
 from datamodules.pipeline.volume_datamodule import Record
 from datamodules.sources.nifti import NiftiDataModule
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 
 def _number(value: Any) -> float | None:

@@ -37,11 +37,11 @@ from datamodules.pipeline.transforms import (
     select_batch_keys,
 )
 from datamodules.pipeline.volume_datamodule import Record, VolumeDataModule
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 # The keys a file-based dataset puts in its batch dicts (others in a record are bookkeeping).
 # `source_affine` (4x4 float64), `source_shape` (3 ints) and `source_file` (path) describe the voxel grid of
-# the first image file as stored, so outputs can be mapped back onto it (`medvol.source_grid`); the
+# the first image file as stored, so outputs can be mapped back onto it (`medvol.volumes.source_grid`); the
 # `*intensity_*` keys say how the intensities were scaled, so outputs go back into the scan's units.
 BATCH_KEYS = (
     "image", "cond", "label", "time", "event", "covariates", "class_label", "subject", "affine",

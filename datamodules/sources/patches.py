@@ -19,7 +19,7 @@ from monai.transforms import MapTransform, Randomizable, SpatialPadd
 from monai.transforms.utils import generate_pos_neg_label_crop_centers, map_binary_to_indices
 
 from datamodules.sources.nifti import BATCH_KEYS, NiftiDataModule
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 SAMPLING = ("grid", "random", "label_balanced")
 

@@ -11,8 +11,8 @@ from torch.utils.data import Dataset
 
 from datamodules.pipeline.volume_datamodule import Record, VolumeDataModule
 from datamodules.sources.phantom import MODALITIES, make_phantom, phantom_affine
-from medvol.errors import MedvolError
-from medvol.projection import VIEW_AXES, radiographs, voxel_spacing
+from medvol.core.errors import MedvolError
+from medvol.volumes.projection import VIEW_AXES, radiographs, voxel_spacing
 
 # Lesion fraction above which a phantom is class 1 (the same cut as the example MACE table's `label`).
 LESION_CLASS_THRESHOLD = 0.02

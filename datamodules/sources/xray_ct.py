@@ -1,6 +1,6 @@
 """CT volumes with orthogonal X-ray views computed from them as digitally reconstructed radiographs (DRRs).
 
-The projector is `medvol.projection.drr`; the radiograph is scaled to the output range.
+The projector is `medvol.volumes.projection.drr`; the radiograph is scaled to the output range.
 Views go into the batch key `xray` (V, H, W): `ap` (front to back, along the RAS y axis)
 and `lateral` (side to side, along x); rows run from head to feet.
 """
@@ -15,8 +15,8 @@ import torch
 from monai.transforms import MapTransform, ResizeWithPadOrCropd
 
 from datamodules.sources.nifti import BATCH_KEYS, NiftiDataModule
-from medvol.errors import MedvolError
-from medvol.projection import AIR_HU, VIEW_AXES, radiographs, voxel_spacing
+from medvol.core.errors import MedvolError
+from medvol.volumes.projection import AIR_HU, VIEW_AXES, radiographs, voxel_spacing
 
 
 class DRRd(MapTransform):

@@ -30,7 +30,7 @@ from lightning_modules.diffusion.prediction import (
 from lightning_modules.diffusion.samplers import SAMPLERS, sample_ddim, sample_ddpm
 from lightning_modules.diffusion.schedule import NoiseSchedule
 from lightning_modules.diffusion.timesteps import antithetic_indices, timestep_set
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 TASKS = ("translation", "denoising", "super_resolution", "unconditional")
 LOSS_REDUCTIONS = ("mean", "sum")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from lightning_modules.diffusion.schedule import broadcast
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 PREDICTION_TYPES = ("epsilon", "v", "sample")
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 BETA_SCHEDULES = ("linear", "cosine")
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 SPACINGS = ("uniform", "non_uniform")
 PAPER_NON_UNIFORM_10 = (0, 199, 399, 599, 699, 799, 849, 899, 949, 999)

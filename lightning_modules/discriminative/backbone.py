@@ -10,7 +10,7 @@ from monai.networks.nets import ResNet, resnet10, resnet18, resnet34, resnet50
 from monai.networks.nets.resnet import get_inplanes
 from torch import nn
 
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 BACKBONES: dict[str, Callable[..., ResNet]] = {
     "resnet10": resnet10,

@@ -11,7 +11,7 @@ from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC, MulticlassRecall
 
 from lightning_modules.discriminative.outcome_module import OutcomeModule
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 
 class ClassifierModel(OutcomeModule):

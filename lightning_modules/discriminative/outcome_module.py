@@ -20,8 +20,8 @@ from pytorch_lightning.utilities import move_data_to_device
 
 from lightning_modules.base import MedvolModule
 from lightning_modules.discriminative.fusion_net import ImageCovariateNet
-from medvol.errors import MedvolError
-from medvol.sliding_window import SlidingWindow
+from medvol.core.errors import MedvolError
+from medvol.volumes.sliding_window import SlidingWindow
 
 
 class OutcomeModule(MedvolModule, ABC):

@@ -10,7 +10,7 @@ import torch
 from lightning_modules.discriminative.cox_loss import TIES, cox_loss
 from lightning_modules.discriminative.outcome_module import OutcomeModule
 from lightning_modules.discriminative.survival_metrics import SurvivalMetrics
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 
 class SurvivalModel(OutcomeModule):

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 
 class LabelScheme:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from monai.losses import DiceCELoss, DiceFocalLoss, DiceLoss
 
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 LOSSES = ("dice_ce", "dice_focal")
 

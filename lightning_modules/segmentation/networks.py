@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from monai.networks.nets import DynUNet, SwinUNETR, UNet
 
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 NETWORKS = ("unet", "dynunet", "swinunetr")
 

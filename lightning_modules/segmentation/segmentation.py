@@ -23,8 +23,8 @@ from lightning_modules.segmentation.losses import build_loss
 from lightning_modules.segmentation.networks import build_network, check_size
 from lightning_modules.segmentation.patch_sampling import SAMPLINGS, cut_patches, patch_origins
 from lightning_modules.segmentation.subject_scores import SubjectScores, subject_scores
-from medvol.errors import MedvolError
-from medvol.sliding_window import SlidingWindow
+from medvol.core.errors import MedvolError
+from medvol.volumes.sliding_window import SlidingWindow
 
 
 def voxel_spacing(affine: torch.Tensor) -> list[list[float]]:

@@ -24,8 +24,8 @@ from lightning_modules.base import MedvolModule
 from lightning_modules.perceptual import SlicePerceptualLoss
 from lightning_modules.vqgan.codebook import EMACodebook, Quantized
 from lightning_modules.vqgan.vq_autoencoder import Decoder3d, Encoder3d
-from medvol.errors import MedvolError
-from medvol.sliding_window import SlidingWindow
+from medvol.core.errors import MedvolError
+from medvol.volumes.sliding_window import SlidingWindow
 
 _LOSS_TYPES = {"hinge": "hinge", "least_squares": "least_squares", "lsgan": "least_squares", "vanilla": "bce"}
 

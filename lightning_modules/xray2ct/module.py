@@ -38,7 +38,7 @@ from lightning_modules.xray2ct.denoiser import (
     network_settings,
 )
 from lightning_modules.xray2ct.physics import ProjectionLoss
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 log = logging.getLogger("medvol")
 

@@ -7,15 +7,15 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from medvol.intensity import scale_from_range
-from medvol.projection import radiographs, voxel_spacing
+from medvol.volumes.intensity import scale_from_range
+from medvol.volumes.projection import radiographs, voxel_spacing
 
 
 class ProjectionLoss(torch.nn.Module):
     """L1 between the DRRs of a volume in model units and the batch's views (the same projector as the data).
 
     The volume is mapped back to Hounsfield units with the dataset's window, projected with
-    `medvol.projection.radiographs` at each sample's voxel spacing, and compared with the
+    `medvol.volumes.projection.radiographs` at each sample's voxel spacing, and compared with the
     views. It is zero for the true CT when the views were made from it within the window, and
     differentiable with respect to the volume.
 

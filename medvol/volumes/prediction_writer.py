@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from medvol.intensity import INTENSITY_RANGE_KEY, intensity_keys, scale_from_range
-from medvol.nifti_io import save_volume
-from medvol.source_grid import to_source_grid
+from medvol.volumes.intensity import INTENSITY_RANGE_KEY, intensity_keys, scale_from_range
+from medvol.volumes.nifti_io import save_volume
+from medvol.volumes.source_grid import to_source_grid
 
 SOURCE_KEYS = ("source_affine", "source_shape")
 
@@ -54,7 +54,7 @@ class PredictionWriter:
     """Saves output `volumes` as `<output_dir>/<subject>_<name>.nii.gz` and collects per-subject metric rows.
 
     Batches from files carry the grid of the source scan (`source_affine`, `source_shape`,
-    `source_file`): each volume is mapped back onto it (`medvol.source_grid`: orientation,
+    `source_file`): each volume is mapped back onto it (`medvol.volumes.source_grid`: orientation,
     resampling and crop/pad undone; nearest for integer label maps, linear otherwise) and written
     with the source header, so it has the scan's own shape and affine. Without those keys
     (synthetic data, already on its own grid) a volume is written with the batch's `affine`.

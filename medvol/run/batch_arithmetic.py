@@ -16,7 +16,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, ListConfig
 
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 LR_SCALING_RULES = ("none", "linear", "sqrt")
 

@@ -24,12 +24,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch.utils.data import Dataset, default_collate
 
 from lightning_modules.base import MedvolModule
-from medvol.build import build
-from medvol.checkpoint_check import check_checkpoint
-from medvol.errors import MedvolError
-from medvol.prediction_writer import PredictionWriter
-from medvol.resolvers import run_dir_of_checkpoint
-from medvol.sliding_window import BLEND_MODES, SlidingWindow
+from medvol.core.build import build
+from medvol.core.errors import MedvolError
+from medvol.run.checkpoint_check import check_checkpoint
+from medvol.run.resolvers import run_dir_of_checkpoint
+from medvol.volumes.prediction_writer import PredictionWriter
+from medvol.volumes.sliding_window import BLEND_MODES, SlidingWindow
 
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
 SPLITS = ("train", "val", "test")

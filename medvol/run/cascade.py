@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 log = logging.getLogger("medvol")
 STAGE_DIR = re.compile(r"stage(\d+)")

@@ -2,7 +2,7 @@
 
 Three ways to get several ranks, all with the same config:
 
-- medvol starts them (`trainer.devices=N`, one node): see `medvol.launch`;
+- medvol starts them (`trainer.devices=N`, one node): see `medvol.run.launch`;
 - torchrun or another launcher that sets `LOCAL_RANK`/`RANK`/`WORLD_SIZE`;
 - SLURM's `srun` (Lightning's SLURM environment reads `SLURM_PROCID` and friends).
 """
@@ -18,8 +18,8 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from medvol.build import build
-from medvol.errors import MedvolError
+from medvol.core.build import build
+from medvol.core.errors import MedvolError
 
 # Lightning's DataParallel strategy is gone; these names get a pointer to DDP instead of a KeyError.
 _DATA_PARALLEL_NAMES = {"dp", "data_parallel", "dataparallel"}

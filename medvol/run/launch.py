@@ -2,8 +2,8 @@
 
 Lightning's script launcher re-executes `sys.argv` for every extra rank; under a Hydra
 multirun each rank would then re-run the whole sweep into directories of its own. Instead,
-rank 0 saves the job's resolved config and starts `python -m medvol.launch <config>` for the
-other ranks. They load that config as it is (no Hydra composition, no sweep) and join rank 0
+rank 0 saves the job's resolved config and starts `python -m medvol.run.rank <config>` for the
+other ranks (`medvol.run.rank`). They load that config as it is (no Hydra composition, no sweep) and join rank 0
 through the usual `MASTER_ADDR`/`MASTER_PORT`/`LOCAL_RANK` variables, so Lightning treats all
 of them as externally created processes.
 
@@ -34,7 +34,7 @@ _RANK_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "LOC
 _GRACE_SECONDS = 10.0
 # How long finished ranks get to leave after rank 0 returns.
 _EXIT_SECONDS = 60.0
-_PROJECT_ROOT = Path(__file__).resolve().parents[1]
+_PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -95,7 +95,7 @@ def local_ranks(cfg: DictConfig, devices: int) -> Iterator[None]:
     On leaving, the other ranks have exited (or been stopped), the process group is gone and
     the environment is as before, so the next job of a sweep starts clean.
     """
-    from medvol.process_group import release_process_group
+    from medvol.core.process_group import release_process_group
 
     config_path = _save_config(cfg)
     rank_env = {
@@ -114,7 +114,7 @@ def local_ranks(cfg: DictConfig, devices: int) -> Iterator[None]:
         for rank in range(1, devices):
             env = {**os.environ, "LOCAL_RANK": str(rank), "RANK": str(rank), "PYTHONPATH": python_path}
             children.append(
-                subprocess.Popen([sys.executable, "-m", "medvol.launch", str(config_path), str(os.getpid())], env=env)
+                subprocess.Popen([sys.executable, "-m", "medvol.run.rank", str(config_path), str(os.getpid())], env=env)
             )
         log.info("Started ranks 1..%d (pids %s), rendezvous at port %s", devices - 1,
                  [p.pid for p in children], rank_env["MASTER_PORT"])
@@ -149,41 +149,3 @@ def _wait_for(children: list[subprocess.Popen]) -> None:
     codes = [p.returncode for p in children]
     if any(codes):
         raise RuntimeError(f"ranks 1..{len(children)} exited with codes {codes}")
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """Leave when rank 0 is gone: its collectives will never come."""
-
-    def watch() -> None:
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent_pid:
-                print(f"medvol: error: rank 0 (pid {parent_pid}) is gone; rank {os.environ.get('RANK')} stops",
-                      file=sys.stderr, flush=True)
-                os._exit(1)
-
-    threading.Thread(target=watch, name="medvol-parent-watch", daemon=True).start()
-
-
-def main(argv: list[str]) -> int:
-    """Entry point of ranks 1..N-1: `python -m medvol.launch <resolved-config.yaml> <rank-0 pid>`."""
-    config_path, parent_pid = argv
-    _exit_with_parent(int(parent_pid))
-    logging.basicConfig(level=logging.WARNING, format=f"[rank {os.environ.get('RANK')}] %(levelname)s %(message)s")
-    from medvol.errors import MedvolError
-    from medvol.training import run
-
-    cfg = OmegaConf.load(config_path)
-    assert isinstance(cfg, DictConfig)
-    try:
-        run(cfg)
-    except MedvolError as err:
-        # One write, so that rank 0's copy of the same line cannot land inside it (see train.py).
-        sys.stderr.write(f"medvol: error: {err}\n")
-        sys.stderr.flush()
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -10,17 +10,17 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_modules.base import MedvolModule
-from medvol.atomic_checkpoint import checkpoint_io_plugins
-from medvol.batch_arithmetic import BatchArithmetic, scale_learning_rates
-from medvol.build import build
-from medvol.cascade import run_cascade
-from medvol.checkpoint_check import check_checkpoint
-from medvol.errors import MedvolError
-from medvol.launch import local_ranks
-from medvol.process_group import release_at_exit, run_started
-from medvol.run_check import check_run, check_trainer
-from medvol.sync_batchnorm import layer_sync_plugins
-from medvol.world import (
+from medvol.core.atomic_checkpoint import checkpoint_io_plugins
+from medvol.core.build import build
+from medvol.core.errors import MedvolError
+from medvol.core.process_group import release_at_exit, run_started
+from medvol.core.sync_batchnorm import layer_sync_plugins
+from medvol.run.batch_arithmetic import BatchArithmetic, scale_learning_rates
+from medvol.run.cascade import run_cascade
+from medvol.run.checkpoint_check import check_checkpoint
+from medvol.run.launch import local_ranks
+from medvol.run.run_check import check_run, check_trainer
+from medvol.run.world import (
     World,
     build_strategy,
     check_launch,
@@ -77,8 +77,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     """Train (and optionally test) as the config says; return the final metrics as floats.
 
     With `trainer.devices=N > 1` on one node and no external launcher, this process becomes
-    rank 0 and starts the other ranks itself (see `medvol.launch`). A config with a `cascade`
-    node runs its stages one after another (see `medvol.cascade`).
+    rank 0 and starts the other ranks itself (see `medvol.run.launch`). A config with a `cascade`
+    node runs its stages one after another (see `medvol.run.cascade`).
     """
     if cfg.get("cascade"):
         return run_cascade(cfg, run, check_config)
@@ -92,7 +92,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
             return _run(cfg, world)
     run_started()
     metrics = _run(cfg, world)
-    # Gloo's threads abort a process whose group outlives the interpreter (see medvol.process_group).
+    # Gloo's threads abort a process whose group outlives the interpreter (see medvol.core.process_group).
     release_at_exit()
     return metrics
 

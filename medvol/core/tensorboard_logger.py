@@ -15,7 +15,7 @@ class MedvolTensorBoardLogger(TensorBoardLogger):
     The hyperparameters are recorded with two metric columns, `hp_metric` and the optimized
     metric itself; `hp_metric` follows every value logged for the optimized metric. Lightning's
     `epoch` scalar (a one-point chart for short runs) is left out: the step axis is documented
-    in `medvol.step`.
+    in `medvol.core.step`.
 
     `save()`, which Lightning calls after every logging step, writes to disk at most every
     `flush_seconds`; the event writer also flushes on its own and at the end of the run. A flush

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from medvol.build import build
-from medvol.errors import MedvolError
+from medvol.core.build import build
+from medvol.core.errors import MedvolError
 
 PRECISIONS = ("64-true", "32-true", "16-true", "16-mixed", "bf16-true", "bf16-mixed", "64", "32", "16", "bf16")
 _BATCH_LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches", "overfit_batches")
@@ -39,7 +39,7 @@ def check_trainer(trainer: Mapping[str, Any], accelerator: str) -> None:
 
     Args:
         trainer: the resolved `trainer` config.
-        accelerator: `cpu` or `gpu`, as `medvol.world.plan_world` decided.
+        accelerator: `cpu` or `gpu`, as `medvol.run.world.plan_world` decided.
     """
     for key, (smallest, nullable, meaning) in _COUNTS.items():
         value = trainer.get(key)

@@ -11,7 +11,7 @@ from typing import Any
 import hydra
 from hydra.errors import InstantiationException
 
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 
 def _causes(err: BaseException) -> list[BaseException]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from medvol.world import agreed_stamp
+from medvol.run.world import agreed_stamp
 
 STAMP_ENV = "MEDVOL_RUN_STAMP"
 _stamp: str | None = None
@@ -24,7 +24,7 @@ def run_stamp() -> str:
     """A stamp fixed for the life of the process and shared by all ranks of a run.
 
     Processes started by this one inherit it through `MEDVOL_RUN_STAMP`; ranks started by
-    srun or torchrun agree on one through `medvol.world.agreed_stamp`.
+    srun or torchrun agree on one through `medvol.run.world.agreed_stamp`.
     """
     global _stamp
     if _stamp is None:
@@ -90,7 +90,7 @@ def synthetic_modalities(role: str, task: str | None) -> list[str]:
 
 def batch_per_device(total: int, devices: int, nodes: int = 1) -> int:
     """A total batch split over every device of the job, e.g. 48 over 4 GPUs -> 12 per GPU."""
-    from medvol.errors import MedvolError
+    from medvol.core.errors import MedvolError
 
     ranks = int(devices) * int(nodes)
     if ranks < 1 or int(total) % ranks:

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from lightning_modules.base import MODEL_KEY, class_path
-from medvol.errors import MedvolError
+from medvol.core.errors import MedvolError
 
 
 def check_checkpoint(ckpt_path: str | None, module: torch.nn.Module) -> None:
