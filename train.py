@@ -11,7 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import medvol.run.resolvers  # noqa: F401 - registers the run-directory resolvers before Hydra composes
-from medvol.core.console import print_config_tree, quiet_console
+from medvol.core.console import quiet_console
 from medvol.core.errors import MedvolError
 from medvol.run.override_check import override_error
 from medvol.run.refusal import RunDirectoryBefore
@@ -41,8 +41,7 @@ def main(cfg: DictConfig) -> float | None:
     )
     quiet_console()
     try:
-        if cfg.get("print_config", True) and global_rank() == 0:
-            print_config_tree(cfg)
+        # run() prints the config once every check has passed: a refused command prints only its error line.
         metrics = run(cfg)
     except MedvolError as err:
         if global_rank() == 0 and not before.take_back():

@@ -9,11 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from omegaconf import OmegaConf
 from rich.console import Console
 
 from medvol.core.console import ConsoleFilter, print_config_tree
-from tests.conftest import ROOT, TINY
+from tests.conftest import ROOT, TINY, compose_cfg
 
 
 def _record(name: str, level: int, message: str) -> logging.LogRecord:
@@ -37,6 +38,32 @@ def test_config_tree_shows_the_groups_resolved():
     assert "model" in text and "lr: 3" in text and "hydra" not in text
 
 
+def _blocks(text: str) -> dict[str, str]:
+    """Printed config -> {group: the group's lines without the name column}."""
+    blocks: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if not line.startswith(" "):
+            name = line.split()[0]
+            blocks[name] = []
+            column = len(line) - len(line[len(name):].lstrip())
+        blocks[name].append(line[column:])
+    return {name: " ".join(lines) for name, lines in blocks.items()}
+
+
+def test_the_default_config_print_is_compact_and_reads_back_as_the_composed_config(tmp_path):
+    cfg = compose_cfg(tmp_path, tiny=False)
+    console = Console(record=True, width=100)
+    print_config_tree(cfg, console)
+    text = console.export_text()
+    assert len(text.splitlines()) <= 60, text
+    # Every block is flow-style YAML: read back, it is the composed config, every leaf value included.
+    read_back = {name: yaml.safe_load("{" + body + "}") for name, body in _blocks(text).items()}
+    composed = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in cfg.items() if k != "hydra"}
+    assert read_back.pop("config") == {k: v for k, v in composed.items() if not isinstance(v, dict)}
+    assert read_back == {k: v for k, v in composed.items() if isinstance(v, dict)}
+    assert all(len(line) <= 100 for line in text.splitlines() if "/" not in line)
+
+
 def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
     return subprocess.run(
@@ -52,7 +79,7 @@ def test_console_order_and_train_log_of_a_real_command(tmp_path):
     out = done.stdout + done.stderr
     assert "💡" not in out and "GPU available" not in out and "site-packages" not in out
     assert "parameters per block" in out and "FLOPs" not in out
-    assert out.index("└── paths") < out.index("Building model")
+    assert out.index("\npaths ") < out.index("Datamodule <")
     # The summary comes after the test table, last; paths are never folded inside a name.
     assert out.index("Test metric") < out.rindex("medvol run summary (test)")
     (run_dir,) = (tmp_path / "outputs" / "train" / "runs").iterdir()
@@ -61,7 +88,7 @@ def test_console_order_and_train_log_of_a_real_command(tmp_path):
     assert "GPU available" in log and "`Trainer.fit` stopped" in log and "Building model" in log
 
     quiet = _cli([*args, "trainer.fast_dev_run=true", "print_config=false"], tmp_path)
-    assert quiet.returncode == 0 and "└── paths" not in quiet.stdout
+    assert quiet.returncode == 0 and "\npaths " not in quiet.stdout and "Datamodule <" in quiet.stdout + quiet.stderr
 
     # Not a user error medvol knows (a negative codebook size fails inside torch): the traceback stays, and is logged.
     failed = _cli([*args, "model.n_codes=-3"], tmp_path)

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
+from datamodules.sources.example_data import write_nifti_folder
+from lightning_modules.base import MODEL_KEY
 from medvol.core.build import build
 from medvol.core.errors import MedvolError
+from medvol.run import training
 from medvol.run.override_check import override_error
 from medvol.run.refusal import RunDirectoryBefore
 from medvol.run.run_check import check_run, check_trainer
@@ -36,19 +42,64 @@ def _one_error_line(done: subprocess.CompletedProcess, *expected: str) -> None:
     assert "Traceback" not in done.stderr
 
 
+def _refused_commands(work: Path) -> dict[str, tuple[list[str], str]]:
+    """The refused commands of issue 17 (overrides, text of the error line), with the files they need under `work`."""
+    torch.save({"state_dict": {}, "loops": {}, MODEL_KEY: "lightning_modules.discriminative.classifier.ClassifierModel"},
+               work / "foreign.ckpt")
+    (work / "corrupt.ckpt").write_bytes(b"PK\x03\x04" + bytes(range(256)) * 8)
+    scans = write_nifti_folder(work / "scans", 3, 12, label=False)
+    truncated = scans / "sub-001" / "ct.nii.gz"
+    truncated.write_bytes(truncated.read_bytes()[:300])
+    return {
+        "missing": ([f"ckpt_path={work / 'missing.ckpt'}"], "`ckpt_path`: no file at"),
+        "corrupt": ([f"ckpt_path={work / 'corrupt.ckpt'}"], "is not a readable checkpoint"),
+        "foreign": ([f"ckpt_path={work / 'foreign.ckpt'}"], "is a checkpoint of lightning_modules.discriminative.classifier"),
+        "max_epochs": (["trainer.max_epochs=-5"], "`trainer.max_epochs`: got -5"),
+        "limit_train_batches": (["trainer.limit_train_batches=-1"], "`trainer.limit_train_batches`: got -1"),
+        "precision": (["trainer.precision=bf17"], "`trainer.precision`: got 'bf17'"),
+        "data_doctor": (["dataset=nifti", f"dataset.root={scans}", "dataset.image_modalities=[ct]"], "the data check found 1 problem(s)"),
+    }
+
+
 @pytest.mark.parametrize(
-    ("override", "key"),
-    [
-        ("trainer.max_epochs=-5", "`trainer.max_epochs`: got -5"),
-        # Each command costs a Python start-up; the rule is the same, so these two run with `make test-slow`.
-        pytest.param("trainer.limit_train_batches=-1", "`trainer.limit_train_batches`: got -1", marks=pytest.mark.slow),
-        pytest.param("trainer.precision=bf17", "`trainer.precision`: got 'bf17'", marks=pytest.mark.slow),
-    ],
+    "name",
+    # Each command costs a Python start-up; one runs in the fast suite, the others with `make test-slow`
+    # (test_each_refusal_is_found_before_anything_is_built_or_printed checks all of them in-process).
+    ["max_epochs", *(pytest.param(n, marks=pytest.mark.slow)
+                     for n in ("missing", "corrupt", "foreign", "limit_train_batches", "precision", "data_doctor"))],
 )
-def test_values_only_lightning_checks_end_in_one_line_and_leave_no_run_directory(tmp_path, override, key):
-    done = _cli([*FAST, override], tmp_path)
-    _one_error_line(done, key)
+def test_a_refused_command_prints_its_error_alone_and_leaves_no_run_directory(tmp_path, name):
+    work = tmp_path / "work"
+    work.mkdir()
+    overrides, expected = _refused_commands(work)[name]
+    done = _cli([*FAST, *overrides], tmp_path)
+    _one_error_line(done, expected)
+    # The error line and at most one hint line: no config print, no progress, no library chatter.
+    assert len((done.stdout + done.stderr).splitlines()) <= 2, done.stdout + done.stderr
     assert not (tmp_path / "outputs" / "train" / "runs").exists() or not any((tmp_path / "outputs" / "train" / "runs").iterdir())
+
+
+@pytest.mark.parametrize("name", ["missing", "corrupt", "foreign", "max_epochs", "limit_train_batches", "precision", "data_doctor"])
+def test_each_refusal_is_found_before_anything_is_built_or_printed(tmp_path, monkeypatch, capsys, caplog, name):
+    overrides, expected = _refused_commands(tmp_path)[name]
+    cfg = compose_cfg(tmp_path / "run", ["hardware=cpu", *overrides, "print_config=true"], tiny=False)
+    built: list[str] = []
+    original = training.build
+
+    def spy(node, **kwargs):
+        built.append(str(node.get("_target_")))
+        return original(node, **kwargs)
+
+    monkeypatch.setattr(training, "build", spy)
+    caplog.set_level("INFO")
+    with pytest.raises(MedvolError, match=re.escape(expected)):
+        training.run(cfg)
+    out, err = capsys.readouterr()
+    assert out == err == "" and not [r for r in caplog.records if r.levelno < logging.WARNING], caplog.records
+    # The checkpoint is judged by its model class before the datamodule or the model is built; the data
+    # check needs the datamodule, never the model.
+    assert built == ([str(cfg.dataset._target_)] if name == "data_doctor" else [])
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
 
 
 def _earlier_run(tmp_path: Path) -> Path:

@@ -6,6 +6,7 @@ imported (a misspelt class path, a package that is not installed) becomes one.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import hydra
@@ -41,3 +42,27 @@ def build(node: Any, **kwargs: Any) -> Any:
         if missing is not None:
             raise MedvolError(f"`_target_: {target}` needs a package that is not installed ({missing})") from None
         raise
+
+
+def target_class(target: str) -> Any:
+    """The class (or function) a `_target_` path names, imported without building anything.
+
+    Raises the `MedvolError` that `build` would give for a path that cannot be imported.
+    """
+    parts = str(target).split(".")
+    for cut in range(len(parts), 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            found: Any = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name is not None and (module_name == err.name or module_name.startswith(err.name + ".")):
+                continue  # this prefix is no module: the rest of the path is attributes
+            raise MedvolError(f"`_target_: {target}` needs a package that is not installed ({err})") from None
+        for attribute in parts[cut:]:
+            if not hasattr(found, attribute):
+                break
+            found = getattr(found, attribute)
+        else:
+            return found
+        break
+    raise MedvolError(f"`_target_: {target}`: no such class or function; check the spelling of the class path")

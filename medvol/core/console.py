@@ -9,11 +9,12 @@ lines, library warnings from site-packages) that `train.log` still records.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-import rich.syntax
-import rich.tree
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
+from rich.text import Text
 
 LIBRARY_LOGGERS = ("pytorch_lightning", "lightning_fabric", "lightning", "lightning.pytorch", "lightning.fabric")
 QUIET_ON_CONSOLE = (
@@ -50,16 +51,63 @@ def quiet_console() -> None:
             handler.addFilter(ConsoleFilter())
 
 
+def flow_item(key: str, value: Any) -> str:
+    """`key: value` as an entry of a flow-style YAML mapping: `downsample: [4, 4, 4]`, `filename: 'epoch{epoch:03d}'`."""
+    return yaml.safe_dump({key: value}, default_flow_style=True, width=float("inf"), sort_keys=False).strip()[1:-1]
+
+
+def _pack(items: list[str], width: int, indent: str = "") -> list[str]:
+    """`items` joined by `, ` into lines of at most `width` characters; an item is never split."""
+    lines: list[str] = []
+    for i, item in enumerate(items):
+        text = item + ("," if i < len(items) - 1 else "")
+        if lines and len(lines[-1]) + 1 + len(text) <= width:
+            lines[-1] += " " + text
+        else:
+            lines.append((indent if lines else "") + text)
+    return lines
+
+
+def _block(mapping: dict[str, Any], width: int) -> list[str]:
+    """A mapping's scalars and lists packed into lines, then each nested mapping from a line of its own."""
+    lines = _pack([flow_item(k, v) for k, v in mapping.items() if not isinstance(v, dict)], width)
+    for key, value in mapping.items():
+        if isinstance(value, dict):
+            inner = [flow_item(k, v) for k, v in value.items()] or [""]
+            inner[0] = f"{key}: {{{inner[0]}"
+            inner[-1] += "}"
+            if lines:
+                lines[-1] += ","
+            lines += _pack(inner, width, indent="  ")
+    return lines or [""]
+
+
+def config_blocks(cfg: DictConfig, width: int) -> list[tuple[str, list[str]]]:
+    """(name, lines) per top-level group, resolved; the top-level values come first, under `config`.
+
+    Each block is the body of a flow-style YAML mapping (`optimizer: {_target_: torch.optim.Adam, ...}`),
+    so `{` + its lines + `}` reads back as the group's resolved config.
+    """
+    container = {
+        str(k): OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+        for k in cfg if k != "hydra"
+    }
+    roots = {k: v for k, v in container.items() if not isinstance(v, dict)}
+    groups = [(k, _block(v, width)) for k, v in container.items() if isinstance(v, dict)]
+    return [("config", _block(roots, width))] + groups if roots else groups
+
+
 def print_config_tree(cfg: DictConfig, console: Console | None = None) -> None:
-    """The composed config as a tree of groups (model, dataset, trainer, ...), each as YAML."""
-    tree = rich.tree.Tree("config", guide_style="dim")
-    widest = 0
-    for key, value in cfg.items():
-        if key == "hydra":
-            continue
-        branch = tree.add(str(key), style="bold")
-        text = (OmegaConf.to_yaml(value, resolve=True) if OmegaConf.is_config(value) else str(value)).rstrip()
-        widest = max([widest, *(len(line) for line in text.splitlines())])
-        branch.add(rich.syntax.Syntax(text, "yaml", theme="ansi_dark", background_color="default"))
-    # Wide enough for the longest line (plus the tree's indent): Rich would crop paths to the terminal width.
-    (console or Console(width=max(Console().width, widest + 12))).print(tree)
+    """The composed config, resolved, one block per top-level group (model, dataset, trainer, ...).
+
+    The group's name stands in the left column, its values in flow-style YAML on the right, wrapped
+    to the console's width (a longer value keeps its line rather than being cut).
+    """
+    console = console or Console()
+    groups = [str(k) for k in cfg if k != "hydra" and OmegaConf.is_dict(cfg[k])]
+    label_width = 2 + max(len(name) for name in ["config", *groups])
+    for name, lines in config_blocks(cfg, max(40, console.width - label_width)):
+        for i, line in enumerate(lines):
+            text = Text(f"{name if i == 0 else '':<{label_width}}", style="bold" if i == 0 else "")
+            text.append(line)
+            console.print(text, soft_wrap=True, highlight=False)

@@ -1,25 +1,31 @@
-"""Checks a `ckpt_path` before any work starts, so a bad one costs one clear line, not a crash mid-setup."""
+"""Checks a `ckpt_path` before any work starts, so a bad one costs one clear line, not a crash mid-setup.
+
+Two steps: `check_checkpoint_family` reads the file and the model class it was saved from, and
+needs only the config's `model._target_` (it runs with the other config checks, before anything is
+built or printed); `check_checkpoint_shapes` compares its weights with the built model.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from lightning_modules.base import MODEL_KEY, class_path
+from medvol.core.build import target_class
 from medvol.core.errors import MedvolError
 
+EXPECTED = "a .ckpt file written by medvol, e.g. <run>/checkpoints/last.ckpt"
 
-def check_checkpoint(ckpt_path: str | None, module: torch.nn.Module) -> None:
-    """Raise `MedvolError` unless `ckpt_path` is a readable Lightning checkpoint of `module`'s family and shapes."""
-    if not ckpt_path:
-        return
+
+def read_checkpoint(ckpt_path: str) -> tuple[Path, dict[str, Any]]:
+    """(path, checkpoint) of a readable Lightning training checkpoint, else `MedvolError`."""
     path = Path(str(ckpt_path)).expanduser()
-    expected = "a .ckpt file written by medvol, e.g. <run>/checkpoints/last.ckpt"
     if not path.is_file():
-        raise MedvolError(f"`ckpt_path`: no file at {path}; expected {expected}")
+        raise MedvolError(f"`ckpt_path`: no file at {path}; expected {EXPECTED}")
     try:
-        # mmap avoids reading multi-GB checkpoints twice; files in the legacy format cannot be mapped.
+        # mmap reads the pickled structure only (tensors stay on disk); files in the legacy format cannot be mapped.
         try:
             checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
         except RuntimeError as err:
@@ -29,17 +35,23 @@ def check_checkpoint(ckpt_path: str | None, module: torch.nn.Module) -> None:
     except Exception as err:  # noqa: BLE001 - truncated zip, pickle error, ...: all mean an unreadable file
         reason = str(err).splitlines()[0][:100] if str(err) else ""
         raise MedvolError(
-            f"`ckpt_path`: {path} is not a readable checkpoint ({type(err).__name__}: {reason}); expected {expected}"
+            f"`ckpt_path`: {path} is not a readable checkpoint ({type(err).__name__}: {reason}); expected {EXPECTED}"
         ) from err
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "loops" not in checkpoint:
-        raise MedvolError(f"`ckpt_path`: {path} is not a Lightning training checkpoint (no state_dict/loops); expected {expected}")
+        raise MedvolError(f"`ckpt_path`: {path} is not a Lightning training checkpoint (no state_dict/loops); expected {EXPECTED}")
+    return path, checkpoint
+
+
+def _same_family(path: Path, checkpoint: dict[str, Any], wanted: str) -> None:
     saved = checkpoint.get(MODEL_KEY)
-    wanted = class_path(module)
     if saved != wanted:
         raise MedvolError(
             f"`ckpt_path`: {path} is a checkpoint of {saved or 'an unknown model'}, but the config builds {wanted}; "
             "choose the matching `model=` or another checkpoint"
         )
+
+
+def _same_shapes(path: Path, checkpoint: dict[str, Any], module: torch.nn.Module) -> None:
     own = module.state_dict()
     for key, value in checkpoint["state_dict"].items():
         if key in own and tuple(own[key].shape) != tuple(value.shape):
@@ -49,4 +61,25 @@ def check_checkpoint(ckpt_path: str | None, module: torch.nn.Module) -> None:
             )
     missing = sorted(set(own) - set(checkpoint["state_dict"]))
     if missing:
-        raise MedvolError(f"`ckpt_path`: {path} lacks weights the model needs (first: {missing[0]}); expected {expected}")
+        raise MedvolError(f"`ckpt_path`: {path} lacks weights the model needs (first: {missing[0]}); expected {EXPECTED}")
+
+
+def check_checkpoint_family(ckpt_path: str | None, model_target: str) -> None:
+    """Raise `MedvolError` unless `ckpt_path` (if given) is a readable checkpoint of the class `model_target` names."""
+    if ckpt_path:
+        cls = target_class(model_target)
+        _same_family(*read_checkpoint(ckpt_path), f"{cls.__module__}.{cls.__qualname__}")
+
+
+def check_checkpoint_shapes(ckpt_path: str | None, module: torch.nn.Module) -> None:
+    """Raise `MedvolError` unless every weight of `ckpt_path` (if given) fits `module` and none it needs is missing."""
+    if ckpt_path:
+        _same_shapes(*read_checkpoint(ckpt_path), module)
+
+
+def check_checkpoint(ckpt_path: str | None, module: torch.nn.Module) -> None:
+    """Both checks for a model already built: `ckpt_path` is a checkpoint of `module`'s class, with its shapes."""
+    if ckpt_path:
+        path, checkpoint = read_checkpoint(ckpt_path)
+        _same_family(path, checkpoint, class_path(module))
+        _same_shapes(path, checkpoint, module)

@@ -12,12 +12,13 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_modules.base import MedvolModule
 from medvol.core.atomic_checkpoint import checkpoint_io_plugins
 from medvol.core.build import build
+from medvol.core.console import print_config_tree
 from medvol.core.errors import MedvolError
 from medvol.core.process_group import release_at_exit, run_started
 from medvol.core.sync_batchnorm import layer_sync_plugins
 from medvol.run.batch_arithmetic import BatchArithmetic, scale_learning_rates
 from medvol.run.cascade import run_cascade
-from medvol.run.checkpoint_check import check_checkpoint
+from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes
 from medvol.run.launch import local_ranks
 from medvol.run.run_check import check_run, check_trainer
 from medvol.run.world import (
@@ -64,12 +65,13 @@ def trainer_settings(cfg: DictConfig, module: MedvolModule) -> dict[str, Any]:
 
 
 def check_config(cfg: DictConfig) -> World:
-    """Every check that needs no data or model: bad values stop here, before anything is written."""
+    """Every check that needs no data or model built: bad values and checkpoints stop here, before anything is written."""
     world = plan_world(cfg.trainer)
     check_trainer(OmegaConf.to_container(cfg.trainer, resolve=True), world.accelerator)
     check_run(cfg)
     check_strategy(cfg.get("strategy"), world)
     check_launch(world)
+    check_checkpoint_family(cfg.get("ckpt_path"), str(cfg.model._target_))
     return world
 
 
@@ -98,17 +100,15 @@ def run(cfg: DictConfig) -> dict[str, float]:
 
 
 def _run(cfg: DictConfig, world: World) -> dict[str, float]:
+    # Everything is built and checked before the first line is printed: a refused command prints only its error.
     if cfg.get("seed") is not None:
-        pl.seed_everything(int(cfg.seed), workers=True, verbose=global_rank() == 0)
-
-    log.info("Building datamodule <%s>", cfg.dataset._target_)
+        pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     datamodule: pl.LightningDataModule = build(cfg.dataset)
     if hasattr(datamodule, "preflight"):
         datamodule.preflight()
-    log.info("Building model <%s>", cfg.model._target_)
     model_cfg, lr_lines = scale_learning_rates(cfg.model, str(cfg.get("lr_scaling", "none")), world.size)
     module: MedvolModule = build(model_cfg)
-    check_checkpoint(cfg.get("ckpt_path"), module)
+    check_checkpoint_shapes(cfg.get("ckpt_path"), module)
 
     callbacks = instantiate_group(cfg.get("callbacks"), "callbacks")
     loggers = instantiate_group(cfg.get("logger"), "logger")
@@ -116,6 +116,13 @@ def _run(cfg: DictConfig, world: World) -> dict[str, float]:
     settings.pop("_target_", None)
     strategy = build_strategy(cfg.get("strategy"), world, manual_optimization=not module.automatic_optimization)
     plugins = [*layer_sync_plugins(settings, world.accelerator, world.size), *checkpoint_io_plugins(strategy)]
+
+    if global_rank() == 0:
+        if cfg.get("print_config", True):
+            print_config_tree(cfg)
+        if cfg.get("seed") is not None:
+            log.info("Seed set to %d", int(cfg.seed))
+        log.info("Datamodule <%s>, model <%s>", cfg.dataset._target_, cfg.model._target_)
     trainer = pl.Trainer(
         **settings, callbacks=callbacks, logger=loggers or False, strategy=strategy, plugins=plugins or None
     )
