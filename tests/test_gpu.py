@@ -95,7 +95,7 @@ def test_manual_optimization_clips_after_unscaling(tiny_cfg, tmp_path):
 
 
 def test_gpu_transforms_deliver_batches_already_on_the_device(tiny_cfg, tmp_path):
-    cfg = tiny_cfg(*ON_GPU, "+dataset.gpu_transforms=true")
+    cfg = tiny_cfg(*ON_GPU, "dataset.gpu_transforms=true")
     datamodule = build(cfg.dataset)
     datamodule.setup("fit")
     batch = next(iter(datamodule.train_dataloader()))

@@ -153,10 +153,26 @@ class VolumeDataModule(pl.LightningDataModule):
         return default_workers(devices)
 
     def device(self) -> torch.device:
-        """Where `gpu_transforms` sends items: the Trainer's device."""
+        """Where `gpu_transforms` sends items: the Trainer's device; outside a Trainer the current GPU, else the CPU.
+
+        A CUDA device always carries its index (`cuda:0`, never `cuda`), so it compares equal to a tensor's device.
+        """
         if self.trainer is not None:
-            return self.trainer.strategy.root_device
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            device = torch.device(self.trainer.strategy.root_device)
+        else:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
+
+    def device_transforms(self) -> list[Any]:
+        """With `gpu_transforms`, the step that moves an item's volumes to `device()` (empty otherwise).
+
+        Datasets run it right after the deterministic (cached) transforms, so the random ones run on the device.
+        """
+        if not self.gpu_transforms:
+            return []
+        return [ToDeviced(list(DEVICE_KEYS), device=self.device(), allow_missing_keys=True)]
 
     def cached_dataset(
         self, records: list[Record], deterministic: list[Any], random: list[Any], stage: str, fingerprint: str = ""
@@ -170,9 +186,7 @@ class VolumeDataModule(pl.LightningDataModule):
             stage: train, val or test.
             fingerprint: identifies the transform settings; names the disk-cache subfolder.
         """
-        post = list(random)
-        if self.gpu_transforms:
-            post = [ToDeviced(list(DEVICE_KEYS), device=self.device(), allow_missing_keys=True), *post]
+        post = [*self.device_transforms(), *random]
         cache_dir = self.cache_dir / (fingerprint or "default") / stage if self.cache_dir else None
         _, rank = self._world()
         dataset = cached_dataset(

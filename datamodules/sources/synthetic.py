@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from monai.data import Dataset as TransformDataset
+from monai.transforms import Compose
 from torch.utils.data import Dataset
 
 from datamodules.pipeline.volume_datamodule import Record, VolumeDataModule
@@ -175,8 +177,11 @@ class SyntheticDataModule(VolumeDataModule):
         return [{"subject": f"phantom-{self.seed}-{i:04d}", "index": i} for i in range(self.num_subjects)]
 
     def build_dataset(self, records: list[Record], stage: str) -> Dataset:
-        return SyntheticPhantomDataset(
+        phantoms = SyntheticPhantomDataset(
             records, self.size, self.image_modalities, self.cond_modalities, self.seed, self.spacing, self.ct_window,
             self.views, self.xray_size, self.mu_water,
             self.mr_scale,
         )
+        # Phantoms have no random transforms; `gpu_transforms` still delivers them on the training device.
+        moves = self.device_transforms()
+        return TransformDataset(phantoms, Compose(moves)) if moves else phantoms
