@@ -21,6 +21,8 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+from medvol.core.step import epoch_end_step
+
 log = logging.getLogger("medvol")
 
 
@@ -53,7 +55,8 @@ def batch_size(batch: Any) -> int:
 
 
 class Telemetry(pl.Callback):
-    """Logs `telemetry/*` once per training epoch and warns when the data or the GPU memory is the limit.
+    """Logs `telemetry/*` once per training epoch, at the step of its last batch (the run's one step axis,
+    `medvol.core.step`, like `train/*_epoch`), and warns when the data or the GPU memory is the limit.
 
     Figures (TensorBoard and `summary.json`): `samples_per_second` (all ranks), `step_time_ms`,
     `data_wait_fraction`, `gpu_max_memory_mb` and `gpu_memory_fraction` of the card (CUDA only),
@@ -140,7 +143,7 @@ class Telemetry(pl.Callback):
         if trainer.is_global_zero and self.epoch.steps:
             figures = self.figures(self.epoch, pl_module)
             for logger in trainer.loggers:
-                logger.log_metrics({f"telemetry/{k}": v for k, v in figures.items()}, step=trainer.global_step)
+                logger.log_metrics({f"telemetry/{k}": v for k, v in figures.items()}, step=epoch_end_step(trainer))
         if trainer.current_epoch > 0:
             self._warn(trainer, pl_module, self.judged)
 

@@ -16,3 +16,9 @@ import pytorch_lightning as pl
 def logging_step(trainer: pl.Trainer) -> int:
     """The step at which Lightning logs scalars right now."""
     return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def epoch_end_step(trainer: pl.Trainer) -> int:
+    """In `on_train_epoch_end`: the step of the epoch's last training batch, where Lightning puts the epoch's
+    `*_epoch` values and its validation (the counter has already moved past that batch)."""
+    return max(0, logging_step(trainer) - 1)
