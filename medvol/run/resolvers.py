@@ -101,6 +101,23 @@ def batch_per_device(total: int, devices: int, nodes: int = 1) -> int:
     return int(total) // ranks
 
 
+def label_regions(names: list[str] | None) -> dict[str, list[int]] | None:
+    """`dataset.label_regions` (BraTS region names, e.g. [WT, TC, ET]) as the model's `regions`: name -> label values.
+
+    The dataset delivers one binary channel per region, in this order; the segmentation model's
+    `regions` follows it, so the two cannot disagree (see docs/segmentation.md).
+    """
+    from datamodules.sources.brats import REGIONS
+    from medvol.core.errors import MedvolError
+
+    if not names:
+        return None
+    unknown = [str(n) for n in names if str(n) not in REGIONS]
+    if unknown:
+        raise MedvolError(f"`dataset.label_regions`: unknown region {unknown[0]!r}; expected some of {list(REGIONS)}")
+    return {str(name): list(REGIONS[str(name)]) for name in names}
+
+
 def register_resolvers() -> None:
     """Register medvol's resolvers once; safe to call repeatedly."""
     for name, fn in {
@@ -113,6 +130,7 @@ def register_resolvers() -> None:
         "len": len,
         "synthetic_modalities": synthetic_modalities,
         "batch_per_device": batch_per_device,
+        "label_regions": label_regions,
     }.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from medvol.core.build import build
 from medvol.core.errors import MedvolError
+from medvol.run.resolvers import label_regions
 
 PRECISIONS = ("64-true", "32-true", "16-true", "16-mixed", "bf16-true", "bf16-mixed", "64", "32", "16", "bf16")
 _BATCH_LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches", "overfit_batches")
@@ -125,6 +126,29 @@ def check_run(cfg: DictConfig) -> None:
             factory([torch.nn.Parameter(torch.zeros(1))])
         except (ValueError, TypeError) as err:
             raise MedvolError(f"`model.optimizer`: {err}; check its values ({_values(optimizer)})") from None
+
+
+def check_label_regions(cfg: DictConfig) -> None:
+    """Raise `MedvolError` when a model's `regions` differ from the region channels `dataset.label_regions` delivers.
+
+    `model.regions` follows `dataset.label_regions` unless set by hand; set to other regions (or to
+    null, classes), the model would read the dataset's channels as something they are not.
+    """
+    names = cfg.dataset.get("label_regions") if cfg.get("dataset") is not None else None
+    if not names or cfg.get("model") is None or "regions" not in cfg.model:
+        return
+    names = [str(n) for n in names]
+    wanted = label_regions(names)
+    assert wanted is not None
+    given = cfg.model.regions
+    given = OmegaConf.to_container(given, resolve=True) if OmegaConf.is_config(given) else given
+    if not isinstance(given, dict) or {k: sorted(int(v) for v in values) for k, values in given.items()} != wanted \
+            or list(given) != list(wanted):
+        shown = "null (classes)" if given is None else str(given)
+        raise MedvolError(
+            f"`model.regions` is {shown}, but `dataset.label_regions=[{','.join(names)}]` gives one label channel per "
+            f"region, {wanted}; leave `model.regions` out (it follows `dataset.label_regions`) or make the two agree"
+        )
 
 
 def _values(node: DictConfig) -> str:

@@ -20,7 +20,7 @@ from medvol.run.batch_arithmetic import BatchArithmetic, scale_learning_rates
 from medvol.run.cascade import run_cascade
 from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes
 from medvol.run.launch import local_ranks
-from medvol.run.run_check import check_run, check_trainer
+from medvol.run.run_check import check_label_regions, check_run, check_trainer
 from medvol.run.world import (
     World,
     build_strategy,
@@ -69,6 +69,7 @@ def check_config(cfg: DictConfig) -> World:
     world = plan_world(cfg.trainer)
     check_trainer(OmegaConf.to_container(cfg.trainer, resolve=True), world.accelerator)
     check_run(cfg)
+    check_label_regions(cfg)
     check_strategy(cfg.get("strategy"), world)
     check_launch(world)
     check_checkpoint_family(cfg.get("ckpt_path"), str(cfg.model._target_))
