@@ -248,7 +248,6 @@ def test_bad_input_is_refused_with_the_key_named(trained_run, tmp_path):
     torch.save({"state_dict": {}, "loops": {}}, foreign)
     cases = [
         ([ckpt, f"input={scans}", f"output_dir={scans / 'out'}"], "`output_dir`"),
-        ([ckpt, f"input={scans / 'case00' / 'image.nii.gz'}", f"output_dir={scans / 'case00'}"], "`output_dir`"),
         ([ckpt, f"input={two_channels / 'case00' / 'image.nii.gz'}", f"output_dir={tmp_path / 'o1'}"], "has 2 channels"),
         ([f"ckpt_path={foreign}", f"input={scans}", f"output_dir={tmp_path / 'o2'}"], "an unknown model"),
         ([f"ckpt_path={tmp_path / 'none.ckpt'}", f"input={scans}", f"output_dir={tmp_path / 'o3'}"], "`ckpt_path`: no file"),
@@ -258,3 +257,26 @@ def test_bad_input_is_refused_with_the_key_named(trained_run, tmp_path):
         with pytest.raises(MedvolError, match=message.replace("`", ".")):
             predict(predict_cfg(*overrides))
     assert not (scans / "out").exists()
+
+
+def test_a_file_input_may_write_beside_itself_but_never_onto_an_input(trained_run, tmp_path):
+    ckpt = f"ckpt_path={trained_run}/checkpoints/last.ckpt"
+    scan = write_lps_scans(tmp_path / "scans", 1) / "case00" / "image.nii.gz"
+    before = scan.read_bytes()
+    # A folder inside the file's own folder, and that folder itself: no output is named like an input.
+    for out in (scan.parent / "pred", scan.parent):
+        predict(predict_cfg(ckpt, f"input={scan}", f"output_dir={out}"))
+        assert (out / "image_reconstruction.nii.gz").is_file()
+    assert scan.read_bytes() == before
+
+    # An input that is (a link to) the very file an output would be: refused before anything is written.
+    out = tmp_path / "out"
+    out.mkdir()
+    target = out / "image_reconstruction.nii.gz"
+    target.write_bytes(before)
+    link = tmp_path / "links" / "image.nii.gz"
+    link.parent.mkdir()
+    link.symlink_to(target)
+    with pytest.raises(MedvolError, match=r"`output_dir`: the output .*image_reconstruction.nii.gz would replace the input file"):
+        predict(predict_cfg(ckpt, f"input={link}", f"output_dir={out}"))
+    assert target.read_bytes() == before and sorted(p.name for p in out.iterdir()) == [target.name]

@@ -124,7 +124,8 @@ def input_files(path: Path) -> list[Path]:
 
 
 def check_output_dir(output_dir: Path, input_folders: list[Path]) -> None:
-    """Refuse an output folder inside an input folder: predictions must never land among (or on) the inputs."""
+    """Refuse an output folder inside an input folder (`input=DIR`, a dataset's root): predictions must never
+    land among (or on) the inputs. A file input is guarded file by file instead (`PredictionWriter(protected=...)`)."""
     out = output_dir.expanduser().resolve()
     for folder in input_folders:
         folder = folder.expanduser().resolve()
@@ -241,13 +242,15 @@ def predict(cfg: DictConfig) -> dict[str, float]:
     output_dir = Path(str(cfg.output_dir)).expanduser()
     device = pick_device(str(cfg.device))
     module = load_module(run, str(cfg.ckpt_path), device)
+    inputs: list[Path] = []
     with tempfile.TemporaryDirectory() as scratch:
         if cfg.input is not None:
             source = Path(str(cfg.input)).expanduser()
-            if source.exists():
-                check_output_dir(output_dir, [source if source.is_dir() else source.parent])
-            files = input_files(source)
-            dataset, _ = file_dataset(files, run, override, Path(scratch) / "inputs.csv")
+            if source.is_dir():
+                check_output_dir(output_dir, [source])
+            # A file's outputs may go next to it (`<subject>_<name>.nii.gz`); the writer refuses to replace an input.
+            inputs = input_files(source)
+            dataset, _ = file_dataset(inputs, run, override, Path(scratch) / "inputs.csv")
         else:
             split = str(cfg.split) if cfg.split is not None else None
             dataset, resolved = dataset_subjects(run, override, split, bool(cfg.keep_crop))
@@ -259,7 +262,7 @@ def predict(cfg: DictConfig) -> dict[str, float]:
             roi, overlap=overlap, mode=str(cfg.mode),
             batch_size=int(cfg.sw_batch_size), device=device,
         )
-        writer = PredictionWriter(output_dir)
+        writer = PredictionWriter(output_dir, protected=inputs)
         extras = ["codes"] if cfg.codes else []
         count = 0
         with Progress(

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from medvol.core.errors import MedvolError
 from medvol.volumes.intensity import INTENSITY_RANGE_KEY, intensity_keys, scale_from_range
 from medvol.volumes.nifti_io import save_volume
 from medvol.volumes.source_grid import to_source_grid
@@ -69,11 +70,16 @@ class PredictionWriter:
     Args:
         output_dir: folder for the files.
         skip: names of `volumes` entries not to write (the input and label are already on disk).
+        protected: input files no output may replace (`predict.py`'s inputs): a batch that would write onto one
+            is refused before any of its files is written.
     """
 
-    def __init__(self, output_dir: str | Path, skip: Iterable[str] = ("input", "label")) -> None:
+    def __init__(
+        self, output_dir: str | Path, skip: Iterable[str] = ("input", "label"), protected: Iterable[str | Path] = ()
+    ) -> None:
         self.output_dir = Path(output_dir)
         self.skip = set(skip)
+        self.protected = {Path(p).expanduser().resolve() for p in protected}
         self.rows: list[dict[str, Any]] = []
         self.prediction_rows: list[dict[str, Any]] = []
 
@@ -82,6 +88,13 @@ class PredictionWriter:
         subjects = batch.get("subject")
         if subjects is None:
             return []
+        stems = [str(s).replace("/", "_") for s in subjects]
+        planned = [(self.output_dir / f"{stem}_{name}.npy", array[i])
+                   for name, array in (outputs.get("arrays") or {}).items() for i, stem in enumerate(stems)]
+        volumes = self._volumes(outputs, batch, [str(s) for s in subjects]) \
+            if "volumes" in outputs and batch.get("affine") is not None else []
+        for path in [p for p, _ in planned] + [p for p, *_ in volumes]:
+            self._refuse_replacing_an_input(path)
         self.prediction_rows.extend(outputs.get("rows") or [])
         metrics = outputs.get("subject_metrics") or {}
         if metrics:
@@ -89,26 +102,29 @@ class PredictionWriter:
                 {"subject": str(subject), **{name: float(values[i]) for name, values in metrics.items()}}
                 for i, subject in enumerate(subjects)
             )
-        stems = [str(s).replace("/", "_") for s in subjects]
-        written = [self._write_array(array[i], f"{stem}_{name}") for name, array in (outputs.get("arrays") or {}).items()
-                   for i, stem in enumerate(stems)]
-        if "volumes" in outputs and batch.get("affine") is not None:
-            written += self._write_volumes(outputs, batch, [str(s) for s in subjects])
-        return written
+        written = [self._write_array(array, path) for path, array in planned]
+        return written + [save_volume(volume, path, affine, header=header) for path, volume, affine, header in volumes]
 
-    def _write_array(self, array: torch.Tensor, stem: str) -> Path:
-        path = self.output_dir / f"{stem}.npy"
+    def _refuse_replacing_an_input(self, path: Path) -> None:
+        if path.expanduser().resolve() in self.protected:
+            raise MedvolError(
+                f"`output_dir`: the output {path} would replace the input file {path.resolve()}; choose another `output_dir`"
+            )
+
+    @staticmethod
+    def _write_array(array: torch.Tensor, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         np.save(path, array.detach().cpu().numpy())
         return path
 
-    def _write_volumes(self, outputs: Mapping[str, Any], batch: Mapping[str, Any], subjects: list[str]) -> list[Path]:
+    def _volumes(self, outputs: Mapping[str, Any], batch: Mapping[str, Any], subjects: list[str]) -> list[tuple[Path, Any, Any, Any]]:
+        """(path, volume, affine, header) of every volume to write, on the source grid and in source units."""
         affines, origins = batch["affine"], batch.get("patch_origin")
         on_source = origins is None and all(batch.get(k) is not None for k in SOURCE_KEYS)
         sources = batch.get("source_file")
         label_values = batch.get("label_values")
         units = outputs.get("units") or {}
-        written = []
+        planned = []
         for name, batch_volumes in outputs["volumes"].items():
             if name in self.skip:
                 continue
@@ -132,8 +148,8 @@ class PredictionWriter:
                     affine = batch["source_affine"][i]
                     source_file = sources[i] if sources is not None else ""
                     header = source_file if source_file and Path(source_file).is_file() else None
-                written.append(save_volume(volume, self.output_dir / f"{stem}_{name}.nii.gz", affine, header=header))
-        return written
+                planned.append((self.output_dir / f"{stem}_{name}.nii.gz", volume, affine, header))
+        return planned
 
     def write_metrics(self, rows: list[dict[str, Any]] | None = None) -> Path | None:
         """Write `rows` (default: the collected ones) to `<output_dir>/metrics.csv`, sorted by subject."""
@@ -150,6 +166,7 @@ class PredictionWriter:
         columns = list(dict.fromkeys(key for row in rows for key in row))
         self.output_dir.mkdir(parents=True, exist_ok=True)
         path = self.output_dir / name
+        self._refuse_replacing_an_input(path)
         with path.open("w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=columns)
             writer.writeheader()
