@@ -106,6 +106,8 @@ class RunSummary(pl.Callback):
             "run_dir": str(self.output_dir),
             "best_checkpoint": getattr(checkpoint, "best_model_path", None) or None,
             "best_score": float(checkpoint.best_model_score) if getattr(checkpoint, "best_model_score", None) is not None else None,
+            # The metric the best checkpoint was chosen by: `optimized_metric`, or its fallback where that was undefined.
+            "best_by": getattr(checkpoint, "monitor", None),
             "last_checkpoint": getattr(checkpoint, "last_model_path", None) or None,
             "tensorboard": tensorboard,
             "optimized_metric": self.optimized_metric,

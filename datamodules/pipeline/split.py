@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 
 from medvol.core.errors import MedvolError
@@ -13,10 +14,15 @@ from medvol.core.errors import MedvolError
 STAGES = ("train", "val", "test")
 
 
-def make_split(subjects: Sequence[str], val_fraction: float, test_fraction: float, seed: int) -> dict[str, list[str]]:
+def make_split(
+    subjects: Sequence[str], val_fraction: float, test_fraction: float, seed: int, strata: Sequence[Hashable] | None = None,
+) -> dict[str, list[str]]:
     """Shuffle unique subject ids with `seed` and cut them into train/val/test.
 
-    Every non-zero fraction gets at least one subject, as long as train keeps one.
+    Every non-zero fraction gets at least one subject, as long as train keeps one. With `strata`
+    (one value per subject, e.g. its class), every split takes each stratum's share of its
+    subjects, to within one: the shuffled subjects are ordered by how far into their own stratum
+    they come, then cut (systematic sampling), so a small validation set still holds every class.
     """
     for name, value in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
         if not 0.0 <= value < 1.0:
@@ -30,6 +36,15 @@ def make_split(subjects: Sequence[str], val_fraction: float, test_fraction: floa
         raise MedvolError("subject ids must be unique; the dataset lists some subjects twice")
     order = unique[:]
     random.Random(seed).shuffle(order)
+    if strata is not None:
+        stratum = dict(zip(subjects, strata, strict=True))
+        sizes = Counter(stratum.values())
+        seen: Counter[Hashable] = Counter()
+        depth = {}
+        for subject in order:
+            depth[subject] = (seen[stratum[subject]] + 0.5) / sizes[stratum[subject]]
+            seen[stratum[subject]] += 1
+        order.sort(key=depth.__getitem__)  # stable: ties keep the shuffled order
     n = len(order)
 
     def count(fraction: float) -> int:

@@ -58,6 +58,7 @@ class VolumeDataModule(pl.LightningDataModule):
         val_fraction: share of subjects held out for validation.
         test_fraction: share of subjects held out for testing.
         split_seed: seed of the subject split.
+        stratify_by: a record key (e.g. `class_label`) whose values keep their share in every split; null: none.
         split_file: where the split is recorded; an existing file is reused, never rewritten.
         max_subjects: use only the first N subjects (quick runs).
         shuffle_seed: seed of the training order.
@@ -80,6 +81,7 @@ class VolumeDataModule(pl.LightningDataModule):
         test_fraction: float = 0.1,
         split_seed: int = 0,
         split_file: str | None = None,
+        stratify_by: str | None = None,
         max_subjects: int | None = None,
         shuffle_seed: int | None = 0,
         cache: str = "none",
@@ -114,6 +116,7 @@ class VolumeDataModule(pl.LightningDataModule):
         self.test_fraction = test_fraction
         self.split_seed = split_seed
         self.split_file = Path(split_file) if split_file else None
+        self.stratify_by = stratify_by
         self.max_subjects = max_subjects
         self.shuffle_seed = shuffle_seed or 0
         self.split: dict[str, list[str]] | None = None
@@ -215,7 +218,7 @@ class VolumeDataModule(pl.LightningDataModule):
         if self.split_file is not None and self.split_file.is_file():
             self.split = load_split(self.split_file, ids)
         else:
-            self.split = make_split(ids, self.val_fraction, self.test_fraction, self.split_seed)
+            self.split = make_split(ids, self.val_fraction, self.test_fraction, self.split_seed, self._strata(records))
             if self.split_file is not None and self._is_global_zero():
                 save_split(self.split_file, self.split, self.split_seed)
         by_id = {str(r["subject"]): r for r in records}
@@ -225,6 +228,17 @@ class VolumeDataModule(pl.LightningDataModule):
             if self.partitioned:
                 members = partition(sorted(members), world, rank)
             self.datasets[name] = self.build_dataset([by_id[s] for s in members], name)
+
+    def _strata(self, records: list[Record]) -> list[Any] | None:
+        if self.stratify_by is None:
+            return None
+        missing = [str(r["subject"]) for r in records if self.stratify_by not in r]
+        if missing:
+            raise MedvolError(
+                f"`dataset.stratify_by`: the subjects have no {self.stratify_by!r} (first: {missing[0]}); "
+                "name a value every subject has (e.g. class_label with `dataset.class_column`) or null"
+            )
+        return [r[self.stratify_by] for r in records]
 
     def _loader(self, dataset: Dataset, batch_size: int, sampler: Any) -> DataLoader:
         workers = self.workers()

@@ -14,7 +14,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
-from datamodules.sources.phantom import make_phantom, phantom_affine
+from datamodules.sources.phantom import lesion_class, make_phantom, phantom_affine
 
 BRATS_SUFFIXES = {
     2021: {"t1": "_t1", "t1ce": "_t1ce", "t2": "_t2", "flair": "_flair", "seg": "_seg"},
@@ -82,7 +82,7 @@ def write_mace_csv(root: Path, subjects: int, size: int | Sequence[int] = 32, se
         rows.append({
             "subject": f"patient-{i:03d}", "image": f"images/ct_{i:03d}.nii.gz", "time": f"{phantom.time:.2f}",
             "event": phantom.event, "age": int(rng.integers(40, 85)), "sex": int(rng.integers(0, 2)),
-            "label": int(phantom.lesion_fraction > 0.02),
+            "label": lesion_class(seed, i),
         })
     table = Path(root) / "mace.csv"
     with table.open("w", newline="") as handle:

@@ -12,12 +12,9 @@ from monai.transforms import Compose
 from torch.utils.data import Dataset
 
 from datamodules.pipeline.volume_datamodule import Record, VolumeDataModule
-from datamodules.sources.phantom import MODALITIES, make_phantom, phantom_affine
+from datamodules.sources.phantom import MODALITIES, lesion_class, make_phantom, phantom_affine
 from medvol.core.errors import MedvolError
 from medvol.volumes.projection import VIEW_AXES, radiographs, voxel_spacing
-
-# Lesion fraction above which a phantom is class 1 (the same cut as the example MACE table's `label`).
-LESION_CLASS_THRESHOLD = 0.02
 
 
 def _to_unit_range(
@@ -42,7 +39,8 @@ class SyntheticPhantomDataset(Dataset):
     Keys: `image` (C, D, H, W) in [-1, 1] from `image_modalities`; `cond` from
     `cond_modalities` when given (e.g. T1 -> T2 translation); `label` (1, D, H, W) int64
     (0 background, 1 lesion core, 2 oedema); `time` (months), `event` (0/1),
-    `lesion_fraction`, `class_label` (int64: 1 if lesions fill more than 2% of the brain), `subject`,
+    `lesion_fraction`, `class_label` (int64: 1 if the lesion load is above the generator's median,
+    `datamodules.sources.phantom.lesion_class`: about half the subjects), `subject`,
     `affine` (4x4, RAS mm); with `views`, `xray` (V, H, W): DRRs of the CT channel (within the HU
     window, so the windowed CT projects onto them exactly).
     """
@@ -89,7 +87,7 @@ class SyntheticPhantomDataset(Dataset):
             "time": torch.tensor(phantom.time, dtype=torch.float32),
             "event": torch.tensor(float(phantom.event), dtype=torch.float32),
             "lesion_fraction": torch.tensor(phantom.lesion_fraction, dtype=torch.float32),
-            "class_label": torch.tensor(int(phantom.lesion_fraction > LESION_CLASS_THRESHOLD)),
+            "class_label": torch.tensor(lesion_class(self.seed, record["index"])),
             "subject": record["subject"],
             "affine": torch.from_numpy(self.affine),
         }
@@ -174,7 +172,12 @@ class SyntheticDataModule(VolumeDataModule):
         self.mr_scale = None if mr_scale is None else float(mr_scale)
 
     def subjects(self) -> list[Record]:
-        return [{"subject": f"phantom-{self.seed}-{i:04d}", "index": i} for i in range(self.num_subjects)]
+        records: list[Record] = [{"subject": f"phantom-{self.seed}-{i:04d}", "index": i} for i in range(self.num_subjects)]
+        if self.stratify_by == "class_label":
+            # Costs one small phantom per subject, so only when the split asks for the classes.
+            for record in records:
+                record["class_label"] = lesion_class(self.seed, record["index"])
+        return records
 
     def build_dataset(self, records: list[Record], stage: str) -> Dataset:
         phantoms = SyntheticPhantomDataset(
