@@ -85,7 +85,7 @@ def test_console_order_and_train_log_of_a_real_command(tmp_path):
     (run_dir,) = (tmp_path / "outputs" / "train" / "runs").iterdir()
     assert f"run_dir          {run_dir}\n" in out
     log = (run_dir / "train.log").read_text()
-    assert "GPU available" in log and "`Trainer.fit` stopped" in log and "Building model" in log
+    assert "GPU available" in log and "`Trainer.fit` stopped" in log and "Datamodule <" in log
 
     quiet = _cli([*args, "trainer.fast_dev_run=true", "print_config=false"], tmp_path)
     assert quiet.returncode == 0 and "\npaths " not in quiet.stdout and "Datamodule <" in quiet.stdout + quiet.stderr
