@@ -196,7 +196,7 @@ MUTATIONS = [
     ),
     Mutation(
         "predict-whole-volume-window", "medvol/volumes/sliding_window.py",
-        "volume.cpu(), list(self.roi)", "volume.cpu(), list(volume.shape[2:])",
+        "stacked.to(self.output_device), list(self.roi)", "stacked.to(self.output_device), list(stacked.shape[2:])",
         ("tests/test_predict.py",),
         "predict.py runs the network on the whole volume, not on windows of the training size",
     ),

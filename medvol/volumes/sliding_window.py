@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from monai.inferers import sliding_window_inference
@@ -16,9 +17,16 @@ class SlidingWindow:
     """Runs a volume-to-volume network over a whole (B, C, D, H, W) volume window by window.
 
     Windows of `roi` voxels (the training patch or volume), `overlap` apart, go to `device` in
-    groups of `batch_size`; the blended whole-volume output is kept on the CPU, so only the
-    windows need to fit on the device. Volumes smaller than `roi` along an axis are padded and the
-    output is cropped back to the input's shape.
+    groups of `batch_size` and are blended (Gaussian weights by default); the whole-volume output
+    is kept on `output_device` (the CPU by default), so only the windows need to fit on the device.
+    Volumes smaller than `roi` along an axis are padded and the output is cropped back to the
+    input's shape. A window that is exactly the volume is the whole-volume call itself: nothing
+    to blend, so the output is the network's own, bit for bit.
+
+    The network may take more inputs than the volume: `volumes` (B, C', D, H, W) on the same grid
+    are cut to each window alongside it (a condition volume, coordinate channels), and
+    `per_sample` tensors (B, ...) give each window its own sample's row (a timestep, view tokens),
+    since a group of windows can mix samples.
 
     Args:
         roi: window size (D, H, W).
@@ -26,6 +34,7 @@ class SlidingWindow:
         mode: `gaussian` (window centres weigh most) or `constant` blending.
         batch_size: windows per network call.
         device: where the network runs.
+        output_device: where the whole volume is blended and returned.
     """
 
     roi: tuple[int, int, int]
@@ -33,22 +42,57 @@ class SlidingWindow:
     mode: str = "gaussian"
     batch_size: int = 4
     device: torch.device = torch.device("cpu")
+    output_device: torch.device = torch.device("cpu")
 
     def __post_init__(self) -> None:
         if self.mode not in BLEND_MODES:
             raise ValueError(f"`mode` must be one of {list(BLEND_MODES)}, got {self.mode!r}")
         if not 0.0 <= self.overlap < 1.0:
             raise ValueError(f"`overlap` must be in [0, 1), got {self.overlap}")
+        if len(self.roi) != 3 or min(self.roi) < 1:
+            raise ValueError(f"`roi` must be three positive sizes (D, H, W), got {self.roi}")
+        if self.batch_size < 1:
+            raise ValueError(f"`batch_size` must be >= 1, got {self.batch_size}")
 
     @classmethod
-    def of(cls, roi: Sequence[int], **kwargs: object) -> SlidingWindow:
+    def of(cls, roi: Sequence[int], **kwargs: Any) -> SlidingWindow:
         return cls(tuple(int(r) for r in roi), **kwargs)  # type: ignore[arg-type]
 
-    def __call__(self, network: Callable[[torch.Tensor], torch.Tensor], volume: torch.Tensor) -> torch.Tensor:
-        """`network` applied to `volume` (B, C, D, H, W) window by window; the output on the CPU."""
+    def __call__(
+        self,
+        network: Callable[..., torch.Tensor],
+        volume: torch.Tensor,
+        volumes: Mapping[str, torch.Tensor] | None = None,
+        per_sample: Mapping[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """`network(window, **volume_windows, **sample_rows)` over `volume` window by window, blended.
+
+        `volumes` are cast to `volume`'s dtype (they travel with it as extra channels).
+        """
+        volumes, per_sample = dict(volumes or {}), dict(per_sample or {})
+        for name, extra in volumes.items():
+            if extra.shape[0] != volume.shape[0] or extra.shape[2:] != volume.shape[2:]:
+                raise ValueError(
+                    f"`volumes[{name!r}]` has shape {tuple(extra.shape)}; expected {volume.shape[0]} samples on the "
+                    f"grid {tuple(volume.shape[2:])}"
+                )
+        if tuple(volume.shape[2:]) == self.roi:
+            whole = {name: extra.to(self.device, volume.dtype) for name, extra in volumes.items()}
+            rows = {name: values.to(self.device) for name, values in per_sample.items()}
+            return network(volume.to(self.device), **whole, **rows).to(self.output_device)
+        # The extra volumes ride along as channels, so MONAI pads and cuts them exactly as the volume.
+        channels = [volume.shape[1], *(extra.shape[1] for extra in volumes.values())]
+        stacked = torch.cat([volume, *(extra.to(volume) for extra in volumes.values())], dim=1)
+
+        def window_call(window: torch.Tensor, coordinates: Sequence[Sequence[slice]]) -> torch.Tensor:
+            own, *extras = window.split(channels, dim=1)
+            samples = torch.tensor([coordinate[0].start for coordinate in coordinates])
+            rows = {name: values[samples.to(values.device)].to(self.device) for name, values in per_sample.items()}
+            return network(own, **dict(zip(volumes, extras, strict=True)), **rows)
+
         output = sliding_window_inference(
-            volume.cpu(), list(self.roi), self.batch_size, network, overlap=self.overlap, mode=self.mode,
-            sw_device=self.device, device=torch.device("cpu"),
+            stacked.to(self.output_device), list(self.roi), self.batch_size, window_call, overlap=self.overlap,
+            mode=self.mode, sw_device=self.device, device=self.output_device, with_coord=True,
         )
         assert isinstance(output, torch.Tensor)
         return output
