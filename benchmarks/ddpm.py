@@ -62,7 +62,7 @@ def sampling(args: argparse.Namespace) -> None:
     for name, kwargs in (("Fast-DDPM, 10 DDIM steps", {"sampler": "ddim"}), ("DDPM, 1000 ancestral steps", {"sampler": "ddpm"})):
         module = build_module(args, **kwargs).eval()
         start = time.perf_counter()
-        module.sample(cond, x_T)
+        module.sample(x_T, module.conditioning(cond))
         rows.append(time.perf_counter() - start)
         passes = 1000 if kwargs["sampler"] == "ddpm" else len(module.sampling_timesteps)
         print(f"| {name} | {passes} | {rows[-1]:.1f} s |", flush=True)

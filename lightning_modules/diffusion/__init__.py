@@ -1,1 +1,2 @@
-"""Diffusion family: noise schedules, timestep sets, prediction algebra, samplers, EMA and the Fast-DDPM module."""
+"""The diffusion core every diffusion family derives from (`DiffusionModule`: schedule, timestep sets, prediction
+algebra, samplers, EMA, per-subject noise, the walk, windowed sampling) and Fast-DDPM's `ConditionalDiffusion`."""

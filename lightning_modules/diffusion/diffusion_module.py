@@ -1,0 +1,293 @@
+"""The diffusion core every diffusion family derives from (Fast-DDPM's `ConditionalDiffusion`, X-ray-to-CT's `XrayToCT`).
+
+`DiffusionModule` holds the forward process (fp32 schedule), the training and sampling timestep
+sets, the prediction target and its algebra, the sampler (DDIM over any set, DDPM ancestral),
+the weight EMA with its optimizer-step hook, per-subject sampling noise, the denoising walk and
+windowed sampling. A family adds its network (`attach_network`), says how the network is called
+(`network_output`) and what conditions it (a `Conditioning`), and writes its Lightning steps.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torchmetrics import Metric, MetricCollection
+from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
+
+from lightning_modules.base import MedvolModule
+from lightning_modules.diffusion.ema import EMA
+from lightning_modules.diffusion.prediction import (
+    check_prediction_type,
+    clip_x0,
+    to_x0_and_epsilon,
+    training_target,
+)
+from lightning_modules.diffusion.samplers import SAMPLERS, Denoise, NoiseLike, sample_ddim, sample_ddpm
+from lightning_modules.diffusion.schedule import NoiseSchedule
+from lightning_modules.diffusion.subject_noise import SubjectNoise
+from lightning_modules.diffusion.timesteps import antithetic_indices, timestep_set
+from medvol.core.errors import MedvolError
+from medvol.volumes.sliding_window import SlidingWindow
+
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """What a family's network sees besides x_t and the step, sorted by how a sampling window treats it.
+
+    Args:
+        volumes: (B, C, D, H, W) tensors on x_t's grid (a condition volume, coordinate channels):
+            cut to each window like x_t.
+        per_sample: (B, ...) tensors, one row per sample (radiographs, view tokens): each window
+            gets its own sample's row whole.
+    """
+
+    volumes: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    per_sample: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """Every input by name, for a call on the whole volume."""
+        return {**self.volumes, **self.per_sample}
+
+
+def sampling_window_size(value: int | Sequence[int] | None) -> tuple[int, int, int] | None:
+    """`model.sampling_window` as (D, H, W) (an int is a cube), or None for whole-volume sampling."""
+    if value is None:
+        return None
+    size = [int(value)] * 3 if isinstance(value, int) else [int(v) for v in value]
+    if len(size) != 3 or min(size) < 1:
+        raise MedvolError(
+            f"`model.sampling_window`: got {value!r}; expected null (sample the whole volume at once) or a window "
+            "size [D, H, W] of positive ints"
+        )
+    return (size[0], size[1], size[2])
+
+
+class DiffusionModule(MedvolModule, ABC):
+    """Base class of the diffusion families: everything but the network and its conditioning.
+
+    Training: `draw_timesteps` (from the training set, in antithetic pairs), `noise_like`,
+    `training_prediction` (noise x0 to x_t, run the network, the target) and `regression_loss`.
+    Sampling: `sample` walks the sampling set from x_T with the configured sampler and the EMA
+    weights; every step calls the network on the whole volume or, with `sampling_window`, on
+    overlapping Gaussian-blended windows that each get the step, their cut of the condition
+    volumes and their sample's per-sample inputs. Noise for validation, test and predict comes
+    from `SubjectNoise` streams seeded by subject name and `sample_seed`.
+
+    Args:
+        num_train_timesteps: steps of the forward process.
+        beta_schedule: `linear` or `cosine`.
+        beta_start: first beta (linear).
+        beta_end: last beta (linear).
+        prediction_type: what the network predicts: `epsilon`, `v` or `sample`.
+        timesteps: the training set: its size T (with `timestep_spacing`) or an explicit list;
+            T = num_train_timesteps with uniform spacing is full DDPM training.
+        timestep_spacing: `non_uniform` (Fast-DDPM's) or `uniform`.
+        sampler: `ddim` (the DDIM update over the sampling set: Fast-DDPM) or `ddpm` (ancestral, every step).
+        sampling_timesteps: the set `ddim` walks: null = the training set, or a size (with
+            `sampling_spacing`), or an explicit list.
+        sampling_spacing: spacing of a sampling set given by its size.
+        eta: DDIM stochasticity (0 deterministic, 1 DDPM-like).
+        clip_sample: clamp each predicted x0 to [-1, 1] while sampling.
+        loss_reduction: `mean` over voxels, or `sum` over voxels and mean over the batch (Fast-DDPM's reference).
+        ema_decay: decay of the weight EMA used for validation, test and sampling (null: no EMA).
+        ema_warmup: ramp the EMA decay up over the first steps.
+        sample_seed: seed of the per-subject noise used by validation, test and predict.
+        sampling_window: null (every step runs the network on the whole volume) or a window size
+            (D, H, W): every step runs it window by window, Gaussian-blended.
+        sampling_window_overlap: fraction of a sampling window shared with its neighbour.
+        sampling_window_batch_size: sampling windows per network call.
+        optimizer: partial optimizer (default Adam at the family's `default_lr`).
+        scheduler: optional partial LR scheduler (stepped per epoch).
+    """
+
+    default_lr: float = 2e-5
+
+    def __init__(
+        self,
+        num_train_timesteps: int = 1000,
+        beta_schedule: str = "linear",
+        beta_start: float = 1e-4,
+        beta_end: float = 0.02,
+        prediction_type: str = "epsilon",
+        timesteps: int | Sequence[int] = 10,
+        timestep_spacing: str = "non_uniform",
+        sampler: str = "ddim",
+        sampling_timesteps: int | Sequence[int] | None = None,
+        sampling_spacing: str = "uniform",
+        eta: float = 0.0,
+        clip_sample: bool = False,
+        loss_reduction: str = "mean",
+        ema_decay: float | None = 0.999,
+        ema_warmup: bool = True,
+        sample_seed: int = 0,
+        sampling_window: int | Sequence[int] | None = None,
+        sampling_window_overlap: float = 0.5,
+        sampling_window_batch_size: int = 4,
+        optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+        scheduler: Callable[..., Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if sampler not in SAMPLERS:
+            raise MedvolError(f"`model.sampler`: got {sampler!r}; expected one of {list(SAMPLERS)}")
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise MedvolError(f"`model.loss_reduction`: got {loss_reduction!r}; expected one of {list(LOSS_REDUCTIONS)}")
+        if not 0.0 <= float(sampling_window_overlap) < 1.0:
+            raise MedvolError(f"`model.sampling_window_overlap` must be in [0, 1), got {sampling_window_overlap}")
+        if int(sampling_window_batch_size) < 1:
+            raise MedvolError(f"`model.sampling_window_batch_size` must be >= 1, got {sampling_window_batch_size}")
+        self.prediction_type = check_prediction_type(prediction_type)
+        self.schedule = NoiseSchedule(beta_schedule, num_train_timesteps, beta_start, beta_end)
+        steps = self.schedule.num_train_timesteps
+        self.train_timesteps = timestep_set(timesteps, timestep_spacing, steps, key="model.timesteps")
+        if sampling_timesteps is None:
+            self.sampling_timesteps = self.train_timesteps
+        else:
+            self.sampling_timesteps = timestep_set(
+                sampling_timesteps, sampling_spacing, steps, key="model.sampling_timesteps"
+            )
+        self.sampler = sampler
+        self.eta = float(eta)
+        self.clip_sample = bool(clip_sample)
+        self.loss_reduction = loss_reduction
+        self.ema_decay = ema_decay
+        self.ema_warmup = bool(ema_warmup)
+        self.sample_seed = int(sample_seed)
+        self.sampling_window = sampling_window_size(sampling_window)
+        self.sampling_window_overlap = float(sampling_window_overlap)
+        self.sampling_window_batch_size = int(sampling_window_batch_size)
+        self.optimizer_factory = optimizer or partial(torch.optim.Adam, lr=self.default_lr)
+        self.scheduler_factory = scheduler
+
+    # ---- what a family provides ----------------------------------------------------------
+
+    def attach_network(self, network: nn.Module) -> None:
+        """Make `network` the trained one and start its EMA copy (call once its weights are initialised)."""
+        self.network = network
+        self.ema = EMA(network, self.ema_decay, self.ema_warmup) if self.ema_decay else None
+
+    @abstractmethod
+    def network_output(self, network: nn.Module, x_t: torch.Tensor, t: torch.Tensor, **conditioning: torch.Tensor) -> torch.Tensor:
+        """`network`'s prediction at x_t (a whole volume or one window) and steps t, given the family's conditioning."""
+
+    def set_metrics(self, ssim_kernel_size: int, **others: Metric) -> None:
+        """`val_metrics` and `test_metrics`: PSNR and 3D SSIM of samples in [-1, 1], plus the family's `others`."""
+        evaluation = MetricCollection(
+            {
+                "psnr": PeakSignalNoiseRatio(data_range=2.0, reduction="elementwise_mean", dim=(1, 2, 3, 4)),
+                "ssim": StructuralSimilarityIndexMeasure(data_range=2.0, kernel_size=ssim_kernel_size),
+                **others,
+            }
+        )
+        self.val_metrics = evaluation.clone(prefix="val/")
+        self.test_metrics = evaluation.clone(prefix="test/")
+
+    # ---- optimization and EMA ------------------------------------------------------------
+
+    def configure_optimizers(self) -> Any:
+        optimizer = self.optimizer_factory(self.network.parameters())
+        if self.scheduler_factory is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer)}
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        # Lightning calls this once per accumulated batch, so the EMA follows optimizer steps.
+        super().optimizer_step(*args, **kwargs)
+        if self.ema is not None:
+            self.ema.update(self.network)
+
+    @property
+    def sampling_network(self) -> nn.Module:
+        """The weights validation, test and sampling use: the EMA copy when there is one."""
+        return self.ema.module if self.ema is not None else self.network
+
+    # ---- training ------------------------------------------------------------------------
+
+    def draw_timesteps(self, batch_size: int, device: torch.device) -> torch.Tensor:
+        """Training steps drawn only from the training set, in antithetic pairs."""
+        index = antithetic_indices(batch_size, len(self.train_timesteps))
+        return self.train_timesteps[index].to(device)
+
+    def noise_like(self, x: torch.Tensor, subject_noise: SubjectNoise | None = None) -> torch.Tensor:
+        """fp32 N(0, 1) noise shaped like x: from the global RNG (training), or from per-subject streams."""
+        if subject_noise is None:
+            return torch.randn(x.shape, device=x.device, dtype=torch.float32)
+        return subject_noise(x)
+
+    def training_prediction(
+        self, network: nn.Module, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor, conditioning: Conditioning
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(output, target, x_t): x0 noised to step t (fp32), the network's output there and its regression target."""
+        x_t = self.schedule.add_noise(x0, noise, t)
+        output = self.network_output(network, x_t, t, **conditioning.inputs())
+        target = training_target(self.prediction_type, x0.float(), noise.float(), self.schedule.alpha_bar(t))
+        return output, target, x_t
+
+    def regression_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Squared error, averaged over voxels (`mean`) or summed over them and averaged over the batch (`sum`)."""
+        squared = (output.float() - target).square()
+        if self.loss_reduction == "sum":
+            return squared.flatten(1).sum(1).mean()
+        return squared.mean()
+
+    def x0_and_epsilon(self, output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x0, eps) implied by the network's `output` at x_t and steps t, in fp32."""
+        return to_x0_and_epsilon(self.prediction_type, output, x_t, self.schedule.alpha_bar(t))
+
+    # ---- sampling ------------------------------------------------------------------------
+
+    def sliding_window(self, size: Sequence[int], device: torch.device) -> SlidingWindow:
+        """The sampling window of `size` (Gaussian blending, this module's overlap), run and blended on `device`."""
+        return SlidingWindow.of(
+            size, overlap=self.sampling_window_overlap, mode="gaussian", batch_size=self.sampling_window_batch_size,
+            device=device, output_device=device,
+        )
+
+    def denoiser_for(self, network: nn.Module, conditioning: Conditioning, window: SlidingWindow | None = None) -> Denoise:
+        """`denoise(x_t, t) -> (x0, eps)` for the samplers: the network on the whole volume, or window by window."""
+
+        def predict(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            if window is None:
+                return self.network_output(network, x_t, t, **conditioning.inputs())
+            call = partial(self.network_output, network)
+            return window(call, x_t, conditioning.volumes, {"t": t, **conditioning.per_sample})
+
+        def denoise(x_t: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            x0, eps = self.x0_and_epsilon(predict(x_t, t), x_t, t)
+            return clip_x0(x0, x_t, self.schedule.alpha_bar(t)) if self.clip_sample else (x0, eps)
+
+        return denoise
+
+    @torch.no_grad()
+    def sample(
+        self,
+        x_T: torch.Tensor,
+        conditioning: Conditioning | None = None,
+        noise: NoiseLike | None = None,
+        network: nn.Module | None = None,
+        window: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """The denoising walk: x0 generated from x_T by the configured sampler over the sampling set.
+
+        Args:
+            x_T: (B, C, D, H, W) starting noise (e.g. `SubjectNoise(...).draw`).
+            conditioning: the family's condition for `network_output`.
+            noise: the stochastic samplers' noise (DDPM, DDIM with eta > 0); default the global RNG.
+            network: the weights to call; default `sampling_network` (the EMA copy).
+            window: the sampling window size; default `sampling_window`. A window the size of the
+                volume (or no window configured) runs the whole volume at once.
+        """
+        size = window if window is not None else self.sampling_window
+        sliding = None if size is None else self.sliding_window(size, x_T.device)
+        denoise = self.denoiser_for(network if network is not None else self.sampling_network, conditioning or Conditioning(), sliding)
+        noise_like = noise if noise is not None else self.noise_like
+        if self.sampler == "ddpm":
+            return sample_ddpm(denoise, x_T, self.schedule, noise_like)
+        return sample_ddim(denoise, x_T, self.schedule, self.sampling_timesteps, self.eta, noise_like)
