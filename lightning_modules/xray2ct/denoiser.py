@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -69,11 +70,14 @@ class ViewConditionedDenoiser(nn.Module):
         return self.unet(inputs, t, context=tokens)
 
 
+# What a stage's data fixes; every other argument of the denoiser is a setting of `model=xray2ct`.
+FROM_THE_STAGE = ("num_views", "xray_size", "cascaded")
+NETWORK_SETTINGS = tuple(name for name in inspect.signature(ViewConditionedDenoiser).parameters if name not in FROM_THE_STAGE)
+
+
 def network_settings(hparams: Mapping[str, Any]) -> dict[str, Any]:
-    """The `ViewConditionedDenoiser` arguments stored in a stage's hyperparameters."""
-    keys = ("token_dim", "encoder_channels", "channels", "attention_levels", "num_res_blocks", "num_head_channels",
-            "norm_num_groups")
-    settings = {key: hparams[key] for key in keys}
+    """The `ViewConditionedDenoiser` arguments of a stage, from its hyperparameters (the denoiser's defaults for any left out)."""
+    settings = {key: hparams[key] for key in NETWORK_SETTINGS if key in hparams}
     settings["num_views"] = len(hparams["views"])
     settings["xray_size"] = hparams["xray_size"]
     settings["cascaded"] = int(hparams["stage"]) > 1

@@ -8,31 +8,28 @@ stage learns to correct an imperfect previous output; in validation and test it 
 output of the previous stages, run from their best weights (held frozen inside this module,
 so a stage's checkpoint generates from X-rays on its own).
 
-The diffusion core (fp32 noise tables, v/epsilon/x0 algebra, samplers over any timestep set,
-EMA) is the Fast-DDPM one in `lightning_modules.diffusion`. The projection-consistency loss
-compares the DRRs of the predicted clean volume (x0 recovered from v) with the input views.
+The module derives from the diffusion core (`lightning_modules.diffusion.DiffusionModule`:
+fp32 noise tables, v/epsilon/x0 algebra, timestep sets, samplers, EMA, per-subject noise, the
+walk and windowed sampling) and adds the view-conditioned network, the cascade and the
+projection-consistency loss, which compares the DRRs of the predicted clean volume (x0
+recovered from v) with the input views.
 """
 
 from __future__ import annotations
 
 import logging
-import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
-from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 
-from lightning_modules.base import MedvolModule
-from lightning_modules.diffusion.ema import EMA
-from lightning_modules.diffusion.prediction import check_prediction_type, to_x0_and_epsilon, training_target
-from lightning_modules.diffusion.samplers import sample_ddim
-from lightning_modules.diffusion.schedule import NoiseSchedule
-from lightning_modules.diffusion.timesteps import antithetic_indices, timestep_set
+from lightning_modules.diffusion.diffusion_module import Conditioning, DiffusionModule, sampling_window_size
+from lightning_modules.diffusion.subject_noise import SubjectNoise, subject_names
 from lightning_modules.xray2ct.denoiser import (
+    NETWORK_SETTINGS,
     ViewConditionedDenoiser,
     load_from_previous_stage,
     network_settings,
@@ -41,6 +38,9 @@ from lightning_modules.xray2ct.physics import ProjectionLoss
 from medvol.core.errors import MedvolError
 
 log = logging.getLogger("medvol")
+
+# The diffusion core's settings where X-ray-to-CT's defaults differ from Fast-DDPM's.
+DIFFUSION_DEFAULTS = {"beta_schedule": "cosine", "prediction_type": "v", "timestep_spacing": "uniform"}
 
 
 def as_size(size: int | Sequence[int]) -> list[int]:
@@ -64,7 +64,7 @@ def _load_stage(path: str) -> tuple[dict[str, Any], ViewConditionedDenoiser]:
     return hparams, network.eval().requires_grad_(False)
 
 
-class XrayToCT(MedvolModule):
+class XrayToCT(DiffusionModule):
     """One cascade stage: a view-conditioned 3D diffusion model of the CT at this stage's size.
 
     Args:
@@ -72,14 +72,6 @@ class XrayToCT(MedvolModule):
         size: this stage's CT volume size (D, H, W): the dataset's size.
         views: the view names of the batch's `xray` channels (ap, lateral).
         xray_size: (H, W) of the views.
-        token_dim, encoder_channels, channels, attention_levels, num_res_blocks, num_head_channels,
-            norm_num_groups: the network (see `ViewConditionedDenoiser`).
-        num_train_timesteps: length of the forward process (1000).
-        beta_schedule: `cosine` (default here) or `linear`.
-        prediction_type: `v` (default), `epsilon` or `sample`.
-        timesteps: steps trained on and sampled (Fast-DDPM), an int or an explicit list.
-        timestep_spacing: `uniform` or `non_uniform` for an int `timesteps`.
-        eta: DDIM eta of the sampler (0: deterministic).
         physics_weight: weight of the projection-consistency loss.
         window: the HU window the dataset mapped onto [-1, 1] (for the physics loss and HU outputs).
         mu_water: attenuation of water per mm, as the dataset's projector used.
@@ -87,13 +79,15 @@ class XrayToCT(MedvolModule):
         previous_sampling_noise: std added to the previous stages' outputs at sampling time.
         previous_stages: best checkpoints of stages 1..k-1 (set by the cascade runner).
         init_from: a checkpoint whose network weights this stage starts from (stage k-1's best).
-        ema_decay: decay of the EMA weights used for validation, test and sampling.
-        ema_warmup: ramp the EMA decay up over the first updates (short runs).
-        optimizer: partial optimizer.
-        scheduler: optional partial LR scheduler.
-        sample_seed: seed of the sampling noise in validation/test (the same subjects, the same noise).
         image_key: batch key of the CT target.
+        **settings: the network's (`ViewConditionedDenoiser`: token_dim, encoder_channels, channels,
+            attention_levels, num_res_blocks, num_head_channels, norm_num_groups) and the diffusion
+            core's (`DiffusionModule`: schedule, timestep sets, sampler, prediction type, EMA,
+            sampling seed and window, optimizer); the core defaults to a cosine schedule,
+            v-prediction and a uniform set here.
     """
+
+    default_lr = 1e-4
 
     def __init__(
         self,
@@ -101,19 +95,6 @@ class XrayToCT(MedvolModule):
         size: Sequence[int] = (16, 16, 16),
         views: Sequence[str] = ("ap", "lateral"),
         xray_size: Sequence[int] = (32, 32),
-        token_dim: int = 32,
-        encoder_channels: Sequence[int] = (16, 32),
-        channels: Sequence[int] = (16, 32, 32),
-        attention_levels: Sequence[bool] = (False, False, True),
-        num_res_blocks: int = 1,
-        num_head_channels: int = 16,
-        norm_num_groups: int = 8,
-        num_train_timesteps: int = 1000,
-        beta_schedule: str = "cosine",
-        prediction_type: str = "v",
-        timesteps: int | Sequence[int] = 10,
-        timestep_spacing: str = "uniform",
-        eta: float = 0.0,
         physics_weight: float = 0.1,
         window: Sequence[float] = (-1000.0, 1000.0),
         mu_water: float = 0.02,
@@ -121,14 +102,11 @@ class XrayToCT(MedvolModule):
         previous_sampling_noise: float = 0.05,
         previous_stages: Sequence[str] = (),
         init_from: str | None = None,
-        ema_decay: float = 0.999,
-        ema_warmup: bool = True,
-        optimizer: Callable[..., torch.optim.Optimizer] | None = None,
-        scheduler: Callable[..., Any] | None = None,
-        sample_seed: int = 0,
         image_key: str = "image",
+        **settings: Any,
     ) -> None:
-        super().__init__()
+        diffusion = {key: value for key, value in settings.items() if key not in NETWORK_SETTINGS}
+        super().__init__(**{**DIFFUSION_DEFAULTS, **diffusion})
         self.save_hyperparameters(logger=False, ignore=["optimizer", "scheduler"])
         if int(stage) < 1:
             raise MedvolError(f"`model.stage` must be >= 1, got {stage}")
@@ -137,43 +115,30 @@ class XrayToCT(MedvolModule):
                 f"`model.previous_stages` lists {len(previous_stages)} checkpoint(s) for stage {stage}; expected the best "
                 f"checkpoints of stages 1..{int(stage) - 1} (run the cascade with `experiment=xray2ct_cascade`)"
             )
-        self.prediction_type = check_prediction_type(prediction_type)
-        self.network = ViewConditionedDenoiser(**network_settings(self.hparams))
-        if any(s % self.network.downsampling for s in as_size(size)):
+        network = ViewConditionedDenoiser(**network_settings(self.hparams))
+        if any(s % network.downsampling for s in as_size(size)):
             raise MedvolError(
                 f"stage {stage} volume size {as_size(size)} must divide by the network's downsampling "
-                f"{self.network.downsampling} (2 ** (len(model.channels) - 1)); change the stage's size"
+                f"{network.downsampling} (2 ** (len(model.channels) - 1)); change the stage's size"
             )
         self.previous = nn.ModuleList()
         self.previous_settings: list[dict[str, Any]] = []
         for path in previous_stages:
-            settings, network = _load_stage(path)
-            if list(settings["views"]) != list(views):
+            previous_settings, previous_network = _load_stage(path)
+            if list(previous_settings["views"]) != list(views):
                 raise MedvolError(
-                    f"`model.views` {list(views)} differ from the views {list(settings['views'])} of stage "
-                    f"{settings['stage']} ({path}); every stage sees the same radiographs"
+                    f"`model.views` {list(views)} differ from the views {list(previous_settings['views'])} of stage "
+                    f"{previous_settings['stage']} ({path}); every stage sees the same radiographs"
                 )
-            self.previous.append(network)
-            self.previous_settings.append(settings)
+            self.previous.append(previous_network)
+            self.previous_settings.append(previous_settings)
         if init_from:
             _, source = _load_stage(init_from)
-            skipped = load_from_previous_stage(self.network, source)
+            skipped = load_from_previous_stage(network, source)
             log.info("stage %s starts from %s (%d tensors not carried over)", stage, init_from, len(skipped))
-        self.ema = EMA(self.network, ema_decay, warmup=ema_warmup)
-        self.schedule = NoiseSchedule(beta_schedule, num_train_timesteps)
-        self.register_buffer("timesteps", timestep_set(timesteps, timestep_spacing, num_train_timesteps, "model.timesteps"))
+        self.attach_network(network)
         self.physics = ProjectionLoss(views, window, (-1.0, 1.0), mu_water)
-        self.optimizer_factory = optimizer or (lambda params: torch.optim.Adam(params, lr=1e-4))
-        self.scheduler_factory = scheduler
-        evaluation = MetricCollection(
-            {
-                "psnr": PeakSignalNoiseRatio(data_range=2.0, reduction="elementwise_mean", dim=(1, 2, 3, 4)),
-                "ssim": StructuralSimilarityIndexMeasure(data_range=2.0, kernel_size=5),
-                "physics_loss": MeanMetric(),
-            }
-        )
-        self.val_metrics = evaluation.clone(prefix="val/")
-        self.test_metrics = evaluation.clone(prefix="test/")
+        self.set_metrics(5, physics_loss=MeanMetric())
 
     # -- data --------------------------------------------------------------------------------------------------
 
@@ -205,98 +170,65 @@ class XrayToCT(MedvolModule):
 
     # -- training ----------------------------------------------------------------------------------------------
 
-    def configure_optimizers(self) -> Any:
-        optimizer = self.optimizer_factory(self.network.parameters())
-        if self.scheduler_factory is None:
-            return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer)}
+    def network_output(
+        self, network: nn.Module, x_t: torch.Tensor, t: torch.Tensor, views: torch.Tensor, previous: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return network(x_t.to(views.dtype), t, views, previous)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         x0, views, affine = self._inputs(batch)
         b = x0.shape[0]
-        t = self.timesteps[antithetic_indices(b, len(self.timesteps)).to(self.timesteps.device)]
-        noise = torch.randn_like(x0)
-        x_t = self.schedule.add_noise(x0, noise, t).to(x0.dtype)
-        previous = None
+        t = self.draw_timesteps(b, x0.device)
+        noise = self.noise_like(x0)
+        conditioning = Conditioning(per_sample={"views": views})
         if self.hparams.stage > 1:
             level = torch.rand(b, 1, 1, 1, 1, device=x0.device) * self.hparams.previous_noise
-            previous = self.degraded(x0) + level * torch.randn_like(x0)
-        output = self.network(x_t, t, views, previous)
-        alpha_bar = self.schedule.alpha_bar(t)
-        target = training_target(self.prediction_type, x0.float(), noise, alpha_bar)
-        diffusion_loss = F.mse_loss(output.float(), target)
+            conditioning = Conditioning({"previous": self.degraded(x0) + level * torch.randn_like(x0)}, {"views": views})
+        output, target, x_t = self.training_prediction(self.network, x0, t, noise, conditioning)
+        diffusion_loss = self.regression_loss(output, target)
         losses = {"diffusion_loss": diffusion_loss}
         if self.hparams.physics_weight > 0:
-            x0_hat, _ = to_x0_and_epsilon(self.prediction_type, output, x_t, alpha_bar)
+            x0_hat, _ = self.x0_and_epsilon(output, x_t, t)
             losses["physics_loss"] = self.physics(x0_hat, views, affine)
         loss = diffusion_loss + self.hparams.physics_weight * losses.get("physics_loss", 0.0)
         self.log_dict({f"train/{k}": v.detach() for k, v in losses.items()}, on_step=True, on_epoch=True, batch_size=b)
         self.log("train/loss", loss.detach(), on_step=True, on_epoch=True, prog_bar=True, batch_size=b)
         return loss
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.is_accumulation_boundary(batch_idx):
-            self.ema.update(self.network)
-
-    def is_accumulation_boundary(self, batch_idx: int) -> bool:
-        accumulate = int(self.trainer.accumulate_grad_batches or 1)
-        return (batch_idx + 1) % accumulate == 0 or bool(self.trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
-
     # -- sampling ----------------------------------------------------------------------------------------------
-
-    def _noise(self, shape: Sequence[int], subjects: Sequence[str], device: torch.device, salt: int) -> torch.Tensor:
-        """Per-subject noise from `sample_seed`, so a subject gets the same noise on any rank, batch or epoch."""
-        draws = []
-        for subject in subjects:
-            key = f"{self.hparams.sample_seed}/{subject}/{salt}".encode()
-            generator = torch.Generator().manual_seed(zlib.crc32(key))
-            draws.append(torch.randn(tuple(shape), generator=generator))
-        return torch.stack(draws).to(device)
-
-    def _sample_stage(
-        self, network: ViewConditionedDenoiser, views: torch.Tensor, size: Sequence[int], previous: torch.Tensor | None,
-        subjects: Sequence[str], salt: int,
-    ) -> torch.Tensor:
-        x_T = self._noise((1, *size), subjects, views.device, salt)
-
-        def denoise(x_t: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            output = network(x_t.to(views.dtype), t, views, previous)
-            return to_x0_and_epsilon(self.prediction_type, output, x_t, self.schedule.alpha_bar(t))
-
-        generator = torch.Generator().manual_seed(self.hparams.sample_seed + salt)
-
-        def noise_like(x: torch.Tensor) -> torch.Tensor:
-            return torch.randn(x.shape, generator=generator).to(x.device)
-
-        return sample_ddim(denoise, x_T, self.schedule, self.timesteps, self.hparams.eta, noise_like).clamp(-1.0, 1.0)
 
     @torch.no_grad()
     def generate(self, views: torch.Tensor, size: Sequence[int], subjects: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Run the cascade from the views: every previous stage, then this one (EMA weights); model units."""
+        """Run the cascade from the views: every previous stage, then this one (EMA weights); model units.
+
+        Stage k starts from its own per-subject noise (stream `stage<k>`), sees stage k-1's output
+        upsampled plus conditioning noise (`stage<k>/previous`), and each stage samples with its own
+        window (`model.sampling_window` of its run; none: the whole volume).
+        """
+        seed = self.sample_seed
+        stages = [
+            *((as_size(s["size"]), network, sampling_window_size(s.get("sampling_window")) or as_size(s["size"]))
+              for s, network in zip(self.previous_settings, self.previous, strict=True)),
+            (list(size), self.sampling_network, self.sampling_window),
+        ]
         outputs: dict[str, torch.Tensor] = {}
         previous = None
-        for index, (settings, network) in enumerate(zip(self.previous_settings, self.previous, strict=True), start=1):
-            stage_size = as_size(settings["size"])
-            upsampled = self._upsample(previous, stage_size, subjects, salt=index)
-            previous = self._sample_stage(network, views, stage_size, upsampled, subjects, salt=index)
+        for index, (stage_size, network, window) in enumerate(stages, start=1):
+            volumes: dict[str, torch.Tensor] = {}
+            if previous is not None:
+                upsampled = F.interpolate(previous, size=tuple(stage_size), mode="trilinear", align_corners=False)
+                conditioning_noise = SubjectNoise(subjects, seed, f"stage{index}/previous")(upsampled)
+                volumes["previous"] = upsampled + self.hparams.previous_sampling_noise * conditioning_noise
+            x_T = SubjectNoise(subjects, seed, f"stage{index}").draw((1, *stage_size), views.device)
+            walk_noise = SubjectNoise(subjects, seed, f"stage{index}/walk")
+            previous = self.sample(x_T, Conditioning(volumes, {"views": views}), walk_noise, network, window).clamp(-1.0, 1.0)
             outputs[f"stage{index}"] = previous
-        upsampled = self._upsample(previous, size, subjects, salt=int(self.hparams.stage))
-        outputs["ct"] = self._sample_stage(self.ema.module, views, size, upsampled, subjects, salt=int(self.hparams.stage))
+        outputs["ct"] = outputs.pop(f"stage{len(stages)}")
         return outputs
 
-    def _upsample(
-        self, volume: torch.Tensor | None, size: Sequence[int], subjects: Sequence[str], salt: int
-    ) -> torch.Tensor | None:
-        """The previous stage's output on this grid, with the sampling-time conditioning noise."""
-        if volume is None:
-            return None
-        upsampled = F.interpolate(volume, size=tuple(size), mode="trilinear", align_corners=False)
-        noise = self._noise(upsampled.shape[1:], subjects, upsampled.device, salt=1000 + salt)
-        return upsampled + self.hparams.previous_sampling_noise * noise
-
-    def _evaluate(self, batch: dict[str, Any], metrics: MetricCollection) -> dict[str, Any]:
+    def _evaluate(self, batch: dict[str, Any], batch_idx: int, metrics: MetricCollection) -> dict[str, Any]:
         x0, views, affine = self._inputs(batch)
-        subjects = batch.get("subject") or [str(i) for i in range(x0.shape[0])]
+        subjects = subject_names(batch, batch_idx, x0.shape[0])
         generated = self.generate(views, list(x0.shape[2:]), subjects)
         ct = generated["ct"]
         prefix = metrics.prefix
@@ -312,7 +244,7 @@ class XrayToCT(MedvolModule):
         return {"volumes": volumes, "difference": ("ct", "target"), "window": tuple(self.hparams.window)}
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
-        return self._evaluate(batch, self.val_metrics)
+        return self._evaluate(batch, batch_idx, self.val_metrics)
 
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
-        return self._evaluate(batch, self.test_metrics)
+        return self._evaluate(batch, batch_idx, self.test_metrics)
