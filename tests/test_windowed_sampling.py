@@ -19,6 +19,7 @@ from lightning_modules.diffusion.prediction import to_x0_and_epsilon
 from lightning_modules.diffusion.samplers import sample_ddim
 from lightning_modules.diffusion.subject_noise import SubjectNoise
 from lightning_modules.xray2ct.module import XrayToCT
+from medvol.core.errors import MedvolError
 from medvol.volumes.sliding_window import SlidingWindow
 
 TINY_XRAY = {
@@ -198,3 +199,15 @@ def test_a_cascade_stage_samples_with_its_configured_window_and_its_earlier_stag
     # A stage 1 whose run sampled by windows is sampled by its windows inside stage 2.
     first_windowed = generate({"sampling_window": [6, 6, 6]})
     assert not torch.allclose(first_windowed["stage1"], whole["stage1"], atol=1e-3)
+
+
+def test_a_window_the_network_cannot_take_or_larger_than_the_volume_is_one_clear_line():
+    with pytest.raises(MedvolError, match=r"`model.sampling_window` \[6, 6, 6\] must divide by the network's downsampling 4"):
+        XrayToCT(stage=1, size=16, sampling_window=6, **{**TINY_XRAY, "channels": (8, 16, 16), "attention_levels": (False, False, True)})
+    with pytest.raises(MedvolError, match=r"`model.sampling_window` \[32, 32, 32\] must divide .* fit in the stage's volume"):
+        XrayToCT(stage=1, size=16, sampling_window=32, **TINY_XRAY)
+    with pytest.raises(MedvolError, match=r"`model.sampling_window`: got \[8, 8\]"):
+        _fast_ddpm(sampling_window=[8, 8])
+    module = _fast_ddpm(sampling_window=[16, 16, 16])
+    with pytest.raises(MedvolError, match=r"\[16, 16, 16\] is larger than the volume \[8, 8, 8\]"):
+        module.sample(torch.zeros(1, 1, 8, 8, 8), module.conditioning(torch.zeros(1, 1, 8, 8, 8)))

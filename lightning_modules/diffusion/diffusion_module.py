@@ -285,6 +285,12 @@ class DiffusionModule(MedvolModule, ABC):
                 volume (or no window configured) runs the whole volume at once.
         """
         size = window if window is not None else self.sampling_window
+        if size is not None and any(w > s for w, s in zip(size, x_T.shape[2:], strict=True)):
+            # MONAI would pad x_t with zeros, which is not noise the network was trained on.
+            raise MedvolError(
+                f"`model.sampling_window` {list(size)} is larger than the volume {list(x_T.shape[2:])}; "
+                "expected a window no larger than the volume along every axis (or null: the whole volume)"
+            )
         sliding = None if size is None else self.sliding_window(size, x_T.device)
         denoise = self.denoiser_for(network if network is not None else self.sampling_network, conditioning or Conditioning(), sliding)
         noise_like = noise if noise is not None else self.noise_like

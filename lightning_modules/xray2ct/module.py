@@ -121,6 +121,12 @@ class XrayToCT(DiffusionModule):
                 f"stage {stage} volume size {as_size(size)} must divide by the network's downsampling "
                 f"{network.downsampling} (2 ** (len(model.channels) - 1)); change the stage's size"
             )
+        window_size = self.sampling_window or as_size(size)
+        if any(w % network.downsampling or w > s for w, s in zip(window_size, as_size(size), strict=True)):
+            raise MedvolError(
+                f"stage {stage}: `model.sampling_window` {list(window_size)} must divide by the network's downsampling "
+                f"{network.downsampling} and fit in the stage's volume {as_size(size)}"
+            )
         self.previous = nn.ModuleList()
         self.previous_settings: list[dict[str, Any]] = []
         for path in previous_stages:
