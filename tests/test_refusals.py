@@ -15,11 +15,12 @@ import torch
 from omegaconf import OmegaConf
 
 from datamodules.sources.example_data import write_nifti_folder
-from lightning_modules.base import MODEL_KEY
+from lightning_modules.base import MODEL_KEY, class_path
 from medvol.core.build import build
 from medvol.core.errors import MedvolError
 from medvol.run import training
 from medvol.run.override_check import override_error
+from medvol.run.checkpoint_check import check_checkpoint
 from medvol.run.refusal import RunDirectoryBefore
 from medvol.run.run_check import check_run, check_trainer
 from tests.conftest import CONF_DIR, ROOT, compose_cfg
@@ -195,6 +196,51 @@ def test_take_back_removes_only_a_directory_made_for_the_refused_command(tmp_pat
     assert before.take_back()
     assert (requeued / "checkpoints" / "last.ckpt").read_bytes() == b"weights"
     assert (requeued / "train.log").read_text() == "[INFO] first attempt\n"
+
+
+def test_take_back_keeps_a_run_once_the_refused_command_has_saved_a_checkpoint(tmp_path):
+    # A run that fails after its first checkpoint is a run: resumable, never removed.
+    fresh = tmp_path / "runs" / "fresh"
+    (fresh / ".hydra").mkdir(parents=True)
+    before = RunDirectoryBefore.record(str(fresh), ".hydra", str(fresh / "train.log"), resumed=False)
+    (fresh / "train.log").write_text("[INFO] epoch 0\n")
+    (fresh / "checkpoints").mkdir()
+    (fresh / "checkpoints" / "last.ckpt").write_bytes(b"weights")
+    assert not before.take_back()
+    assert (fresh / "checkpoints" / "last.ckpt").read_bytes() == b"weights"
+    assert (fresh / "train.log").read_text() == "[INFO] epoch 0\n"
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self, width: int = 3) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(2, width)
+        self.second = torch.nn.Linear(width, 1)
+
+
+def _saved(tmp_path: Path, name: str, drop: str = "", **changes) -> Path:
+    """A checkpoint of `TwoLayers` as medvol saves one, with `changes` applied and the key `drop` left out."""
+    checkpoint = {"state_dict": TwoLayers().state_dict(), "loops": {}, MODEL_KEY: class_path(TwoLayers()), **changes}
+    checkpoint.pop(drop, None)
+    torch.save(checkpoint, path := tmp_path / name)
+    return path
+
+
+def test_each_checkpoint_that_cannot_resume_this_model_is_named(tmp_path):
+    model = TwoLayers()
+    check_checkpoint(str(_saved(tmp_path, "good.ckpt")), model)
+    first_layer = {k: v for k, v in model.state_dict().items() if k.startswith("first.")}
+    cases = [
+        (_saved(tmp_path, "vqgan.ckpt", **{MODEL_KEY: "lightning_modules.vqgan.vqgan.VQGAN"}),
+         "is a checkpoint of lightning_modules.vqgan.vqgan.VQGAN, but the config builds tests.test_refusals.TwoLayers"),
+        (_saved(tmp_path, "wider.ckpt", state_dict=TwoLayers(width=5).state_dict()),
+         r"has first.weight of shape \(5, 2\) but the model config gives \(3, 2\)"),
+        (_saved(tmp_path, "partial.ckpt", state_dict=first_layer), r"lacks weights the model needs \(first: second.bias\)"),
+        (_saved(tmp_path, "weights_only.ckpt", drop="loops"), "not a Lightning training checkpoint"),
+    ]
+    for path, message in cases:
+        with pytest.raises(MedvolError, match=message):
+            check_checkpoint(str(path), model)
 
 
 def test_a_misspelt_key_or_option_is_one_line_naming_the_override():

@@ -23,6 +23,7 @@ from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
 from tests.test_ddp_correctness import recorder
 from tests.test_ddp_support import explain, train_cli
 from tests.test_source_grid import SHAPE, write_brats_lps
+from tests.test_volume_geometry import ROI, VOLUME_SHAPE, PositionDependent, gaussian_weights, hand_blend
 
 # The shared tiny settings for a file dataset: no synthetic dataset keys.
 TINY_FILES = [o for o in [*TINY_COMMON, *TINY_MODEL["segmentation"]] if not o.startswith("dataset.")]
@@ -217,3 +218,54 @@ def test_post_processing_keeps_the_largest_component_of_each_class_or_region(reg
     if regions is None:
         # Both halves of the background stay: the background is not cut down to one component.
         assert int(masks[0, 0].sum()) == 12**3 - 144 - 27
+
+
+class FixedLogits(torch.nn.Module):
+    """A network whose output is given: the same logits whatever the input."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        super().__init__()
+        self.logits = logits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.logits.expand(x.shape[0], *self.logits.shape[1:]).clone()
+
+
+def test_hd95_in_millimetres_and_dice_on_an_oblique_anisotropic_volume_equal_a_hand_count():
+    # Target: a line of 10 voxels along axis 0. Prediction: the same line plus one voxel 2 voxels off it along
+    # axis 1 and 1 along axis 2. Voxels are 0.5 x 2 x 3 mm, the grid turned 30 degrees about z (the affine's
+    # columns keep their lengths). Every voxel of these thin masks is a surface voxel.
+    # Prediction -> target distances: ten 0 mm and one sqrt((2 * 2)^2 + (1 * 3)^2) = 5 mm; target -> prediction:
+    # all 0. The 95th percentile of the eleven sorted distances (linear interpolation) sits at position
+    # 0.95 * 10 = 9.5, halfway between the tenth (0) and the eleventh (5): HD95 = 2.5 mm (in voxels it would
+    # be sqrt(5) / 2 = 1.12; with the spacings reversed, sqrt(4^2 + 0.5^2) / 2 = 2.02; the maximum, 5).
+    # Dice = 2 * 10 / (11 + 10) = 20 / 21.
+    shape = (14, 6, 6)
+    target = torch.zeros(1, 1, *shape, dtype=torch.int64)
+    target[0, 0, 2:12, 2, 2] = 1
+    predicted = target.clone()
+    predicted[0, 0, 5, 4, 3] = 1
+    logits = torch.cat([-5.0 * predicted, 5.0 * predicted], 1).float()  # argmax: class 1 exactly on the prediction
+    angle = np.radians(30)
+    turn = np.array([[np.cos(angle), -np.sin(angle), 0], [np.sin(angle), np.cos(angle), 0], [0, 0, 1]])
+    affine = np.eye(4)
+    affine[:3, :3] = turn @ np.diag([0.5, 2.0, 3.0])
+    affine[:3, 3] = [10.0, -4.0, 7.0]
+
+    module = Segmenter(in_channels=1, num_classes=2, features=[4, 8])
+    module.net = FixedLogits(logits)
+    batch = {"image": torch.zeros(1, 1, *shape), "label": target, "affine": torch.from_numpy(affine)[None]}
+    with torch.no_grad():
+        outputs = module.test_step(batch, 0)
+    assert torch.equal(outputs["volumes"]["seg"], predicted)
+    assert float(outputs["subject_metrics"]["hd95_class1"][0]) == pytest.approx(2.5, abs=1e-5)
+    assert float(outputs["subject_metrics"]["dice_class1"][0]) == pytest.approx(20 / 21, abs=1e-6)
+    assert float(module.test_hd95.compute()) == pytest.approx(2.5, abs=1e-5)  # one class: a scalar
+
+
+def test_whole_volume_evaluation_blends_windows_with_gaussian_weights():
+    module = Segmenter(in_channels=2, num_classes=2, features=[4, 8], patch_size=list(ROI), overlap=0.5, sw_batch_size=3)
+    module.net = PositionDependent()
+    volume = torch.randn(1, 2, *VOLUME_SHAPE, generator=torch.Generator().manual_seed(1))
+    out = module.sliding_window(volume)
+    np.testing.assert_allclose(out[0].numpy(), hand_blend(volume[0].numpy(), gaussian_weights(ROI)), atol=1e-4)
