@@ -49,8 +49,11 @@ def best_checkpoint(stage_dir: Path) -> Path:
             return target
         raise MedvolError(f"cascade: {stage_dir} has no checkpoints/last.ckpt; the stage did not finish an epoch")
     state = torch.load(last, map_location="cpu", weights_only=False)
+    # A checkpoint callback's state is found by its content, not its class name: subclasses of
+    # ModelCheckpoint (medvol's StepCheckpoint) store theirs under their own name.
     best = next(
-        (s.get("best_model_path") for k, s in state.get("callbacks", {}).items() if "ModelCheckpoint" in k and s.get("best_model_path")),
+        (s["best_model_path"] for s in state.get("callbacks", {}).values()
+         if isinstance(s, dict) and s.get("monitor") and s.get("best_model_path")),
         None,
     )
     source = Path(best) if best and Path(best).is_file() else last
