@@ -19,8 +19,8 @@ from lightning_modules.base import MODEL_KEY, class_path
 from medvol.core.build import build
 from medvol.core.errors import MedvolError
 from medvol.run import training
-from medvol.run.override_check import override_error
 from medvol.run.checkpoint_check import check_checkpoint
+from medvol.run.override_check import override_error
 from medvol.run.refusal import RunDirectoryBefore
 from medvol.run.run_check import check_run, check_trainer
 from tests.conftest import CONF_DIR, ROOT, compose_cfg

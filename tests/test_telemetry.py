@@ -6,6 +6,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -13,9 +14,12 @@ import pytorch_lightning as pl
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.data import Dataset
 
+import callbacks.telemetry as telemetry_module
 from datamodules.pipeline.volume_datamodule import Record
 from datamodules.sources.synthetic import SyntheticDataModule
 from medvol.run.training import run
+from tests.test_ddp_correctness import REGRESSOR, TINY_DATA
+from tests.test_ddp_support import explain, train_cli
 
 DELAY_SECONDS = 1.0
 
@@ -100,3 +104,47 @@ def test_data_wait_is_near_zero_for_a_cached_loader_and_nothing_is_warned(tiny_c
     assert telemetry["data_wait_fraction"] < 0.1
     assert telemetry["steps"] == 5
     assert warnings == []
+
+
+STEP_SECONDS = 0.5
+
+
+class ScriptedClock(pl.Callback):
+    """Telemetry's clock, scripted: it stands still except inside each training step, which takes STEP_SECONDS.
+
+    Steps then last exactly STEP_SECONDS and nothing waits for data, whatever the machine's load.
+    """
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.saved = telemetry_module.time
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        telemetry_module.time = SimpleNamespace(perf_counter=lambda: self.now)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
+        self.now += STEP_SECONDS
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        telemetry_module.time = self.saved
+
+
+@pytest.mark.slow
+def test_samples_per_second_on_two_gloo_ranks_counts_both_ranks_batches(tmp_path):
+    # 16 subjects, 4 for validation: 12 training subjects, 6 per rank in batches of 2, so 3 steps per epoch,
+    # each of 2 x 2 = 4 subjects.
+    result = train_cli([
+        *TINY_DATA, *REGRESSOR, "strategy=ddp", "trainer.devices=2", "dataset.batch_size=2",
+        "dataset.num_subjects=16", "dataset.val_fraction=0.25", "dataset.test_fraction=0", "trainer.max_epochs=2",
+        "+callbacks.clock._target_=tests.test_telemetry.ScriptedClock", f"hydra.run.dir={tmp_path / 'run'}",
+    ], cwd=tmp_path, tiny=False)
+    assert result.returncode == 0, explain(result)
+    split = json.loads((tmp_path / "run" / "split.json").read_text())
+    per_rank_batches = len(split["train"]) // 2 // 2
+    assert (len(split["train"]), per_rank_batches) == (12, 3)
+    telemetry = json.loads((tmp_path / "run" / "summary.json").read_text())["telemetry"]
+    # Every step of both epochs but the run's first, each STEP_SECONDS long, each 4 subjects over the 2 ranks.
+    assert telemetry["steps"] == 2 * per_rank_batches - 1
+    assert telemetry["step_time_ms"] == pytest.approx(1000 * STEP_SECONDS)
+    assert telemetry["samples_per_second"] == pytest.approx(2 * 2 / STEP_SECONDS)
+    assert telemetry["data_wait_fraction"] == 0
