@@ -104,6 +104,11 @@ def test_classifier_test_rows_hold_the_softmax_and_its_argmax():
     assert np.allclose(table, probabilities, atol=1e-6)
 
 
+# The ranks are spawned, not forked: a child forked from a pytest process whose earlier tests started
+# OpenMP threads can hang in its first parallel torch operation (it did, building the network, under
+# make test). Spawning two interpreters takes tens of seconds on a loaded machine: these tests are slow.
+
+
 def _classifier_rank(rank: int, init_file: str, result: str, num_classes: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     logits, labels = classification_set(num_classes)
@@ -121,11 +126,12 @@ def _classifier_rank(rank: int, init_file: str, result: str, num_classes: int) -
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_classes", [2, 3])
 def test_classifier_metrics_gathered_from_two_gloo_ranks_equal_scikit_learn_on_the_whole_set(tmp_path, num_classes):
     result = tmp_path / "result.json"
     mp.start_processes(
-        _classifier_rank, args=(str(tmp_path / "init"), str(result), num_classes), nprocs=2, start_method="fork"
+        _classifier_rank, args=(str(tmp_path / "init"), str(result), num_classes), nprocs=2, start_method="spawn"
     )
     expected = sklearn_metrics(*classification_set(num_classes))
     for rank, computed in enumerate(json.loads(result.read_text())):
@@ -185,9 +191,10 @@ def survival_set() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return risk, time, event
 
 
+@pytest.mark.slow
 def test_survival_metrics_gathered_from_two_gloo_ranks_are_the_whole_sets(tmp_path):
     result = tmp_path / "result.json"
-    mp.start_processes(_survival_rank, args=(str(tmp_path / "init"), str(result)), nprocs=2, start_method="fork")
+    mp.start_processes(_survival_rank, args=(str(tmp_path / "init"), str(result)), nprocs=2, start_method="spawn")
     risk, time, event = survival_set()
     whole = {k: float(v) for k, v in survival_metrics(risk, time, event, horizons=[4.0, 8.0]).items()}
     assert {"cindex", "uno_cindex", "auc@4", "auc@8"} <= set(whole)
