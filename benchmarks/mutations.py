@@ -251,7 +251,8 @@ MUTATIONS = [
     ),
     Mutation(
         "classifier-flipped-probabilities", "lightning_modules/discriminative/classifier.py",
-        "metrics.update(probabilities, batch[self.label_key])", "metrics.update(probabilities.flip(1), batch[self.label_key])",
+        'getattr(self, f"{stage}_metrics").update(probabilities, labels)\n        getattr(self, f"{stage}_auroc").update(probabilities, labels)',
+        'getattr(self, f"{stage}_metrics").update(probabilities.flip(1), labels)\n        getattr(self, f"{stage}_auroc").update(probabilities.flip(1), labels)',
         ("tests/test_outcome_metrics.py::test_classifier_auroc_and_accuracies_equal_scikit_learn_on_the_same_probabilities",
          "tests/test_outcome_metrics.py::test_classifier_metrics_gathered_from_two_gloo_ranks_equal_scikit_learn_on_the_whole_set"),
         "the classifier's AUROC and accuracies fed flipped probabilities",

@@ -20,7 +20,7 @@ from lifelines.utils import concordance_index
 from scipy.special import softmax
 from sklearn.metrics import accuracy_score, balanced_accuracy_score, roc_auc_score
 
-from lightning_modules.discriminative.classifier import ClassifierModel
+from lightning_modules.discriminative.classifier import ClassifierModel, set_auroc
 from lightning_modules.discriminative.survival_metrics import SurvivalMetrics, survival_metrics
 
 # The modules' steps run outside a Trainer here: their self.log calls have nowhere to go.
@@ -53,6 +53,12 @@ def classifier(num_classes: int) -> ClassifierModel:
     return module.eval()
 
 
+def epoch_metrics(module: ClassifierModel) -> dict[str, float]:
+    """What the module logs at a validation epoch's end (AUROC over the classes present, the accuracies), without a Trainer."""
+    auroc = set_auroc(module.val_auroc.compute(), module.val_counts.compute())
+    return {"auroc": float(auroc), **{k.removeprefix("val/"): float(v) for k, v in module.val_metrics.compute().items()}}
+
+
 def batches(logits: np.ndarray, labels: np.ndarray, first: int, size: int = 4):
     for start in range(0, len(labels), size):
         yield {
@@ -81,7 +87,7 @@ def test_classifier_auroc_and_accuracies_equal_scikit_learn_on_the_same_probabil
     with torch.no_grad():
         for batch in batches(logits, labels, 0):
             module.validation_step(batch, 0)
-    computed = {k.removeprefix("val/"): float(v) for k, v in module.val_metrics.compute().items()}
+    computed = epoch_metrics(module)
     expected = sklearn_metrics(logits, labels)
     assert computed == pytest.approx(expected, abs=1e-6)
     # The imbalance makes plain and balanced accuracy differ, so neither can stand in for the other.
@@ -118,7 +124,7 @@ def _classifier_rank(rank: int, init_file: str, result: str, num_classes: int) -
     with torch.no_grad():
         for batch in batches(logits[share], labels[share], share.start):
             module.validation_step(batch, 0)
-    computed = {k.removeprefix("val/"): float(v) for k, v in module.val_metrics.compute().items()}
+    computed = epoch_metrics(module)
     gathered: list = [None, None]
     dist.all_gather_object(gathered, computed)
     if rank == 0:
