@@ -370,7 +370,7 @@ MUTATIONS = [
     ),
     Mutation(
         "sliding-window-constant-blend", "medvol/volumes/sliding_window.py",
-        "overlap=self.overlap, mode=self.mode,", 'overlap=self.overlap, mode="constant",',
+        "mode=self.mode, sw_device=self.device", 'mode="constant", sw_device=self.device',
         ("tests/test_volume_geometry.py::test_gaussian_blending_of_a_position_dependent_network_equals_a_hand_blend",),
         "the sliding window blending with constant weights",
     ),
