@@ -1,22 +1,30 @@
-"""The predict "done when": a VQ-GAN trained as `make train` trains it reconstructs a whole 96x120x100 LPS volume.
+"""A VQ-GAN trained as `make train` trains it reconstructs an unseen whole scan at its training spacing vs the scan's own.
 
-    .venv/bin/python benchmarks/predict_whole_volume.py [--ckpt CKPT] [--epochs 16] [--workdir DIR] [--overlap 0.25]
-        [--spacing MM] [predict.py overrides ...]
+    .venv/bin/pip install --no-deps nilearn     # only its bundled MNI152 template (a real head) is read
+    .venv/bin/python benchmarks/predict_whole_volume.py [--ckpt CKPT] [--epochs 16] [--workdir DIR] [--scan head|phantom]
+        [--overlap 0.25] [predict.py overrides ...]
 
 Without `--ckpt`, trains `python train.py` with the defaults (`make train`: the VQ-GAN on synthetic
-32^3 phantoms; `--epochs` changes only `trainer.max_epochs`) under `--workdir`. Then writes an
-unseen phantom as an int16 NIfTI of 96x120x100 voxels on an LPS-oriented, anisotropic grid, runs
-`python predict.py ckpt_path=... input=FILE output_dir=...` on it (32^3 sliding windows, Gaussian
-blending) and prints the output's shape, affine and value range against the source, the PSNR and
-SSIM predict.py reports (model units, data range 2), and the wall time of each step. `--spacing MM`
-resamples the scan to MM-mm voxels before the model (`+dataset.transforms.spacing`), e.g. the
-phantoms' training spacing (6 mm); the output still lands on the scan's own grid.
+32^3 phantoms at 6 mm; `--epochs` changes only `trainer.max_epochs`) under `--workdir`. Then writes an
+unseen scan as an int16 NIfTI on an LPS-oriented, anisotropic grid:
+
+- `head` (default): real anatomy, the MNI152 2009a T1 template nilearn ships (1 mm, 197x233x189),
+  resampled by nibabel to 2 x 2 x 3 mm over the same field of view (99x117x63), scaled to 0..1020;
+- `phantom`: phantom index 1000 (no training subject) on a 96x120x100 grid of 1.5 x 1.25 x 1.8 mm.
+
+and runs `python predict.py ckpt_path=... input=FILE output_dir=...` twice: `spacing=native` (the scan's
+own voxels, what predict.py did before the training spacing travelled with the model) and the default
+(resampled to the spacing recorded in the checkpoint, outputs mapped back onto the scan's grid). For each
+it prints the output's grid against the source, the Pearson correlation and PSNR of output vs source on
+the source grid in source units (data range: the source's), predict.py's own PSNR/SSIM (model units, data
+range 2, against the model's input, so they differ in what they compare) and the wall time.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import os
 import subprocess
 import sys
@@ -26,15 +34,20 @@ from pathlib import Path
 
 import nibabel as nib
 import numpy as np
+from nibabel.processing import resample_from_to
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from datamodules.sources.phantom import make_phantom  # noqa: E402
 
-SHAPE = (96, 120, 100)
+PHANTOM_SHAPE = (96, 120, 100)
 # x and y flipped (LPS), anisotropic voxels: a scanner export, not the training grid.
-LPS_AFFINE = np.array([[-1.5, 0, 0, 72.0], [0, -1.25, 0, 75.0], [0, 0, 1.8, -90.0], [0, 0, 0, 1]])
+PHANTOM_AFFINE = np.array([[-1.5, 0, 0, 72.0], [0, -1.25, 0, 75.0], [0, 0, 1.8, -90.0], [0, 0, 0, 1]])
+HEAD_SHAPE = (99, 117, 63)
+# The template's field of view (x -98..98, y -134..98, z -72..116 mm) in 2 x 2 x 3 mm LPS voxels.
+HEAD_AFFINE = np.array([[-2.0, 0, 0, 98.0], [0, -2.0, 0, 98.0], [0, 0, 3.0, -72.0], [0, 0, 0, 1]])
+TEMPLATE = "datasets/data/mni_icbm152_t1_tal_nlin_sym_09a_converted.nii.gz"
 
 
 def train(workdir: Path, epochs: int) -> Path:
@@ -47,45 +60,75 @@ def train(workdir: Path, epochs: int) -> Path:
     return run_dir / "checkpoints" / "last.ckpt"
 
 
+def template_path() -> Path:
+    """nilearn's bundled MNI152 T1 template, found without importing nilearn (a --no-deps install is enough)."""
+    spec = importlib.util.find_spec("nilearn")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("the head scan is nilearn's MNI152 template: .venv/bin/pip install --no-deps nilearn (or --scan phantom)")
+    return Path(next(iter(spec.submodule_search_locations))) / TEMPLATE
+
+
+def write_scan(kind: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "head":
+        template = nib.load(str(template_path()))
+        head = resample_from_to(template, (HEAD_SHAPE, HEAD_AFFINE), order=1)
+        data, affine = np.clip(head.get_fdata(), 0, None) * 4, HEAD_AFFINE
+    else:
+        # Phantom index 1000: no training subject (the default run uses 0..31).
+        data, affine = make_phantom(0, 1000, PHANTOM_SHAPE).channels["t1"] * 1000, PHANTOM_AFFINE
+    nib.save(nib.Nifti1Image(np.rint(data).astype(np.int16), affine), str(path))
+
+
+def predict(ckpt: Path, scan: Path, out: Path, overlap: float, extra: list[str]) -> float:
+    command = [sys.executable, str(ROOT / "predict.py"), f"ckpt_path={ckpt}", f"input={scan}", f"output_dir={out}",
+               f"overlap={overlap}", *extra]
+    started = time.perf_counter()
+    result = subprocess.run(command, check=True, cwd=ROOT, capture_output=True, text=True)
+    print("  " + result.stdout.strip().splitlines()[-1])
+    return time.perf_counter() - started
+
+
+def report(scan: Path, out: Path, seconds: float) -> None:
+    stem = scan.name.removesuffix(".nii.gz")
+    source, written = nib.load(str(scan)), nib.load(str(out / f"{stem}_reconstruction.nii.gz"))
+    raw, output = source.get_fdata(), written.get_fdata()
+    correlation = float(np.corrcoef(raw.ravel(), output.ravel())[0, 1])
+    span = float(raw.max() - raw.min())
+    psnr = 10 * np.log10(span**2 / float(np.mean((output - raw) ** 2)))
+    print(f"  output {written.shape} {''.join(nib.aff2axcodes(written.affine))} spacing {written.header.get_zooms()} "
+          f"range [{output.min():.0f}, {output.max():.0f}] dtype {written.get_data_dtype()}; "
+          f"same shape and affine as the source: {written.shape == source.shape and np.allclose(written.affine, source.affine)}")
+    print(f"  on the source grid, source units: correlation {correlation:.3f}, PSNR {psnr:.2f} dB (data range {span:.0f})")
+    with (out / "metrics.csv").open() as handle:
+        for row in csv.DictReader(handle):
+            print(f"  predict.py (model units, vs the model's input): PSNR {float(row['psnr']):.2f} dB, SSIM {float(row['ssim']):.3f}")
+    print(f"  predict.py wall time {seconds:.1f} s (process start, model load, preprocessing, sliding windows, writing)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", type=Path, default=None)
     parser.add_argument("--epochs", type=int, default=16)
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--scan", choices=("head", "phantom"), default="head")
     parser.add_argument("--overlap", type=float, default=0.25)
-    parser.add_argument("--spacing", type=float, default=None)
     args, extra = parser.parse_known_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="medvol-predict-"))
     workdir.mkdir(parents=True, exist_ok=True)
     ckpt = args.ckpt or train(workdir, args.epochs)
 
-    scan = workdir / "unseen" / "head.nii.gz"
-    scan.parent.mkdir(parents=True, exist_ok=True)
-    # Phantom index 1000: no training subject (the default run uses 0..31).
-    phantom = make_phantom(0, 1000, SHAPE)
-    nib.save(nib.Nifti1Image((phantom.channels["t1"] * 1000).astype(np.int16), LPS_AFFINE), str(scan))
-
-    out = workdir / ("predictions" if not args.spacing else f"predictions-{args.spacing:g}mm")
-    command = [sys.executable, str(ROOT / "predict.py"), f"ckpt_path={ckpt}", f"input={scan}", f"output_dir={out}",
-               f"overlap={args.overlap}", *extra]
-    if args.spacing:
-        command.append(f"+dataset.transforms.spacing=[{args.spacing},{args.spacing},{args.spacing}]")
-    started = time.perf_counter()
-    result = subprocess.run(command, check=True, cwd=ROOT, capture_output=True, text=True)
-    seconds = time.perf_counter() - started
-    print(result.stdout.strip().splitlines()[-1])
-    print(f"predict.py: {seconds:.1f} s (process start, model load, preprocessing, sliding windows, writing)")
-
-    source, written = nib.load(str(scan)), nib.load(str(out / "head_reconstruction.nii.gz"))
-    print(f"source  {source.shape} {nib.aff2axcodes(source.affine)} spacing {source.header.get_zooms()} "
-          f"range [{source.get_fdata().min():.0f}, {source.get_fdata().max():.0f}]")
-    print(f"output  {written.shape} {nib.aff2axcodes(written.affine)} spacing {written.header.get_zooms()} "
-          f"range [{written.get_fdata().min():.0f}, {written.get_fdata().max():.0f}] dtype {written.get_data_dtype()}")
-    print(f"same shape: {written.shape == source.shape}, same affine: {np.allclose(written.affine, source.affine)}")
-    with (out / "metrics.csv").open() as handle:
-        for row in csv.DictReader(handle):
-            print(f"{row['subject']}: PSNR {float(row['psnr']):.2f} dB, SSIM {float(row['ssim']):.3f}")
+    scan = workdir / "unseen" / f"{args.scan}.nii.gz"
+    write_scan(args.scan, scan)
+    source = nib.load(str(scan))
+    print(f"source {source.shape} {''.join(nib.aff2axcodes(source.affine))} spacing {source.header.get_zooms()} "
+          f"int16 range [{source.get_fdata().min():.0f}, {source.get_fdata().max():.0f}]")
+    for name, spacing in (("the scan's own grid (spacing=native)", ["spacing=native"]),
+                          ("the training spacing from the checkpoint (default)", [])):
+        print(name)
+        out = workdir / f"predictions-{args.scan}-{'native' if spacing else 'trained'}"
+        report(scan, out, predict(ckpt, scan, out, args.overlap, [*spacing, *extra]))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from pytorch_lightning.utilities import move_data_to_device
 from medvol.volumes.sliding_window import SlidingWindow
 
 MODEL_KEY = "medvol_model"
+# Checkpoint key of the training data's fingerprint (`VolumeDataModule.fingerprint`: spacing, orientation, intensity).
+DATA_KEY = "medvol_data"
 
 
 def class_path(obj: object) -> str:
@@ -31,6 +33,8 @@ class MedvolModule(pl.LightningModule):
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = None
     gradient_clip_algorithm: str = "norm"
+    # What the model saw of its training data; set by the run, kept in checkpoints, read by predict.py.
+    training_data: dict[str, Any] | None = None
 
     def set_manual_step_policy(
         self, accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm"
@@ -75,5 +79,33 @@ class MedvolModule(pl.LightningModule):
             warnings.filterwarnings("ignore", message=r".*self\.log\(\)")
             return self.test_step(move_data_to_device(batch, self.device), 0)
 
+    # Condition-only generation (predict.py on the inputs a patient has: a T1 for a T1 -> T2 model) ---------
+
+    def generation_inputs(self) -> dict[str, int]:
+        """The batch keys (name -> channel count) this family generates its outputs from when the batch has no
+        target; empty for families that predict from the `image` they are given (or need the target)."""
+        return {}
+
+    @property
+    def refines_resolution(self) -> bool:
+        """Whether generation turns a coarse input into a volume at the training spacing (super-resolution):
+        predict.py then writes the output on the model grid and refuses inputs that are not coarser."""
+        return False
+
+    def generate_volumes(self, batch: dict[str, Any], draw: int = 0) -> dict[str, Any]:
+        """Outputs from the batch's `generation_inputs` alone, in the `test_step` contract without metrics.
+
+        `draw` k is the k-th seeded sample of each subject; draw 0 is the sample `test_step` gives for the
+        same subject and condition (the same code path). Families with `generation_inputs` override it.
+        """
+        raise NotImplementedError(f"{class_path(self)} generates nothing without its target")
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[MODEL_KEY] = class_path(self)
+        if self.training_data:
+            checkpoint[DATA_KEY] = self.training_data
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # A resumed run keeps the record of its first start; an older checkpoint has none.
+        if checkpoint.get(DATA_KEY):
+            self.training_data = checkpoint[DATA_KEY]

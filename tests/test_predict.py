@@ -248,7 +248,7 @@ def test_bad_input_is_refused_with_the_key_named(trained_run, tmp_path):
     torch.save({"state_dict": {}, "loops": {}}, foreign)
     cases = [
         ([ckpt, f"input={scans}", f"output_dir={scans / 'out'}"], "`output_dir`"),
-        ([ckpt, f"input={two_channels / 'case00' / 'image.nii.gz'}", f"output_dir={tmp_path / 'o1'}"], "has 2 channels"),
+        ([ckpt, f"input={two_channels / 'case00' / 'image.nii.gz'}", f"output_dir={tmp_path / 'o1'}"], "has 2 image channels"),
         ([f"ckpt_path={foreign}", f"input={scans}", f"output_dir={tmp_path / 'o2'}"], "an unknown model"),
         ([f"ckpt_path={tmp_path / 'none.ckpt'}", f"input={scans}", f"output_dir={tmp_path / 'o3'}"], "`ckpt_path`: no file"),
         ([ckpt, f"output_dir={tmp_path / 'o4'}"], "`input` is not set"),

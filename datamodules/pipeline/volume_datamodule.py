@@ -31,6 +31,16 @@ from medvol.core.errors import MedvolError
 Record = dict[str, Any]
 # The tensors of a batch dict that `gpu_transforms` moves to the device before the random transforms.
 DEVICE_KEYS = ("image", "cond", "label", "xray", "affine")
+# Training subjects whose intensities the fingerprint reads (evenly spread over the split): a median
+# that is stable without loading every volume of a large dataset at the start of training.
+FINGERPRINT_INTENSITY_SUBJECTS = 16
+
+
+def fingerprint_sample(records: list[Record], count: int = FINGERPRINT_INTENSITY_SUBJECTS) -> list[Record]:
+    """Up to `count` records evenly spread over `records` (all of them when there are fewer)."""
+    if len(records) <= count:
+        return list(records)
+    return [records[round(i * (len(records) - 1) / (count - 1))] for i in range(count)]
 
 
 class VolumeDataModule(pl.LightningDataModule):
@@ -132,6 +142,24 @@ class VolumeDataModule(pl.LightningDataModule):
 
     def preflight(self) -> None:
         """Cheap checks of the data that run before the Trainer is built; file-based datasets override it."""
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What the model sees of the training subjects, recorded in its checkpoints for `predict.py`.
+
+        As nnU-Net's dataset fingerprint: `spacing` (mm per axis of the model grid), `orientation`
+        (axis codes, or None for the stored axes) and `intensity` (`low`/`high`: per `image` channel,
+        the raw values mapped onto the ends of `range`, typical of the training targets). Called after
+        `setup`. A dataset without a voxel geometry records nothing, and predict.py keeps each input's
+        own spacing.
+        """
+        return {}
+
+    def training_records(self) -> list[Record]:
+        """The records of the training split (after `setup`)."""
+        if self.split is None:
+            raise RuntimeError("training_records() needs the split: call setup() first")
+        by_id = {str(r["subject"]): r for r in self.subjects()}
+        return [by_id[s] for s in self.split["train"]]
 
     def _world(self) -> tuple[int, int]:
         trainer = self.trainer

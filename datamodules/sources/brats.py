@@ -30,11 +30,10 @@ REGIONS = {"WT": (1, 2, 3), "TC": (1, 3), "ET": (3,)}
 
 
 def detect_year(root: Path) -> int:
-    """2023 if any file has a 2023 suffix, else 2021 if any has a 2021 one."""
+    """2023 if any file has a 2023 suffix, else 2021 if any has a 2021 one (any modality: a folder may hold
+    only the condition modalities of a translation model)."""
     for year in (2023, 2021):
-        if next(root.glob(f"**/*{SUFFIXES[year]['flair']}.nii.gz"), None) or next(
-            root.glob(f"**/*{SUFFIXES[year][LABEL_KEY]}.nii.gz"), None
-        ):
+        if any(next(root.glob(f"**/*{suffix}.nii.gz"), None) for suffix in SUFFIXES[year].values()):
             return year
     raise MedvolError(
         f"`dataset.root`: {root} holds no BraTS files; expected case folders with *_t1.nii.gz ... *_seg.nii.gz "

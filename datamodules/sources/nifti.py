@@ -15,10 +15,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import nibabel as nib
 import numpy as np
 import torch
 from monai.data.utils import worker_init_fn
-from monai.transforms import MapTransform
+from monai.transforms import Compose, MapTransform
 from torch.utils.data import Dataset
 
 from datamodules.pipeline.cache import fingerprint
@@ -36,8 +37,10 @@ from datamodules.pipeline.transforms import (
     random_transforms,
     select_batch_keys,
 )
-from datamodules.pipeline.volume_datamodule import Record, VolumeDataModule
+from datamodules.pipeline.volume_datamodule import Record, VolumeDataModule, fingerprint_sample
 from medvol.core.errors import MedvolError
+from medvol.volumes.intensity import intensity_keys
+from medvol.volumes.source_grid import oriented_spacing
 
 # The keys a file-based dataset puts in its batch dicts (others in a record are bookkeeping).
 # `source_affine` (4x4 float64), `source_shape` (3 ints) and `source_file` (path) describe the voxel grid of
@@ -133,7 +136,8 @@ class NiftiDataModule(VolumeDataModule):
         self.cond_modalities = list(cond_modalities)
         self.label_values = list(label_values) if label_values is not None else None
         self.settings = TransformSettings.from_config(transforms)
-        if not self.image_modalities:
+        # Condition-only subjects (predict.py: a T1 for a T1 -> T2 model) have no `image`.
+        if not self.image_modalities and not self.cond_modalities:
             raise MedvolError("`dataset.image_modalities` is empty; name at least one channel")
         self._listing: tuple[list[Record], list[Problem]] | None = None
         # Gives every loader worker its own seed for MONAI's random transforms (they hold their own RNG).
@@ -215,11 +219,9 @@ class NiftiDataModule(VolumeDataModule):
         return str(path if path.is_absolute() else folder / path)
 
     def make_record(self, subject: str, files: dict[str, str | None]) -> Record:
-        record: Record = {
-            "subject": subject,
-            "files": files,
-            "image": [files[m] for m in self.image_modalities],
-        }
+        record: Record = {"subject": subject, "files": files}
+        if self.image_modalities:
+            record["image"] = [files[m] for m in self.image_modalities]
         if self.cond_modalities:
             record["cond"] = [files[m] for m in self.cond_modalities]
         if LABEL_KEY in files:
@@ -264,6 +266,42 @@ class NiftiDataModule(VolumeDataModule):
         if problems:
             raise preflight_error(problems, dataset_overrides())
 
+    # Fingerprint ---------------------------------------------------------------------------
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The training subjects' geometry and intensity scale (see `VolumeDataModule.fingerprint`).
+
+        The spacing is `dataset.transforms.spacing` where set, else the per-axis median over every
+        training subject's first image file (its header, in the axes after reorientation). The
+        intensity ends: the window in `window` mode; in `percentile` mode the per-channel median of
+        the training subjects' percentile ends (of `FINGERPRINT_INTENSITY_SUBJECTS` of them, evenly spread).
+        """
+        records = self.training_records()
+        orientation = self.settings.orientation
+        spacing = self.settings.spacing
+        if spacing is None:
+            spacings = [oriented_spacing(nib.load(record["image"][0]).affine, orientation) for record in records]
+            spacing = np.median(np.asarray(spacings), axis=0).tolist()
+        return {
+            "spacing": [float(s) for s in spacing], "orientation": orientation,
+            "intensity": self.intensity_fingerprint(records), "subjects": len(records),
+        }
+
+    def intensity_fingerprint(self, records: list[Record]) -> dict[str, Any] | None:
+        """Raw values mapped onto the ends of the model range per `image` channel, typical of `records`."""
+        settings, channels = self.settings, len(self.image_modalities)
+        if settings.intensity == "none":
+            return None
+        if settings.intensity == "window":
+            low, high = [settings.window[0]] * channels, [settings.window[1]] * channels
+        else:
+            chain = Compose(deterministic_transforms(TransformSettings(**{**asdict(settings), "spatial_size": None}), ["image"], None))
+            low_key, high_key = intensity_keys("image")
+            items = [chain({"image": record["image"]}) for record in fingerprint_sample(records)]
+            low = np.median([item[low_key].tolist() for item in items], axis=0).tolist()
+            high = np.median([item[high_key].tolist() for item in items], axis=0).tolist()
+        return {"mode": settings.intensity, "low": low, "high": high, "range": list(settings.output_range)}
+
     # Datasets ------------------------------------------------------------------------------
 
     @property
@@ -279,7 +317,7 @@ class NiftiDataModule(VolumeDataModule):
         return []
 
     def image_keys(self) -> list[str]:
-        return ["image", "cond"] if self.cond_modalities else ["image"]
+        return [key for key, names in (("image", self.image_modalities), ("cond", self.cond_modalities)) if names]
 
     def batch_keys(self) -> list[str]:
         return list(BATCH_KEYS)

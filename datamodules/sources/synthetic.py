@@ -11,10 +11,13 @@ from monai.data import Dataset as TransformDataset
 from monai.transforms import Compose
 from torch.utils.data import Dataset
 
-from datamodules.pipeline.volume_datamodule import Record, VolumeDataModule
+from datamodules.pipeline.volume_datamodule import Record, VolumeDataModule, fingerprint_sample
 from datamodules.sources.phantom import MODALITIES, lesion_class, make_phantom, phantom_affine
 from medvol.core.errors import MedvolError
 from medvol.volumes.projection import VIEW_AXES, radiographs, voxel_spacing
+
+# The MR percentile mapped to 1 when `mr_scale` is null.
+MR_PERCENTILE = 99.5
 
 
 def _to_unit_range(
@@ -28,7 +31,7 @@ def _to_unit_range(
         low, high = ct_window
         unit = (np.clip(volume, low, high) - low) / (high - low)
     else:
-        top = mr_scale if mr_scale is not None else np.percentile(volume, 99.5)
+        top = mr_scale if mr_scale is not None else np.percentile(volume, MR_PERCENTILE)
         unit = np.clip(volume / max(top, 1e-6), 0, 1)
     return (unit * 2 - 1).astype(np.float32)
 
@@ -178,6 +181,28 @@ class SyntheticDataModule(VolumeDataModule):
             for record in records:
                 record["class_label"] = lesion_class(self.seed, record["index"])
         return records
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The phantoms' grid (`spacing` mm, RAS) and, per `image` channel, the raw values mapped onto -1 and 1:
+        the HU window for ct; 0 and `mr_scale` (or the median 99.5th percentile of the training phantoms) for MR."""
+        records = self.training_records()
+        low, high = [], []
+        for modality in self.image_modalities:
+            if modality == "ct":
+                low.append(float(self.ct_window[0]))
+                high.append(float(self.ct_window[1]))
+                continue
+            low.append(0.0)
+            if self.mr_scale is not None:
+                high.append(self.mr_scale)
+            else:
+                tops = [np.percentile(make_phantom(self.seed, r["index"], self.size).channels[modality], MR_PERCENTILE)
+                        for r in fingerprint_sample(records)]
+                high.append(float(np.median(tops)))
+        return {
+            "spacing": [float(self.spacing)] * 3, "orientation": "RAS",
+            "intensity": {"mode": "phantom", "low": low, "high": high, "range": [-1.0, 1.0]}, "subjects": len(records),
+        }
 
     def build_dataset(self, records: list[Record], stage: str) -> Dataset:
         phantoms = SyntheticPhantomDataset(

@@ -14,6 +14,7 @@ import csv
 import math
 import tempfile
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,22 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch.utils.data import Dataset, default_collate
 
-from lightning_modules.base import MedvolModule
+from lightning_modules.base import MedvolModule, class_path
 from medvol.core.build import build
 from medvol.core.errors import MedvolError
 from medvol.run.checkpoint_check import check_checkpoint
+from medvol.run.generation import (
+    check_condition_files,
+    check_input_channels,
+    check_refinable,
+    intensity_record,
+    lacks_targets,
+    modality_field,
+    on_model_grid,
+    sampled_outputs,
+    with_target_units,
+    without_targets,
+)
 from medvol.run.resolvers import run_dir_of_checkpoint
 from medvol.volumes.prediction_writer import PredictionWriter
 from medvol.volumes.sliding_window import BLEND_MODES, SlidingWindow
@@ -136,27 +149,72 @@ def check_output_dir(output_dir: Path, input_folders: list[Path]) -> None:
             )
 
 
-def file_dataset(files: list[Path], run: DictConfig, override: Any, listing: Path) -> tuple[Dataset, DictConfig]:
-    """A dataset over input files (one subject each), preprocessed with the run's transforms on whole volumes."""
+def input_geometry(spacing: Any, record: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The `dataset.transforms` geometry inputs are resampled to: the spacing (and orientation) the model was
+    trained at, as its checkpoint records it, or `spacing=[...]`; `spacing=native` keeps each input's own."""
+    record = record or {}
+    geometry = {"orientation": record["orientation"]} if "orientation" in record else {}
+    if spacing is None:
+        return {**geometry, "spacing": record["spacing"]} if record.get("spacing") else geometry
+    if spacing == "native":
+        return {**geometry, "spacing": None}
+    values = [spacing] * 3 if isinstance(spacing, (int, float)) else list(spacing) if OmegaConf.is_list(spacing) else None
+    if values is None or len(values) != 3 or not all(isinstance(v, (int, float)) and v > 0 for v in values):
+        raise MedvolError(f"`spacing` is {spacing}; expected null (the model's training spacing), native, a voxel size in mm or three")
+    return {**geometry, "spacing": [float(v) for v in values]}
+
+
+def with_geometry(run: DictConfig, geometry: Mapping[str, Any]) -> DictConfig:
+    """The run's config with its dataset's transforms resampling to `geometry` (datasets without transforms,
+    such as the synthetic phantoms, are generated on their own grid)."""
+    if not geometry or run.dataset.get("transforms") is None:
+        return run
+    run = run.copy()
+    with open_dict(run):
+        run.dataset.transforms = OmegaConf.merge(run.dataset.transforms, dict(geometry))
+    return run
+
+
+@dataclass
+class Inputs:
+    """The subjects to predict: their dataset, its config, their records (files per batch key) and whether
+    they are condition-only (a generative model's inputs without its target)."""
+
+    dataset: Dataset
+    config: DictConfig
+    records: list[dict[str, Any]]
+    condition_only: bool = False
+
+
+def file_dataset(
+    files: list[Path], run: DictConfig, override: Any, listing: Path, geometry: Mapping[str, Any], key: str = "image"
+) -> Inputs:
+    """A dataset over input files (one subject each), preprocessed with the run's transforms on whole volumes,
+    resampled to `geometry`; the files are the `image` of each subject, or a generative model's `cond`."""
     with listing.open("w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["subject", "image"])
+        writer.writerow(["subject", key])
         writer.writerows([subject_of(f), str(f.resolve())] for f in files)
     own = run.dataset.get("transforms")
     transforms = OmegaConf.to_container(own, resolve=True) if own is not None else {}
     assert isinstance(transforms, dict)
     config = OmegaConf.create({
-        "_target_": FILE_DATASET, "list_file": str(listing), "image_modalities": ["image"],
-        "transforms": {**transforms, **WHOLE_VOLUME}, "num_workers": 0, "split_file": None,
+        "_target_": FILE_DATASET, "list_file": str(listing), "image_modalities": [key] if key == "image" else [],
+        "cond_modalities": [key] if key == "cond" else [],
+        "transforms": {**transforms, **geometry, **WHOLE_VOLUME}, "num_workers": 0, "split_file": None,
     })
     config = merged(config, override)
     datamodule = build(config)
-    return datamodule.build_dataset(datamodule.subjects(), "test"), config
+    records = datamodule.subjects()
+    return Inputs(datamodule.build_dataset(records, "test"), config, records, condition_only=key != "image")
 
 
-def dataset_subjects(run: DictConfig, override: Any, split: str | None, keep_crop: bool) -> tuple[Dataset, DictConfig]:
+def dataset_subjects(
+    run: DictConfig, override: Any, split: str | None, keep_crop: bool, generation: Mapping[str, int]
+) -> Inputs:
     """Subjects of the run's dataset (or of the `dataset` given): one split as the run's split.json assigns
-    them, or with `split` null every subject."""
+    them, or with `split` null every subject. For a generative model (`generation` names its condition
+    keys), subjects without the target files are predicted from their conditions alone."""
     config = merged(run.dataset, override)
     with open_dict(config):
         config.cache = "none"
@@ -171,14 +229,22 @@ def dataset_subjects(run: DictConfig, override: Any, split: str | None, keep_cro
         whole.dataset = config
     resolved = whole.dataset
     datamodule = build(resolved)
+    condition_only = bool(generation) and lacks_targets(datamodule.subjects())
+    if condition_only:
+        resolved = without_targets(resolved, generation)
+        datamodule = build(resolved)
+        check_condition_files(datamodule.subjects(), resolved, generation)
     if hasattr(datamodule, "preflight"):
         datamodule.preflight()
     if split is None:
-        return datamodule.build_dataset(datamodule.subjects(), "test"), resolved
+        records = datamodule.subjects()
+        return Inputs(datamodule.build_dataset(records, "test"), resolved, records, condition_only)
     datamodule.setup("test")
     if split not in datamodule.datasets:
         raise MedvolError(f"`split`: the dataset has no {split!r} split; expected one of {sorted(datamodule.datasets)}")
-    return datamodule.datasets[split], resolved
+    by_id = {str(r["subject"]): r for r in datamodule.subjects()}
+    records = [by_id[s] for s in datamodule.split[split]]
+    return Inputs(datamodule.datasets[split], resolved, records, condition_only)
 
 
 def load_module(run: DictConfig, ckpt_path: str, device: torch.device) -> MedvolModule:
@@ -221,7 +287,7 @@ def predict(cfg: DictConfig) -> dict[str, float]:
     # The model's channel counts interpolate the run's dataset: resolve them before a dataset override.
     with open_dict(run):
         run.model = OmegaConf.create(OmegaConf.to_container(run.model, resolve=True))
-    expected_channels = len(run.dataset.image_modalities) if run.dataset.get("image_modalities") is not None else None
+    image_channels = len(run.dataset.image_modalities) if run.dataset.get("image_modalities") is not None else None
     if cfg.mode not in BLEND_MODES:
         raise MedvolError(f"`mode` is {cfg.mode!r}; expected one of {list(BLEND_MODES)}")
     # The model's own validation overlap where it has one (segmentation), so predict.py sees what test=true saw.
@@ -230,10 +296,10 @@ def predict(cfg: DictConfig) -> dict[str, float]:
         raise MedvolError(f"`overlap` must be in [0, 1), got {overlap}")
     if cfg.split is not None and cfg.split not in SPLITS:
         raise MedvolError(f"`split` is {cfg.split!r}; expected one of {list(SPLITS)} or null")
-    override = cfg.get("dataset")
-    if override is not None and override.get("_target_"):
-        override = with_run_transforms(run.dataset, override)
-    if cfg.input is None and cfg.split is None and not override:
+    num_samples = cfg.get("num_samples", 1)
+    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
+        raise MedvolError(f"`num_samples` is {num_samples!r}; expected a whole number >= 1")
+    if cfg.input is None and cfg.split is None and not cfg.get("dataset"):
         raise MedvolError(
             "`input` is not set; expected a NIfTI file, a folder of them, `split=test` for the run's test split, "
             "or a dataset (`dataset=nifti dataset.root=DIR`)"
@@ -242,19 +308,44 @@ def predict(cfg: DictConfig) -> dict[str, float]:
     output_dir = Path(str(cfg.output_dir)).expanduser()
     device = pick_device(str(cfg.device))
     module = load_module(run, str(cfg.ckpt_path), device)
-    inputs: list[Path] = []
+    protected: list[Path] = []
+    generation = module.generation_inputs()
+    if num_samples > 1 and not generation:
+        raise MedvolError(
+            f"`num_samples`={num_samples}: {class_path(module)} is not generative (its outputs are not samples); "
+            "use num_samples=1"
+        )
+    geometry = input_geometry(cfg.get("spacing"), module.training_data)
+    run = with_geometry(run, geometry)
+    override = cfg.get("dataset")
+    if override is not None and override.get("_target_"):
+        override = with_run_transforms(run.dataset, override)
     with tempfile.TemporaryDirectory() as scratch:
         if cfg.input is not None:
+            where = "input"
             source = Path(str(cfg.input)).expanduser()
             if source.is_dir():
                 check_output_dir(output_dir, [source])
             # A file's outputs may go next to it (`<subject>_<name>.nii.gz`); the writer refuses to replace an input.
-            inputs = input_files(source)
-            dataset, _ = file_dataset(inputs, run, override, Path(scratch) / "inputs.csv")
+            protected = input_files(source)
+            # A generative model's input files are its condition (a T1 for a T1 -> T2 model).
+            key = next(iter(generation)) if generation else "image"
+            if generation:
+                modality_field(key)
+            inputs = file_dataset(protected, run, override, Path(scratch) / "inputs.csv", geometry, key)
         else:
+            where = "dataset.root"
             split = str(cfg.split) if cfg.split is not None else None
-            dataset, resolved = dataset_subjects(run, override, split, bool(cfg.keep_crop))
-            check_output_dir(output_dir, [Path(str(resolved.root))] if resolved.get("root") else [])
+            inputs = dataset_subjects(run, override, split, bool(cfg.keep_crop), generation)
+            check_output_dir(output_dir, [Path(str(inputs.config.root))] if inputs.config.get("root") else [])
+        # Every input's header is checked before the first file is written.
+        expected = dict(generation) if inputs.condition_only else {"image": image_channels} if image_channels else {}
+        check_input_channels(inputs.records, expected, where)
+        refine = inputs.condition_only and module.refines_resolution
+        if refine:
+            for key in generation:
+                check_refinable(inputs.records, key, geometry, where)
+        target_units = intensity_record(module) if inputs.condition_only else None
         roi = list(cfg.roi) if cfg.roi is not None else window_size(run)
         if len(roi) != 3 or min(int(r) for r in roi) < 1:
             raise MedvolError(f"`roi` is {roi}; expected three positive window sizes [D, H, W] or null")
@@ -262,36 +353,31 @@ def predict(cfg: DictConfig) -> dict[str, float]:
             roi, overlap=overlap, mode=str(cfg.mode),
             batch_size=int(cfg.sw_batch_size), device=device,
         )
-        writer = PredictionWriter(output_dir, protected=inputs)
+        writer = PredictionWriter(output_dir, protected=protected)
         extras = ["codes"] if cfg.codes else []
         count = 0
         with Progress(
             TextColumn("[bold]predict"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
             TimeElapsedColumn(), transient=True,
         ) as progress:
-            task = progress.add_task("", total=len(dataset))  # type: ignore[arg-type]
-            for batch in batches(dataset):
-                check_channels(batch, expected_channels)
+            task = progress.add_task("", total=len(inputs.dataset))  # type: ignore[arg-type]
+            for batch in batches(inputs.dataset):
                 progress.update(task, description=str(batch["subject"][0]))
                 with torch.no_grad():
-                    outputs = module.predict_volumes(batch, window, extras)
-                writer.write(outputs, batch)
+                    if inputs.condition_only:
+                        batch = with_target_units(batch, target_units)
+                        outputs = sampled_outputs(module, batch, num_samples)
+                    else:
+                        outputs = module.predict_volumes(batch, window, extras)
+                        if num_samples > 1:
+                            outputs = sampled_outputs(module, batch, num_samples, first=outputs)
+                writer.write(outputs, on_model_grid(batch) if refine else batch)
                 count += 1
                 progress.advance(task)
     writer.write_metrics()
     writer.write_predictions()
     print(summary_line(writer.rows, count, output_dir))
     return mean_metrics(writer.rows)
-
-
-def check_channels(batch: Mapping[str, Any], expected: int | None) -> None:
-    """Refuse an input whose channel count is not the one the model was trained with."""
-    got = int(batch["image"].shape[1])
-    if expected is not None and got != expected:
-        raise MedvolError(
-            f"`input`: subject {batch['subject'][0]} has {got} channel{'s' if got != 1 else ''}, but the model was trained "
-            f"on {expected} (`dataset.image_modalities` of its run); give {expected}-channel volumes"
-        )
 
 
 def mean_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:

@@ -19,6 +19,7 @@ from medvol.core.sync_batchnorm import layer_sync_plugins
 from medvol.run.batch_arithmetic import BatchArithmetic, scale_learning_rates
 from medvol.run.cascade import run_cascade
 from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes
+from medvol.run.fingerprint import RecordFingerprint
 from medvol.run.launch import local_ranks
 from medvol.run.run_check import check_label_regions, check_run, check_trainer
 from medvol.run.world import (
@@ -111,7 +112,8 @@ def _run(cfg: DictConfig, world: World) -> dict[str, float]:
     module: MedvolModule = build(model_cfg)
     check_checkpoint_shapes(cfg.get("ckpt_path"), module)
 
-    callbacks = instantiate_group(cfg.get("callbacks"), "callbacks")
+    # Not a config group entry: every run records its data's fingerprint for predict.py.
+    callbacks = [*instantiate_group(cfg.get("callbacks"), "callbacks"), RecordFingerprint()]
     loggers = instantiate_group(cfg.get("logger"), "logger")
     settings = trainer_settings(cfg, module)
     settings.pop("_target_", None)

@@ -48,3 +48,11 @@ def scale_from_range(
     out_low, out_high = float(output_range[0]), float(output_range[1])
     unit = (volume.clamp(out_low, out_high) - out_low) / (out_high - out_low)
     return unit * (high - low) + low
+
+
+def scale_spread(
+    volume: torch.Tensor, low: float, high: float, output_range: Sequence[float]
+) -> torch.Tensor:
+    """A spread (e.g. a voxel-wise standard deviation) in model units -> raw units: the slope of `scale_from_range`."""
+    out_low, out_high = float(output_range[0]), float(output_range[1])
+    return volume * ((high - low) / (out_high - out_low))

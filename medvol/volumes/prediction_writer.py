@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from medvol.core.errors import MedvolError
-from medvol.volumes.intensity import INTENSITY_RANGE_KEY, intensity_keys, scale_from_range
+from medvol.volumes.intensity import INTENSITY_RANGE_KEY, intensity_keys, scale_from_range, scale_spread
 from medvol.volumes.nifti_io import save_volume
 from medvol.volumes.source_grid import to_source_grid
 
@@ -21,7 +21,7 @@ SOURCE_KEYS = ("source_affine", "source_shape")
 
 def to_source_units(
     volume: torch.Tensor, batch: Mapping[str, Any], index: int, key: str = "image",
-    window: tuple[float, float] | None = None,
+    window: tuple[float, float] | None = None, spread: bool = False,
 ) -> torch.Tensor:
     """A (C, D, H, W) float volume in model units -> the units of the scan it came from.
 
@@ -36,7 +36,9 @@ def to_source_units(
         index: the sample's index in the batch.
         key: the batch key whose units the volume is in (`image`; `cond` for a condition panel).
         window: a model's (low, high) raw window, used when the batch carries no scaling record.
+        spread: the volume is a spread (a standard deviation): only scaled, neither shifted nor clipped.
     """
+    convert = scale_spread if spread else scale_from_range
     low_key, high_key = intensity_keys(key)
     if batch.get(low_key) is not None and batch.get(INTENSITY_RANGE_KEY) is not None:
         lows, highs = batch[low_key][index].cpu().tolist(), batch[high_key][index].cpu().tolist()
@@ -45,9 +47,9 @@ def to_source_units(
             lows, highs = lows * volume.shape[0], highs * volume.shape[0]
         if len(lows) != volume.shape[0]:
             raise ValueError(f"a {volume.shape[0]}-channel output cannot take the scaling of {len(lows)} `{key}` channels")
-        return torch.stack([scale_from_range(c, lo, hi, out_range) for c, lo, hi in zip(volume, lows, highs, strict=True)])
+        return torch.stack([convert(c, lo, hi, out_range) for c, lo, hi in zip(volume, lows, highs, strict=True)])
     if window is not None:
-        return scale_from_range(volume, float(window[0]), float(window[1]), (-1.0, 1.0))
+        return convert(volume, float(window[0]), float(window[1]), (-1.0, 1.0))
     return volume
 
 
@@ -60,7 +62,8 @@ class PredictionWriter:
     with the source header, so it has the scan's own shape and affine. Without those keys
     (synthetic data, already on its own grid) a volume is written with the batch's `affine`.
     Float volumes go back into the scan's units (`to_source_units`); a model names the batch key
-    whose units a volume has in `"units"` (name -> key, default `image`). Integer volumes are label
+    whose units a volume has in `"units"` (name -> key, default `image`), and the volumes that are
+    spreads (standard deviations: scaled, not shifted) in `"spreads"`. Integer volumes are label
     maps: with a batch `label_values` ((B, K): the file's value of each model label, e.g. BraTS
     2021's 0, 1, 2, 4) they are written with the values the input used. Patch batches (with
     `patch_origin`) stay on the patch grid and add the patch corner to the name. An `"arrays"`
@@ -124,6 +127,7 @@ class PredictionWriter:
         sources = batch.get("source_file")
         label_values = batch.get("label_values")
         units = outputs.get("units") or {}
+        spreads = set(outputs.get("spreads") or ())
         planned = []
         for name, batch_volumes in outputs["volumes"].items():
             if name in self.skip:
@@ -138,7 +142,9 @@ class PredictionWriter:
                     lookup = label_values[i].cpu()
                     volume = lookup[volume.long().clamp(0, len(lookup) - 1)]
                 elif not is_label:
-                    volume = to_source_units(volume.float(), batch, i, units.get(name, "image"), outputs.get("window"))
+                    volume = to_source_units(
+                        volume.float(), batch, i, units.get(name, "image"), outputs.get("window"), spread=name in spreads
+                    )
                 affine, header = affines[i], None
                 if on_source:
                     grid = (batch["source_affine"][i], batch["source_shape"][i])

@@ -6,6 +6,8 @@ affine and the source file's affine and shape are enough to undo them: every sou
 looked up at its world position in the model grid. Labels take the nearest voxel (values stay
 exact integers), intensities are interpolated linearly; source voxels outside the model grid
 (cropped away) take `fill`.
+
+`oriented_spacing` says what voxel size a file has once reoriented (in the axes the model sees).
 """
 
 from __future__ import annotations
@@ -57,6 +59,29 @@ def as_source_grid(
     matrix = affine.detach().cpu().numpy() if isinstance(affine, torch.Tensor) else np.asarray(affine)
     sizes = shape.tolist() if isinstance(shape, torch.Tensor) else list(shape)
     return SourceGrid(matrix.astype(np.float64), tuple(int(s) for s in sizes))
+
+
+def oriented_spacing(affine: torch.Tensor | np.ndarray, orientation: str | None) -> list[float]:
+    """The voxel size (mm) along each axis of a grid once reoriented to `orientation`.
+
+    Args:
+        affine: 4x4 voxel-to-world matrix of the grid as stored.
+        orientation: axis codes the volume is reoriented to (e.g. RAS, as MONAI's `Orientationd` does
+            with nibabel's closest-axis rule, also for oblique grids); None keeps the stored axes.
+    """
+    matrix = affine.detach().cpu().numpy() if isinstance(affine, torch.Tensor) else np.asarray(affine)
+    matrix = matrix.astype(np.float64)
+    zooms = np.sqrt((matrix[:3, :3] ** 2).sum(axis=0))
+    if not orientation:
+        return [float(z) for z in zooms]
+    # Row i: the axis stored axis i becomes, and whether it flips.
+    transform = nib.orientations.ornt_transform(
+        nib.orientations.io_orientation(matrix), nib.orientations.axcodes2ornt(tuple(orientation))
+    )
+    spacing = [0.0] * 3
+    for axis, (target, _) in enumerate(transform):
+        spacing[int(target)] = float(zooms[axis])
+    return spacing
 
 
 def to_source_grid(
