@@ -13,7 +13,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig, OmegaConf
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from datamodules.sources.nifti import NiftiDataModule
 from datamodules.sources.phantom import make_phantom
@@ -42,11 +43,15 @@ def write_lps_scans(root: Path, subjects: int, channels: int = 1) -> Path:
 
 
 def predict_cfg(*overrides: str) -> DictConfig:
-    """The composed `predict` config, on the CPU."""
+    """The composed `predict` config, on the CPU, as the current Hydra job: predict.py reads the command line's
+    own `dataset.*` overrides from it, as it does under `python predict.py`."""
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR), job_name="predict"):
-        cfg = compose(config_name="predict", overrides=["device=cpu", *overrides])
+        cfg = compose(config_name="predict", overrides=["device=cpu", *overrides], return_hydra_config=True)
+    HydraConfig().set_config(cfg)
     GlobalHydra.instance().clear()
+    with open_dict(cfg):
+        del cfg["hydra"]
     return cfg
 
 

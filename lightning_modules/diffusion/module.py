@@ -109,11 +109,13 @@ class ConditionalDiffusion(DiffusionModule):
         low = F.avg_pool3d(image.float(), kernel_size=factor)
         return F.interpolate(low, size=image.shape[2:], mode="trilinear", align_corners=False)
 
-    def subject_generators(self, batch: dict[str, Any], batch_idx: int) -> SubjectNoise:
+    def subject_generators(self, batch: dict[str, Any], batch_idx: int, draw: int = 0) -> SubjectNoise:
         """The batch's per-subject noise stream: a subject's condition noise, x_T and validation step and noise,
-        drawn in that order, are the same on any rank and in any batch position."""
-        names = subject_names(batch, batch_idx, batch[self.hparams.image_key].shape[0])
-        return SubjectNoise(names, self.sample_seed, salt="sample")
+        drawn in that order, are the same on any rank and in any batch position. Draw k (predict's
+        `num_samples`) is seeded as `model.sample_seed` + k would seed draw 0."""
+        key = self.hparams.image_key if self.hparams.image_key in batch else self.hparams.cond_key
+        names = subject_names(batch, batch_idx, batch[key].shape[0])
+        return SubjectNoise(names, self.sample_seed + draw, salt="sample")
 
     # ---- network, loss, sampling ---------------------------------------------------------
 
@@ -181,3 +183,39 @@ class ConditionalDiffusion(DiffusionModule):
 
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         return self._evaluate(batch, batch_idx, self.test_metrics)
+
+    # ---- condition-only generation (predict.py) ------------------------------------------------
+
+    def generation_inputs(self) -> dict[str, int]:
+        return {} if self.task == "unconditional" else {self.hparams.cond_key: self.cond_channels}
+
+    @property
+    def refines_resolution(self) -> bool:
+        return self.task == "super_resolution"
+
+    @torch.no_grad()
+    def generate_volumes(self, batch: dict[str, Any], draw: int = 0) -> dict[str, Any]:
+        """The seeded sample of each subject from its condition alone: a T1 (translation), a noisy scan
+        (denoising) or a coarse scan resampled to the training grid (super-resolution). With the target in
+        the batch the condition is made as `test_step` makes it; draw 0 is `test_step`'s sample."""
+        cond_key, image_key = self.hparams.cond_key, self.hparams.image_key
+        noise = self.subject_generators(batch, 0, draw)
+        if image_key in batch:
+            cond = self.condition(batch, noise)
+        else:
+            cond = batch[cond_key].float()
+            if cond.shape[1] != self.cond_channels:
+                raise MedvolError(
+                    f"`{cond_key}` has {cond.shape[1]} channels, the model was trained on {self.cond_channels}; "
+                    "give condition volumes with as many channels"
+                )
+        # A whole scan of any size: padded at the far end (with its darkest value) to what the UNet's levels halve.
+        levels = len(getattr(self.network, "block_out_channels", ())) or 1
+        size = cond.shape[2:]
+        pad = [-n % 2 ** (levels - 1) for n in size]
+        cond = F.pad(cond, (0, pad[2], 0, pad[1], 0, pad[0]), value=float(cond.min()))
+        x_T = noise.draw((self.image_channels, *cond.shape[2:]), cond.device)
+        sample = self.sample(x_T, self.conditioning(cond), noise).clamp(-1.0, 1.0)[..., : size[0], : size[1], : size[2]]
+        # A denoised or refined scan is in its input's units; a translation in those of the training targets.
+        same_modality = image_key not in batch and self.task in ("denoising", "super_resolution")
+        return {"volumes": {"sample": sample}, "units": {"sample": cond_key} if same_modality else {}}

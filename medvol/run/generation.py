@@ -51,8 +51,8 @@ def without_targets(config: DictConfig, generation: Mapping[str, int]) -> DictCo
         field = modality_field(key)
         if not config.get(field):
             raise MedvolError(
-                f"the model generates from `{key}`, but the dataset lists no `dataset.{field}`; "
-                f"name the condition modalities the model was trained on"
+                f"the model generates from `{key}`, but the dataset has no target files and lists no `dataset.{field}`; "
+                f"name the condition modalities the model was trained on, or give the scans with `input=`"
             )
     config = config.copy()
     with open_dict(config):

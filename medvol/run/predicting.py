@@ -50,6 +50,8 @@ DEFAULT_OVERLAP = 0.25
 # The dataset class that reads input files given by path; the run's own transforms preprocess them.
 FILE_DATASET = "datamodules.sources.nifti.NiftiDataModule"
 # Training-only settings dropped for prediction: every voxel of a subject is predicted.
+# The keys of a dataset config that name the model's channels.
+MODALITY_KEYS = ("image_modalities", "cond_modalities")
 WHOLE_VOLUME = {"spatial_size": None, "random_crop": None, "flip_prob": 0.0, "affine_prob": 0.0}
 
 
@@ -102,11 +104,18 @@ def command_overrides(prefix: str) -> DictConfig:
 
 def with_run_transforms(run_dataset: DictConfig, chosen: DictConfig) -> DictConfig:
     """A dataset chosen with `dataset=NAME`, preprocessed as the run was: the run's `transforms`, then the
-    command's own `dataset.transforms.*` overrides (the group file's defaults would silently differ)."""
+    command's own `dataset.transforms.*` overrides (the group file's defaults would silently differ). A
+    dataset of the run's own kind also keeps the run's modalities (the model's channels: a T1 -> T2 model's
+    [t2] and [t1], not the group file's) unless the command sets them."""
+    own = command_overrides("dataset.")
+    if run_dataset.get("_target_") == chosen.get("_target_"):
+        for key in MODALITY_KEYS:
+            if run_dataset.get(key) is not None and key in chosen and not (own.get("dataset") and key in own.dataset):
+                with open_dict(chosen):
+                    chosen[key] = run_dataset[key]
     if run_dataset.get("transforms") is None or chosen.get("transforms") is None:
         return chosen
-    own = command_overrides("dataset.transforms.")
-    transforms = OmegaConf.merge(run_dataset.transforms, own.dataset.transforms if own else {})
+    transforms = OmegaConf.merge(run_dataset.transforms, own.dataset.get("transforms") or {} if own else {})
     with open_dict(chosen):
         chosen.transforms = transforms
     return chosen
@@ -229,11 +238,14 @@ def dataset_subjects(
         whole.dataset = config
     resolved = whole.dataset
     datamodule = build(resolved)
-    condition_only = bool(generation) and lacks_targets(datamodule.subjects())
+    listed = datamodule.subjects()
+    # No subject listed at all may mean a folder of condition files only: the check below says which are missing.
+    condition_only = bool(generation) and (not listed or lacks_targets(listed))
     if condition_only:
+        # Every subject listed with its target files or its conditions needs all its condition files.
+        check_condition_files(listed, resolved, generation)
         resolved = without_targets(resolved, generation)
         datamodule = build(resolved)
-        check_condition_files(datamodule.subjects(), resolved, generation)
     if hasattr(datamodule, "preflight"):
         datamodule.preflight()
     if split is None:
@@ -339,7 +351,7 @@ def predict(cfg: DictConfig) -> dict[str, float]:
             inputs = dataset_subjects(run, override, split, bool(cfg.keep_crop), generation)
             check_output_dir(output_dir, [Path(str(inputs.config.root))] if inputs.config.get("root") else [])
         # Every input's header is checked before the first file is written.
-        expected = dict(generation) if inputs.condition_only else {"image": image_channels} if image_channels else {}
+        expected = {**({"image": image_channels} if image_channels and not inputs.condition_only else {}), **generation}
         check_input_channels(inputs.records, expected, where)
         refine = inputs.condition_only and module.refines_resolution
         if refine:
