@@ -1,7 +1,7 @@
 """Fast-DDPM T1 -> T2 from T1 files alone (`predict.py input=DIR`) against the withheld T2 of unseen phantoms.
 
     .venv/bin/python benchmarks/predict_condition_only.py [--ckpt CKPT] [--size 16] [--epochs 16] [--subjects 8]
-        [--samples 4] [--workdir DIR] [train.py overrides ...]
+        [--samples 4] [--eta 0.0] [--workdir DIR] [train.py overrides ...]
 
 Without `--ckpt`, trains `python train.py model=ddpm dataset.size=SIZE trainer.max_epochs=EPOCHS` (the
 synthetic T1 -> T2 default, 32 phantoms) under `--workdir`. Then writes the T1 of `--subjects` unseen
@@ -10,7 +10,8 @@ phantoms (indices 1000 and up: no training subject) as NIfTI files, keeps their 
 units ([-1, 1]: each phantom's own scaling, as the synthetic dataset makes it; data range 2, 3D SSIM
 with a 7-voxel window as the run's validation): the first sample, the voxel-wise mean of the N samples,
 and the identity baseline (the T1 as the T2 answer); it also prints the mean of the written spread
-(`<subject>_sample_std`) and its correlation with the mean's absolute error.
+(`<subject>_sample_std`) and its correlation with the mean's absolute error. `--eta` samples with that
+DDIM stochasticity (`+model.eta=`; the model's own, 0, by default).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=16)
     parser.add_argument("--subjects", type=int, default=8)
     parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--eta", type=float, default=None)
     parser.add_argument("--workdir", type=Path, default=None)
     args, extra = parser.parse_known_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -70,14 +72,14 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     ckpt = args.ckpt or train(workdir, args.size, args.epochs, extra)
 
-    inputs, out = workdir / "t1", workdir / "predictions"
+    inputs, out = workdir / "t1", workdir / ("predictions" if args.eta is None else f"predictions-eta{args.eta:g}")
     inputs.mkdir(exist_ok=True)
     shape = (args.size,) * 3
     phantoms = {f"unseen{i:04d}": make_phantom(0, i, shape) for i in range(1000, 1000 + args.subjects)}
     for subject, phantom in phantoms.items():
         nib.save(nib.Nifti1Image(phantom.channels["t1"], phantom_affine(shape, 6.0)), str(inputs / f"{subject}.nii.gz"))
     command = [sys.executable, str(ROOT / "predict.py"), f"ckpt_path={ckpt}", f"input={inputs}", f"output_dir={out}",
-               f"num_samples={args.samples}"]
+               f"num_samples={args.samples}", *([f"+model.eta={args.eta}"] if args.eta is not None else [])]
     started = time.perf_counter()
     subprocess.run(command, check=True, cwd=ROOT, capture_output=True, text=True)
     print(f"predict.py ({args.subjects} subjects x {args.samples} samples): {time.perf_counter() - started:.1f} s")

@@ -146,13 +146,15 @@ def test_a_coarse_scan_is_refined_to_the_training_spacing_and_a_noisy_one_denois
     task, run_dir = restoration_run
     t2 = next((run_dir.parent / "brats").glob("*/*_t2.nii.gz"))
     fine = nib.load(str(t2))
-    # The same field of view at twice the voxel size (every other voxel), and the scan with noise added.
+    # The same field of view at twice the voxel size (every other voxel), and the scan with noise added; both
+    # stored 8x brighter than the training scans, so their own units and the training targets' differ.
     coarse_affine = fine.affine @ np.diag([2.0, 2.0, 2.0, 1.0])
     coarse_affine[:3, 3] += coarse_affine[:3, :3] @ np.full(3, -0.25)
     scans = tmp_path / "scans"
     scans.mkdir()
-    nib.save(nib.Nifti1Image(np.asarray(fine.dataobj)[::2, ::2, ::2], coarse_affine), str(scans / "coarse.nii.gz"))
-    noisy = np.asarray(fine.dataobj) + np.random.default_rng(0).normal(0, 20, SHAPE)
+    raw = np.asarray(fine.dataobj).astype(np.float64) * 8
+    nib.save(nib.Nifti1Image(raw[::2, ::2, ::2].astype(np.int16), coarse_affine), str(scans / "coarse.nii.gz"))
+    noisy = raw + np.random.default_rng(0).normal(0, 160, SHAPE)
     nib.save(nib.Nifti1Image(noisy.astype(np.int16), fine.affine), str(scans / "noisy.nii.gz"))
     ckpt = f"ckpt_path={run_dir}/checkpoints/last.ckpt"
     spacing = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["medvol_data"]["spacing"]
