@@ -49,9 +49,9 @@ SPLITS = ("train", "val", "test")
 DEFAULT_OVERLAP = 0.25
 # The dataset class that reads input files given by path; the run's own transforms preprocess them.
 FILE_DATASET = "datamodules.sources.nifti.NiftiDataModule"
-# Training-only settings dropped for prediction: every voxel of a subject is predicted.
 # The keys of a dataset config that name the model's channels.
 MODALITY_KEYS = ("image_modalities", "cond_modalities")
+# Training-only settings dropped for prediction: every voxel of a subject is predicted.
 WHOLE_VOLUME = {"spatial_size": None, "random_crop": None, "flip_prob": 0.0, "affine_prob": 0.0}
 
 
@@ -107,15 +107,15 @@ def with_run_transforms(run_dataset: DictConfig, chosen: DictConfig) -> DictConf
     command's own `dataset.transforms.*` overrides (the group file's defaults would silently differ). A
     dataset of the run's own kind also keeps the run's modalities (the model's channels: a T1 -> T2 model's
     [t2] and [t1], not the group file's) unless the command sets them."""
-    own = command_overrides("dataset.")
+    own = command_overrides("dataset.").get("dataset") or {}
     if run_dataset.get("_target_") == chosen.get("_target_"):
         for key in MODALITY_KEYS:
-            if run_dataset.get(key) is not None and key in chosen and not (own.get("dataset") and key in own.dataset):
+            if run_dataset.get(key) is not None and key in chosen and key not in own:
                 with open_dict(chosen):
                     chosen[key] = run_dataset[key]
     if run_dataset.get("transforms") is None or chosen.get("transforms") is None:
         return chosen
-    transforms = OmegaConf.merge(run_dataset.transforms, own.dataset.get("transforms") or {} if own else {})
+    transforms = OmegaConf.merge(run_dataset.transforms, own.get("transforms") or {})
     with open_dict(chosen):
         chosen.transforms = transforms
     return chosen
