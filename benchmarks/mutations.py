@@ -183,8 +183,8 @@ MUTATIONS = [
     ),
     Mutation(
         "predict-no-source-units", "medvol/volumes/prediction_writer.py",
-        "        return torch.stack([scale_from_range(c, lo, hi, out_range)",
-        "        return volume if True else torch.stack([scale_from_range(c, lo, hi, out_range)",
+        "        return torch.stack([convert(c, lo, hi, out_range)",
+        "        return volume if True else torch.stack([convert(c, lo, hi, out_range)",
         ("tests/test_predict.py",),
         "outputs written in model units, the dataset's percentile/window scaling not inverted",
     ),
@@ -202,7 +202,7 @@ MUTATIONS = [
     ),
     Mutation(
         "predict-channels-unchecked", "medvol/run/predicting.py",
-        "                check_channels(batch, expected_channels)\n", "",
+        "        check_input_channels(inputs.records, expected, where)\n", "",
         ("tests/test_predict.py",),
         "an input with another channel count than the model's is not refused",
     ),
