@@ -99,9 +99,13 @@ class RunSummary(pl.Callback):
         tensorboard = next((lg.log_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
         metrics = {**self.fit_metrics, **self._metrics(trainer)}
         peak_gpu = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
-        # Callbacks that measure the run (callbacks/telemetry.py) add their own fields.
+        # Callbacks that measure the run (callbacks/telemetry.py) add their own fields, and so does the
+        # datamodule (what its cache chose).
         extra = {k: v for cb in trainer.callbacks if hasattr(cb, "summary_fields")
                  for k, v in cb.summary_fields(trainer.lightning_module).items()}
+        datamodule = getattr(trainer, "datamodule", None)
+        if hasattr(datamodule, "summary_fields"):
+            extra.update(datamodule.summary_fields())
         return {
             "run_dir": str(self.output_dir),
             "best_checkpoint": getattr(checkpoint, "best_model_path", None) or None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from datamodules.sources.synthetic import SyntheticDataModule, SyntheticPhantomDataset
+from datamodules.sources.synthetic import PhantomItem, SyntheticDataModule
 from medvol.core.errors import MedvolError
 from medvol.run.training import run
 from tests.conftest import compose_cfg
@@ -14,8 +14,8 @@ from tests.conftest import compose_cfg
 def _bright_share_and_burden(mr_scale: float | None) -> tuple[np.ndarray, np.ndarray]:
     """Per phantom: the share of FLAIR voxels brighter than oedema's lower range, and the lesion fraction."""
     records = [{"subject": f"s{i}", "index": i} for i in range(16)]
-    dataset = SyntheticPhantomDataset(records, (24, 24, 24), ["flair"], [], 0, 6.0, (-1000.0, 1000.0), mr_scale=mr_scale)
-    items = [dataset[i] for i in range(len(dataset))]
+    phantom = PhantomItem((24, 24, 24), ["flair"], [], 0, 6.0, (-1000.0, 1000.0), mr_scale=mr_scale)
+    items = [phantom(record) for record in records]
     # 0.8 of the scale: above grey matter (0.6) and below oedema (0.95) at mr_scale 1.0.
     threshold = 2 * 0.8 / 1.25 - 1 if mr_scale else 2 * 0.8 - 1
     bright = np.array([float((item["image"] > threshold).float().mean()) for item in items])

@@ -1,17 +1,16 @@
-"""Caching of the deterministic transforms (`dataset.cache: none | memory | smart | disk`), partitioned per rank.
+"""Caching of the deterministic transforms (`dataset.cache: auto | none | memory | smart | disk`), partitioned per rank.
 
-Under DDP a memory or smart cache holds only this rank's share of the subjects, so the
-whole job keeps about one copy of the data in RAM instead of one per rank. The partition
-is fixed (a strided slice of the sorted subject list), the order within it reshuffles
-every epoch, and every rank draws the same number of samples per epoch.
+Under DDP a cache holds only this rank's share of the subjects, so the whole job keeps about
+one copy of the data instead of one per rank (and each disk item is written by one rank). The
+partition is fixed (a strided slice of the sorted subject list), the order within it
+reshuffles every epoch, and every rank draws the same number of samples per epoch.
+`auto` chooses memory, disk or none per rank (`datamodules/pipeline/cache_budget.py`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import hashlib
-import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -20,15 +19,16 @@ from typing import Any, TypeVar
 
 import pytorch_lightning as pl
 import torch
-from monai.data import CacheDataset, PersistentDataset, SmartCacheDataset
+from monai.data import CacheDataset, SmartCacheDataset
 from monai.data import Dataset as TransformDataset
 from monai.transforms import Compose
 from torch.utils.data import Dataset, DistributedSampler
 
+from datamodules.pipeline.cache_budget import check_cache_folder
+from datamodules.pipeline.disk_cache import DiskCache
 from medvol.core.errors import MedvolError
 
-CACHE_MODES = ("none", "memory", "smart", "disk")
-PARTITIONED_MODES = ("memory", "smart")
+CACHE_MODES = ("auto", "none", "memory", "smart", "disk")
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 GLIBC_MMAP_THRESHOLD_MAX = 32 << 20  # the ceiling of glibc's adaptive threshold on 64-bit systems
 
@@ -59,6 +59,8 @@ def validate_cache(mode: str, cache_rate: float, replace_rate: float, cache_dir:
         raise MedvolError(f"`dataset.replace_rate` must be in (0, 1], got {replace_rate}")
     if mode == "disk" and not cache_dir:
         raise MedvolError("`dataset.cache=disk` needs `dataset.cache_dir`, a folder for the cached volumes")
+    if mode in ("auto", "disk") and cache_dir:
+        check_cache_folder(Path(cache_dir))
 
 
 @contextmanager
@@ -86,11 +88,6 @@ def compact_cache_fill() -> Iterator[None]:
             libc.malloc_trim(0)
 
 
-def fingerprint(settings: Any) -> str:
-    """A short hash of the transform settings: a disk cache made with other settings is never reused."""
-    return hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
 def cached_dataset(
     records: list[dict[str, Any]],
     deterministic: Sequence[Callable],
@@ -112,21 +109,22 @@ def cached_dataset(
         records: subject records (file paths and values).
         deterministic: transforms whose output is cached.
         random: transforms run on every draw (augmentation, device transfer).
-        mode: one of `CACHE_MODES`.
+        mode: none, memory, smart or disk.
         stage: train, val or test.
         cache_rate: share of the records to cache.
         replace_rate: share of a smart cache replaced each epoch.
-        cache_dir: folder of the disk cache.
+        cache_dir: folder of the disk cache's items for this stage.
         workers: threads that fill the cache.
         seed: seed of the random transforms (loader workers reseed them, see `worker_init_fn`).
     """
     head = Compose(list(deterministic))
     tail = Compose(list(random)).set_random_state(seed=seed)
+    # Uncached, the same two steps run on every draw, so cached and uncached items draw the same random numbers.
     if mode == "none":
-        return TransformDataset(records, Compose([*deterministic, *tail.transforms]))
-    if mode == "disk":
+        base: Dataset = TransformDataset(records, head)
+    elif mode == "disk":
         assert cache_dir is not None
-        base: Dataset = PersistentDataset(records, head, cache_dir=Path(cache_dir))
+        base = DiskCache(records, head, Path(cache_dir))
     else:
         with compact_cache_fill():
             base = _in_memory(records, head, mode, stage, cache_rate, replace_rate, workers)

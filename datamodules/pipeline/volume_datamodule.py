@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from abc import abstractmethod
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -11,11 +14,10 @@ import pytorch_lightning as pl
 import torch
 from monai.data import DistributedSampler as EvaluationSampler
 from monai.data import ThreadDataLoader
-from monai.transforms import ToDeviced
+from monai.transforms import Compose, ToDeviced
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from datamodules.pipeline.cache import (
-    PARTITIONED_MODES,
     PartitionSampler,
     SmartCacheLifecycle,
     cached_dataset,
@@ -25,8 +27,20 @@ from datamodules.pipeline.cache import (
     steps_share,
     validate_cache,
 )
+from datamodules.pipeline.cache_budget import (
+    DISK_SHARE,
+    CachePlan,
+    available_memory,
+    free_disk,
+    item_bytes,
+    parse_budget,
+    plan_cache,
+)
+from datamodules.pipeline.disk_cache import fingerprint_folder, open_fingerprint_folder
 from datamodules.pipeline.split import load_split, make_split, save_split
 from medvol.core.errors import MedvolError
+
+log = logging.getLogger("medvol")
 
 Record = dict[str, Any]
 # The tensors of a batch dict that `gpu_transforms` moves to the device before the random transforms.
@@ -55,9 +69,10 @@ class VolumeDataModule(pl.LightningDataModule):
     what makes a resumed run identical to an uninterrupted one). Validation and testing
     partition the subjects without padding, so no subject is counted twice in a metric.
 
-    With `cache` memory or smart, each rank builds its datasets over its own share of the
+    With any `cache` but none, each rank builds its datasets over its own share of the
     subjects only (see `datamodules/pipeline/cache.py`), so the cache is not copied per rank; a
-    `PartitionSampler` then gives every rank the same number of samples per epoch.
+    `PartitionSampler` then gives every rank the same number of samples per epoch. `auto` picks
+    memory, disk or none for this rank's share once, when the first dataset is built.
 
     Args:
         batch_size: per-device training batch size.
@@ -72,10 +87,13 @@ class VolumeDataModule(pl.LightningDataModule):
         split_file: where the split is recorded; an existing file is reused, never rewritten.
         max_subjects: use only the first N subjects (quick runs).
         shuffle_seed: seed of the training order.
-        cache: none, memory (CacheDataset), smart (SmartCacheDataset) or disk (PersistentDataset).
+        cache: auto (memory within `cache_budget`, else disk, else none), none, memory (CacheDataset), smart
+            (SmartCacheDataset) or disk (items saved under `cache_dir`).
         cache_rate: share of the subjects held in a memory/smart cache.
         replace_rate: share of a smart cache replaced after every epoch.
-        cache_dir: folder of the disk cache.
+        cache_dir: folder of the disk cache (one fingerprinted subfolder per transform settings and file list).
+        cache_budget: memory an `auto` cache may take on this node: a fraction of the available memory
+            (0.25, "25%") or a size ("8GiB"); each rank of the node gets an equal share.
         gpu_transforms: move each item to the training device right after the cached transforms and run
             the random ones there, loading with a thread loader (MONAI's fast-training recipe).
     """
@@ -98,6 +116,7 @@ class VolumeDataModule(pl.LightningDataModule):
         cache_rate: float = 1.0,
         replace_rate: float = 0.1,
         cache_dir: str | None = None,
+        cache_budget: float | str = 0.25,
         gpu_transforms: bool = False,
     ) -> None:
         super().__init__()
@@ -118,6 +137,10 @@ class VolumeDataModule(pl.LightningDataModule):
         self.cache_rate = cache_rate
         self.replace_rate = replace_rate
         self.cache_dir = Path(cache_dir) if cache_dir else None
+        self.cache_budget = parse_budget(cache_budget)
+        self.cache_plan: CachePlan | None = None
+        self.cache_fill_seconds = 0.0
+        self._rank_records: list[Record] = []
         self.gpu_transforms = gpu_transforms
         self.collate_fn: Any = None
         self.worker_init_fn: Any = None
@@ -172,7 +195,43 @@ class VolumeDataModule(pl.LightningDataModule):
     @property
     def partitioned(self) -> bool:
         """Whether each rank holds datasets over its own share of the subjects only."""
-        return self.cache in PARTITIONED_MODES
+        return self.cache != "none"
+
+    @property
+    def cache_mode(self) -> str:
+        """The cache in use: `dataset.cache`, or what `auto` chose (none before the first dataset is built)."""
+        if self.cache != "auto":
+            return self.cache
+        return self.cache_plan.mode if self.cache_plan is not None else "none"
+
+    def item_voxels(self, record: Record) -> int:
+        """Voxels of `record`'s cached item relative to the others' (the `auto` estimate); all equal by default."""
+        return 1
+
+    def _ranks_per_node(self) -> int:
+        if self.trainer is not None:
+            return max(1, int(self.trainer.num_devices))
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+    def _plan(self, records: list[Record], deterministic: list[Any], folder: Path | None) -> CachePlan:
+        """What `auto` caches: one item is made to measure, the others are scaled by their voxel counts."""
+        share = self._rank_records or records
+        sample = item_bytes(Compose(list(deterministic))(records[0]))
+        estimate = int(sample * sum(self.item_voxels(r) for r in share) / self.item_voxels(records[0]))
+        ranks = self._ranks_per_node()
+        available = available_memory()
+        budget = self.cache_budget.bytes(available) // ranks
+        budget_text = self.cache_budget.describe(available) + (f", shared by {ranks} ranks" if ranks > 1 else "")
+        disk_room = None
+        if folder is not None:
+            kept = sum(f.stat().st_size for f in folder.rglob("*.pt")) if folder.is_dir() else 0
+            disk_room = int(DISK_SHARE * free_disk(folder) / ranks) + kept
+        return plan_cache(len(share), estimate, budget, budget_text, folder, disk_room)
+
+    def summary_fields(self) -> dict[str, Any]:
+        """The cache's choice and fill time, for `summary.json`."""
+        fields = self.cache_plan.summary() if self.cache_plan else {"requested": self.cache, "mode": self.cache_mode}
+        return {"cache": {**fields, "fill_seconds": round(self.cache_fill_seconds, 2)}}
 
     def workers(self) -> int:
         """Loader workers per device: the configured count, or a default from the CPUs and devices."""
@@ -206,7 +265,8 @@ class VolumeDataModule(pl.LightningDataModule):
         return [ToDeviced(list(DEVICE_KEYS), device=self.device(), allow_missing_keys=True)]
 
     def cached_dataset(
-        self, records: list[Record], deterministic: list[Any], random: list[Any], stage: str, fingerprint: str = ""
+        self, records: list[Record], deterministic: list[Any], random: list[Any], stage: str,
+        fingerprint: Mapping[str, Any] | None = None,
     ) -> Dataset:
         """A dataset over `records` with `dataset.cache` applied to the deterministic transforms.
 
@@ -215,15 +275,29 @@ class VolumeDataModule(pl.LightningDataModule):
             deterministic: cacheable transforms.
             random: per-draw transforms (empty outside training).
             stage: train, val or test.
-            fingerprint: identifies the transform settings; names the disk-cache subfolder.
+            fingerprint: what the cached items are made from (transform settings, source files); a disk
+                cache made from anything else is never reused.
         """
         post = [*self.device_transforms(), *random]
-        cache_dir = self.cache_dir / (fingerprint or "default") / stage if self.cache_dir else None
+        folder, record = None, {}
+        if self.cache_dir is not None and self.cache in ("auto", "disk"):
+            folder, record = fingerprint_folder(self.cache_dir, fingerprint or {})
+        if self.cache == "auto" and self.cache_plan is None and records:
+            self.cache_plan = self._plan(records, deterministic, folder)
+            if self._is_global_zero():
+                (log.warning if self.cache_plan.mode == "none" else log.info)("%s", self.cache_plan.describe())
+        mode = self.cache_mode
+        if mode == "disk":
+            assert folder is not None
+            open_fingerprint_folder(folder, record)
         _, rank = self._world()
+        start = time.perf_counter()
         dataset = cached_dataset(
-            records, deterministic, post, self.cache, stage, self.cache_rate, self.replace_rate, cache_dir,
-            workers=max(1, self.workers()), seed=self.shuffle_seed + rank,
+            records, deterministic, post, mode, stage, 1.0 if self.cache == "auto" else self.cache_rate,
+            self.replace_rate, folder / stage if folder else None, workers=max(1, self.workers()),
+            seed=self.shuffle_seed + rank,
         )
+        self.cache_fill_seconds += time.perf_counter() - start
         smart = find_smart_cache(dataset)
         if smart is not None and self.trainer is not None:
             self.trainer.callbacks.append(SmartCacheLifecycle(smart))
@@ -251,10 +325,12 @@ class VolumeDataModule(pl.LightningDataModule):
                 save_split(self.split_file, self.split, self.split_seed)
         by_id = {str(r["subject"]): r for r in records}
         world, rank = self._world()
+        shares = {}
         for name, members in self.split.items():
             self._split_sizes[name] = len(members)
-            if self.partitioned:
-                members = partition(sorted(members), world, rank)
+            shares[name] = partition(sorted(members), world, rank) if self.partitioned else members
+        self._rank_records = [by_id[s] for members in shares.values() for s in members]
+        for name, members in shares.items():
             self.datasets[name] = self.build_dataset([by_id[s] for s in members], name)
 
     def _strata(self, records: list[Record]) -> list[Any] | None:
@@ -270,7 +346,7 @@ class VolumeDataModule(pl.LightningDataModule):
 
     def _loader(self, dataset: Dataset, batch_size: int, sampler: Any) -> DataLoader:
         workers = self.workers()
-        if self.cache == "smart" and workers > 0 and torch.multiprocessing.get_start_method() != "fork":
+        if self.cache_mode == "smart" and workers > 0 and torch.multiprocessing.get_start_method() != "fork":
             raise MedvolError(
                 f"`dataset.cache=smart` with `dataset.num_workers`={workers} needs forked worker processes, but this "
                 f"platform starts them with {torch.multiprocessing.get_start_method()!r} (each worker would get a stale "
@@ -301,7 +377,7 @@ class VolumeDataModule(pl.LightningDataModule):
             )
         sampler: DistributedSampler
         if self.partitioned:
-            share = steps_share(total, world, self.cache, "train", self.cache_rate)
+            share = steps_share(total, world, self.cache_mode, "train", self.cache_rate)
             if share < self.batch_size:
                 raise MedvolError(
                     f"each rank caches {share} training subjects, fewer than `dataset.batch_size`={self.batch_size}; "

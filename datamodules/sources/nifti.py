@@ -22,7 +22,6 @@ from monai.data.utils import worker_init_fn
 from monai.transforms import Compose, MapTransform
 from torch.utils.data import Dataset
 
-from datamodules.pipeline.cache import fingerprint
 from datamodules.pipeline.check import (
     LABEL_KEY,
     Problem,
@@ -31,6 +30,7 @@ from datamodules.pipeline.check import (
     duplicate_subjects,
     preflight_error,
 )
+from datamodules.pipeline.disk_cache import file_stats
 from datamodules.pipeline.transforms import (
     TransformSettings,
     deterministic_transforms,
@@ -337,8 +337,22 @@ class NiftiDataModule(VolumeDataModule):
 
     def build_dataset(self, records: list[Record], stage: str) -> Dataset:
         deterministic = [*self.deterministic(stage), select_batch_keys(self.batch_keys())]
-        key = fingerprint({"class": type(self).__name__, "settings": asdict(self.settings), "extra": self.cache_key()})
-        return self.cached_dataset(records, deterministic, self.random(stage), stage, fingerprint=key)
+        files = [path for record in self.subjects() for path in record["files"].values() if path]
+        fingerprint = {
+            "class": type(self).__name__, "settings": asdict(self.settings), "extra": self.cache_key(),
+            "files": file_stats(files),
+        }
+        return self.cached_dataset(records, deterministic, self.random(stage), stage, fingerprint=fingerprint)
+
+    def item_voxels(self, record: Record) -> int:
+        """Voxels of the cached item: `spatial_size`, or the first image's grid resampled to `spacing` (header only)."""
+        if self.settings.spatial_size:
+            return int(np.prod(self.settings.spatial_size))
+        header = nib.load(record["image"][0]).header
+        shape = np.asarray(header.get_data_shape()[:3], dtype=float)
+        if self.settings.spacing:
+            shape = shape * np.asarray(header.get_zooms()[:3]) / np.asarray(self.settings.spacing)
+        return int(np.prod(np.maximum(np.round(shape), 1)))
 
     def cache_key(self) -> dict[str, Any]:
         """What else, besides the transform settings, changes the cached items."""

@@ -1,4 +1,4 @@
-"""The embedded default dataset: synthetic head phantoms, generated on the fly (no download)."""
+"""The embedded default dataset: synthetic head phantoms, generated from (seed, index) (no download)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from monai.data import Dataset as TransformDataset
-from monai.transforms import Compose
+from monai.transforms import Transform
 from torch.utils.data import Dataset
 
 from datamodules.pipeline.volume_datamodule import Record, VolumeDataModule, fingerprint_sample
@@ -36,8 +35,8 @@ def _to_unit_range(
     return (unit * 2 - 1).astype(np.float32)
 
 
-class SyntheticPhantomDataset(Dataset):
-    """Phantoms for `records` as batch dicts.
+class PhantomItem(Transform):
+    """A record (`subject`, `index`) -> its phantom as a batch dict; deterministic, so a cache can keep it.
 
     Keys: `image` (C, D, H, W) in [-1, 1] from `image_modalities`; `cond` from
     `cond_modalities` when given (e.g. T1 -> T2 translation); `label` (1, D, H, W) int64
@@ -50,7 +49,6 @@ class SyntheticPhantomDataset(Dataset):
 
     def __init__(
         self,
-        records: list[Record],
         size: Sequence[int],
         image_modalities: Sequence[str],
         cond_modalities: Sequence[str],
@@ -62,7 +60,6 @@ class SyntheticPhantomDataset(Dataset):
         mu_water: float = 0.02,
         mr_scale: float | None = None,
     ) -> None:
-        self.records = records
         self.size = tuple(size)
         self.image_modalities = list(image_modalities)
         self.cond_modalities = list(cond_modalities)
@@ -74,11 +71,7 @@ class SyntheticPhantomDataset(Dataset):
         self.xray_size = list(xray_size)
         self.mu_water = mu_water
 
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        record = self.records[i]
+    def __call__(self, record: Record) -> dict[str, Any]:
         phantom = make_phantom(self.seed, record["index"], self.size)
 
         def stack(names: Sequence[str]) -> torch.Tensor:
@@ -205,11 +198,10 @@ class SyntheticDataModule(VolumeDataModule):
         }
 
     def build_dataset(self, records: list[Record], stage: str) -> Dataset:
-        phantoms = SyntheticPhantomDataset(
-            records, self.size, self.image_modalities, self.cond_modalities, self.seed, self.spacing, self.ct_window,
-            self.views, self.xray_size, self.mu_water,
-            self.mr_scale,
-        )
-        # Phantoms have no random transforms; `gpu_transforms` still delivers them on the training device.
-        moves = self.device_transforms()
-        return TransformDataset(phantoms, Compose(moves)) if moves else phantoms
+        settings = {
+            "size": self.size, "image_modalities": self.image_modalities, "cond_modalities": self.cond_modalities,
+            "seed": self.seed, "spacing": self.spacing, "ct_window": list(self.ct_window), "views": self.views,
+            "xray_size": self.xray_size, "mu_water": self.mu_water, "mr_scale": self.mr_scale,
+        }
+        fingerprint = {"class": type(self).__name__, "settings": settings}
+        return self.cached_dataset(records, [PhantomItem(**settings)], [], stage, fingerprint=fingerprint)

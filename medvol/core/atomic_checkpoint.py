@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,12 @@ log = logging.getLogger("medvol")
 _PARTIAL_SUFFIX = ".partial"
 
 
-def partial_path(target: Path) -> Path:
-    """Where `target` is written before it is renamed into place: hidden, same folder, not `*.ckpt`."""
-    return target.with_name(f".{target.name}{_PARTIAL_SUFFIX}")
+def partial_path(target: Path, writer: str = "") -> Path:
+    """Where `target` is written before it is renamed into place: hidden, same folder, not `*.ckpt`.
+
+    `writer` tells apart the partial files of writers that may work on the same target at once.
+    """
+    return target.with_name(f".{target.name}{writer}{_PARTIAL_SUFFIX}")
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -47,11 +51,21 @@ def _remove_partials(folder: Path) -> None:
         leftover.unlink(missing_ok=True)
 
 
-def atomic_torch_save(checkpoint: dict[str, Any], target: Path) -> None:
-    """`torch.save(checkpoint, target)` through a partial file, fsync and rename."""
+def atomic_torch_save(checkpoint: Any, target: Path, shared: bool = False) -> None:
+    """`torch.save(checkpoint, target)` through a partial file, fsync and rename.
+
+    Args:
+        checkpoint: what to save.
+        target: the file.
+        shared: other processes and threads may write into the same folder at once (a data cache): the
+            partial file is named for this process and thread, and nobody else's leftovers are removed.
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_partials(target.parent)
-    partial = partial_path(target)
+    if shared:
+        partial = partial_path(target, f".{os.getpid()}-{threading.get_ident()}")
+    else:
+        _remove_partials(target.parent)
+        partial = partial_path(target)
     try:
         # 0o666 so the user's umask decides the mode, as for a plain open().
         descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
