@@ -1,6 +1,7 @@
-"""Data pipeline speed and memory: `dataset.cache` none vs memory vs smart vs disk, and partitioned caching under DDP.
+"""Data pipeline speed and memory: `dataset.cache` modes, partitioned caching under DDP, and whole runs with `auto` vs none.
 
     OMP_NUM_THREADS=1 python benchmarks/data_pipeline.py --subjects 64 --size 128
+    OMP_NUM_THREADS=1 python benchmarks/data_pipeline.py --parts train --train-runs brats synthetic --work /tmp/bench
 
 1. Writes a NIfTI set (synthetic CT phantoms, `--distinct` of them generated, the rest copies).
 2. For each cache mode, loads the training set through `NiftiDataModule` (percentile scaling,
@@ -8,8 +9,15 @@
    first epoch (which includes filling the cache) and of the later ones.
 3. Starts 1 and then 2 gloo ranks (CPU) with `cache=memory` and reports each rank's peak RSS
    growth while filling its cache, next to the size of one copy of the data.
+4. (`--parts train`) Runs `python train.py` with `dataset.cache=auto` and `none`: the BraTS segmentation
+   command of issue 23 on `--brats-subjects` BraTS 2021 cases of `--brats-size` voxels (written by
+   `datamodules.sources.example_data` when `--brats` has none), and the default synthetic run; reports
+   per epoch the data-wait fraction and the epoch time (`telemetry/*` in the CSV log), the cache's choice
+   and fill time, samples/s and peak host memory (`summary.json`), and the load average. `--compare-root`
+   adds the default run of another checkout (e.g. an export of main: "before"); `--train-overrides`
+   go to every run (`hardware=gpu`).
 
-Prints a Markdown table and writes the figures as JSON (`--out`).
+Prints Markdown tables and writes the figures as JSON (`--out`).
 """
 
 from __future__ import annotations
@@ -19,8 +27,10 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # fair to the 2-core CI machine; set before torch loads
 
 import argparse
+import csv
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,10 +43,17 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from datamodules.pipeline.cache import SmartCacheLifecycle, compact_cache_fill, find_smart_cache  # noqa: E402
-from datamodules.sources.example_data import write_nifti_folder  # noqa: E402
+from datamodules.sources.example_data import write_brats, write_nifti_folder  # noqa: E402
 from datamodules.sources.nifti import NiftiDataModule  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 MODES = ("none", "memory", "smart", "disk")
+# The command of issue 23 (add dataset.root=DIR), and the default run.
+TRAIN_RUNS = {
+    "brats": ["model=segmentation", "dataset=brats", "model.regions={WT:[1,2,3],TC:[1,3],ET:[3]}",
+              "dataset.transforms.spacing=[4,4,4]"],
+    "synthetic": [],
+}
 
 
 def make_dataset(root: Path, subjects: int, size: int, distinct: int) -> Path:
@@ -141,6 +158,64 @@ def ddp_memory(root: Path, world: int, work: Path) -> list[dict]:
     return json.loads(result.read_text())
 
 
+def train_run(root: Path, overrides: list[str], epochs: int, work: Path, label: str) -> dict:
+    """One `python train.py` of the checkout at `root`: per-epoch telemetry from its CSV log, its summary."""
+    folder = work / f"run-{label}"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    command = [sys.executable, str(root / "train.py"), *overrides, f"trainer.max_epochs={epochs}", "logger=csv",
+               "callbacks.progress_bar=null", "print_config=false", f"paths.log_dir={folder / 'outputs'}"]
+    load_before = os.getloadavg()[0]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=folder, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"{label}: train.py failed:\n{done.stderr[-3000:]}")
+    (run_dir,) = (folder / "outputs" / "train" / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    with (run_dir / "csv" / "metrics.csv").open() as handle:
+        rows = [r for r in csv.DictReader(handle) if r.get("telemetry/data_wait_fraction")]
+    per_epoch = [{"data_wait": float(r["telemetry/data_wait_fraction"]), "step_ms": float(r["telemetry/step_time_ms"]),
+                  "epoch_s": float(r["telemetry/epoch_seconds"]) if r.get("telemetry/epoch_seconds") else None}
+                 for r in rows]
+    result = {"label": label, "wall_s": wall, "epochs": per_epoch, "cache": summary.get("cache"),
+              "samples_per_second": summary["samples_per_second"], "telemetry": summary["telemetry"],
+              "peak_host_memory_mb": summary["peak_host_memory_mb"], "load": [load_before, os.getloadavg()[0]]}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def train_runs(args: argparse.Namespace, work: Path) -> list[dict]:
+    results = []
+    for name in args.train_runs:
+        overrides = [*TRAIN_RUNS[name], *args.train_overrides]
+        if name == "brats":
+            brats = args.brats or work / "brats"
+            if not any(brats.glob("BraTS2021_*")):
+                write_brats(brats, args.brats_subjects, 2021, args.brats_size)
+            overrides.append(f"dataset.root={brats}")
+        for cache in ("auto", "none"):
+            results.append(train_run(ROOT, [*overrides, f"dataset.cache={cache}"], args.train_epochs, work, f"{name}-{cache}"))
+        if name == "synthetic" and args.compare_root:
+            results.append(train_run(args.compare_root, overrides, args.train_epochs, work, "synthetic-compare"))
+    return results
+
+
+def train_table(runs: list[dict]) -> None:
+    print("\n| run | cache chosen | estimate / budget | fill (s) | epoch 1: wait, time | later epochs: wait, time "
+          "| samples/s | peak host memory | load |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for run in runs:
+        cache = run["cache"] or {}
+        sizes = f"{cache['estimate_mb']:.0f} / {cache['budget_mb']:.0f} MiB" if "estimate_mb" in cache else "-"
+        first, later = run["epochs"][0], run["epochs"][1:]
+        later_wait = sum(e["data_wait"] for e in later) / len(later) if later else float("nan")
+        later_time = sum(e["epoch_s"] or 0 for e in later) / len(later) if later else float("nan")
+        print(f"| {run['label']} | {cache.get('mode', '-')} | {sizes} | {cache.get('fill_seconds', '-')} | "
+              f"{100 * first['data_wait']:.1f}%, {first['epoch_s'] or 0:.1f} s | {100 * later_wait:.1f}%, {later_time:.1f} s | "
+              f"{run['samples_per_second']} | {run['peak_host_memory_mb']:.0f} MiB | {run['load'][0]:.1f}-{run['load'][1]:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--subjects", type=int, default=64)
@@ -149,20 +224,31 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--smart-cache-rate", type=float, default=0.5)
     parser.add_argument("--work", type=Path, default=None, help="folder for the data and caches (default: a temp dir)")
-    parser.add_argument("--parts", nargs="+", choices=["throughput", "memory"], default=["throughput", "memory"])
+    parser.add_argument("--parts", nargs="+", choices=["throughput", "memory", "train"], default=["throughput", "memory"])
+    parser.add_argument("--train-runs", nargs="+", choices=list(TRAIN_RUNS), default=list(TRAIN_RUNS))
+    parser.add_argument("--train-epochs", type=int, default=3)
+    parser.add_argument("--train-overrides", nargs="*", default=[], help="added to every run, e.g. hardware=gpu")
+    parser.add_argument("--brats", type=Path, default=None, help="BraTS 2021 folder (default: written under --work)")
+    parser.add_argument("--brats-subjects", type=int, default=48)
+    parser.add_argument("--brats-size", type=int, nargs=3, default=[240, 240, 155])
+    parser.add_argument("--compare-root", type=Path, default=None, help="another checkout whose default run to add")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="medvol-data-bench-"))
-    root = make_dataset(work / "data", args.subjects, args.size, args.distinct)
+    if {"throughput", "memory"} & set(args.parts):
+        root = make_dataset(work / "data", args.subjects, args.size, args.distinct)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     results: dict = {"subjects": args.subjects, "size": args.size, "epochs": args.epochs,
                      "omp_num_threads": os.environ["OMP_NUM_THREADS"], "modes": {}}
+    if "train" in args.parts:
+        results["train"] = train_runs(args, work)
     for mode in MODES if "throughput" in args.parts else ():
         cache_dir = work / "disk-cache"
         shutil.rmtree(cache_dir, ignore_errors=True)
         results["modes"][mode] = throughput(root, mode, args.epochs, cache_dir, args.smart_cache_rate)
         print(mode, results["modes"][mode], flush=True)
-    results["one_copy_mib"] = args.subjects * args.size**3 * 4 / 2**20
+    if {"throughput", "memory"} & set(args.parts):
+        results["one_copy_mib"] = args.subjects * args.size**3 * 4 / 2**20
     for world in (1, 2) if "memory" in args.parts else ():
         ranks = ddp_memory(root, world, work)
         results[f"ranks_{world}"] = ranks
@@ -178,6 +264,10 @@ def report(results: dict) -> None:
     """The Markdown tables of docs/BENCHMARKS.md."""
     if results["modes"]:
         throughput_table(results["modes"])
+    if results.get("train"):
+        train_table(results["train"])
+    if "one_copy_mib" not in results:
+        return
     print(f"\none copy of the data: {results['one_copy_mib']:.0f} MiB")
     for world in (1, 2):
         ranks = results.get(f"ranks_{world}")

@@ -1,4 +1,4 @@
-"""Every run measures its own speed: samples/s, step time, data-wait fraction, GPU and host memory.
+"""Every run measures its own speed: samples/s, step time, epoch time, data-wait fraction, GPU and host memory.
 
 A step runs from the end of the previous training batch (or the epoch's start) to the end of
 this one; its data wait is the part before the batch starts, where the loop fetches, collates
@@ -40,12 +40,16 @@ class Totals:
     samples: int = 0
     seconds: float = 0.0
     wait_seconds: float = 0.0
+    epochs: int = 0
+    epoch_seconds: float = 0.0
 
     def add(self, other: Totals) -> None:
         self.steps += other.steps
         self.samples += other.samples
         self.seconds += other.seconds
         self.wait_seconds += other.wait_seconds
+        self.epochs += other.epochs
+        self.epoch_seconds += other.epoch_seconds
 
 
 def batch_size(batch: Any) -> int:
@@ -59,7 +63,7 @@ class Telemetry(pl.Callback):
     `medvol.core.step`, like `train/*_epoch`), and warns when the data or the GPU memory is the limit.
 
     Figures (TensorBoard and `summary.json`): `samples_per_second` (all ranks), `step_time_ms`,
-    `data_wait_fraction`, `gpu_max_memory_mb` and `gpu_memory_fraction` of the card (CUDA only),
+    `epoch_seconds` (wall time of a training epoch, its validation included), `data_wait_fraction`, `gpu_max_memory_mb` and `gpu_memory_fraction` of the card (CUDA only),
     `host_peak_rss_mb` (rank 0's process). The warnings are judged on the epochs after the first
     (cache filling and worker start-up make the first one slow), or on the first when it is the only one.
 
@@ -75,6 +79,7 @@ class Telemetry(pl.Callback):
         self.epoch = Totals()
         self.judged = Totals()
         self._last_end: float | None = None
+        self._epoch_start = 0.0
         self._step_from: float | None = None
         self._end_event: torch.cuda.Event | None = None
         self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
@@ -101,6 +106,7 @@ class Telemetry(pl.Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # From the second epoch on, the loader's iterator (and its workers) start after this hook.
         self.epoch = Totals()
+        self._epoch_start = time.perf_counter()
         self._last_end = self._end_event = None
         if trainer.current_epoch > 0 or self.run.steps:
             self._mark_end(pl_module)
@@ -137,6 +143,8 @@ class Telemetry(pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._settle_events(block=True)
+        self.epoch.epochs = 1
+        self.epoch.epoch_seconds = time.perf_counter() - self._epoch_start
         self.run.add(self.epoch)
         if trainer.current_epoch > 0:
             self.judged.add(self.epoch)
@@ -155,6 +163,7 @@ class Telemetry(pl.Callback):
         figures = {
             "samples_per_second": totals.samples / totals.seconds if totals.seconds else 0.0,
             "step_time_ms": 1000 * totals.seconds / totals.steps if totals.steps else 0.0,
+            "epoch_seconds": totals.epoch_seconds / totals.epochs if totals.epochs else 0.0,
             "data_wait_fraction": min(1.0, totals.wait_seconds / totals.seconds) if totals.seconds else 0.0,
             "host_peak_rss_mb": host_peak_rss_mib(),
         }
@@ -177,7 +186,8 @@ class Telemetry(pl.Callback):
         if wait > self.data_wait_warning:
             log.warning(
                 "telemetry: the training loop waits for data %.0f%% of each step (%.0f ms of %.0f ms); remedies: "
-                "cache the deterministic transforms (`dataset.cache=memory` or `disk`), more loader workers "
+                "cache the deterministic transforms (`dataset.cache=memory` or `disk`; for `auto`, a larger "
+                "`dataset.cache_budget`), more loader workers "
                 "(`dataset.num_workers`), random transforms on the GPU (`dataset.gpu_transforms=true`)",
                 100 * wait, wait * figures["step_time_ms"], figures["step_time_ms"],
             )

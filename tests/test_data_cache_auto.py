@@ -191,6 +191,14 @@ def test_a_disk_cache_is_reused_only_for_the_same_transforms_and_files(tmp_path)
     assert {"settings", "files", "code", "monai"} <= set(record)
 
 
+def test_a_cache_folder_whose_fingerprint_differs_is_refused_not_read(volumes, tmp_path):
+    _datamodule(volumes, cache="disk", cache_dir=str(tmp_path / "cache")).setup()
+    (record,) = (tmp_path / "cache").glob("*/fingerprint.json")
+    record.write_text(json.dumps({**json.loads(record.read_text()), "settings": "edited by hand"}))
+    with pytest.raises(MedvolError, match="holds items made from other settings"):
+        _datamodule(volumes, cache="disk", cache_dir=str(tmp_path / "cache")).setup()
+
+
 def test_a_full_disk_leaves_no_item_file_and_a_truncated_item_is_made_again(volumes, tmp_path, monkeypatch):
     expected = _datamodule(volumes)
     expected.setup()
@@ -201,8 +209,10 @@ def test_a_full_disk_leaves_no_item_file_and_a_truncated_item_is_made_again(volu
     assert isinstance(dataset, DiskCache)
     save = torch.save
 
-    def disk_fills_up(obj, stream, *args, **kwargs):
+    def disk_fills_up(obj, target, *args, **kwargs):
+        stream = open(target, "wb") if isinstance(target, (str, os.PathLike)) else target  # noqa: SIM115
         stream.write(b"PK\x03\x04 the first bytes of an item")
+        stream.flush()
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", disk_fills_up)

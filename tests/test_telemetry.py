@@ -84,6 +84,8 @@ def test_data_wait_is_near_one_for_a_slow_loader_and_warns_with_the_remedies(tin
     assert telemetry["step_time_ms"] > 1000 * DELAY_SECONDS * 2
     assert telemetry["samples_per_second"] == pytest.approx(2000 / telemetry["step_time_ms"], rel=1e-3)
     assert telemetry["host_peak_rss_mb"] > 0
+    # The epoch holds its counted steps (and the first step and validation besides).
+    assert telemetry["epoch_seconds"] > telemetry["step_time_ms"] * telemetry["steps"] / 1000 + DELAY_SECONDS
     (warning,) = warnings
     for remedy in ("dataset.cache", "dataset.num_workers", "dataset.gpu_transforms"):
         assert remedy in warning
@@ -92,7 +94,7 @@ def test_data_wait_is_near_one_for_a_slow_loader_and_warns_with_the_remedies(tin
     events.Reload()
     logged = set(events.Tags()["scalars"])
     assert {"telemetry/data_wait_fraction", "telemetry/samples_per_second", "telemetry/step_time_ms",
-            "telemetry/host_peak_rss_mb"} <= logged
+            "telemetry/epoch_seconds", "telemetry/host_peak_rss_mb"} <= logged
     (point,) = events.Scalars("telemetry/data_wait_fraction")
     assert point.value > 0.75
 

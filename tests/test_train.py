@@ -147,6 +147,11 @@ def test_command_line_trains_writes_the_run_directory_and_resumes_in_it(tmp_path
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["samples_per_second"] > 0 and "val/psnr" in summary["metrics"]
     assert "medvol run summary" in first.stdout
+    # The phantoms are cached in memory by default: said once at start, recorded in the summary.
+    choice = [line for line in (first.stdout + first.stderr).splitlines() if "dataset.cache=auto:" in line]
+    assert len(choice) == 1 and "dataset.cache=auto: memory: this rank's 8 subjects" in choice[0], choice
+    assert summary["cache"]["requested"] == "auto" and summary["cache"]["mode"] == "memory"
+    assert summary["cache"]["estimate_mb"] > 0 and summary["cache"]["budget_mb"] > summary["cache"]["estimate_mb"]
     original_config = (run_dir / ".hydra" / "config.yaml").read_text()
 
     second = _cli([*tiny, "trainer.max_epochs=2", f"ckpt_path={run_dir}/checkpoints/last.ckpt"], tmp_path)
