@@ -10,8 +10,9 @@
 3. Starts 1 and then 2 gloo ranks (CPU) with `cache=memory` and reports each rank's peak RSS
    growth while filling its cache, next to the size of one copy of the data.
 4. (`--parts train`) Runs `python train.py` with `dataset.cache=auto` and `none`: the BraTS segmentation
-   command of issue 23 on `--brats-subjects` BraTS 2021 cases of `--brats-size` voxels (written by
-   `datamodules.sources.example_data` when `--brats` has none), and the default synthetic run; reports
+   command of issue 23 on `--brats-subjects` BraTS 2021 cases of `--brats-size` voxels (`--brats-distinct`
+   phantoms written by `datamodules.sources.example_data` when `--brats` has none, the rest copies), and the
+   default synthetic run; reports
    per epoch the data-wait fraction and the epoch time (`telemetry/*` in the CSV log), the cache's choice
    and fill time, samples/s and peak host memory (`summary.json`), and the load average. `--compare-root`
    adds the default run of another checkout (e.g. an export of main: "before"); `--train-overrides`
@@ -65,6 +66,22 @@ def make_dataset(root: Path, subjects: int, size: int, distinct: int) -> Path:
         target = root / f"sub-{i:03d}" / "ct.nii.gz"
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(root / f"sub-{i % distinct:03d}" / "ct.nii.gz", target)
+    return root
+
+
+def make_brats(root: Path, subjects: int, size: list[int], distinct: int) -> Path:
+    """`subjects` BraTS 2021 cases of `size` voxels; only `distinct` are generated (15 s each at BraTS size), the rest
+    are copies under their own case names (each is still read and transformed on its own)."""
+    last = f"BraTS2021_{subjects - 1:05d}"
+    if (root / last / f"{last}_seg.nii.gz").is_file():
+        return root
+    if not (root / f"BraTS2021_{distinct - 1:05d}" / f"BraTS2021_{distinct - 1:05d}_seg.nii.gz").is_file():
+        write_brats(root, min(distinct, subjects), 2021, size)
+    for i in range(distinct, subjects):
+        source, case = f"BraTS2021_{i % distinct:05d}", f"BraTS2021_{i:05d}"
+        (root / case).mkdir(parents=True, exist_ok=True)
+        for file in (root / source).iterdir():
+            shutil.copyfile(file, root / case / file.name.replace(source, case))
     return root
 
 
@@ -190,9 +207,7 @@ def train_runs(args: argparse.Namespace, work: Path) -> list[dict]:
     for name in args.train_runs:
         overrides = [*TRAIN_RUNS[name], *args.train_overrides]
         if name == "brats":
-            brats = args.brats or work / "brats"
-            if not any(brats.glob("BraTS2021_*")):
-                write_brats(brats, args.brats_subjects, 2021, args.brats_size)
+            brats = make_brats(args.brats or work / "brats", args.brats_subjects, args.brats_size, args.brats_distinct)
             overrides.append(f"dataset.root={brats}")
         for cache in ("auto", "none"):
             results.append(train_run(ROOT, [*overrides, f"dataset.cache={cache}"], args.train_epochs, work, f"{name}-{cache}"))
@@ -231,6 +246,7 @@ def main() -> None:
     parser.add_argument("--brats", type=Path, default=None, help="BraTS 2021 folder (default: written under --work)")
     parser.add_argument("--brats-subjects", type=int, default=48)
     parser.add_argument("--brats-size", type=int, nargs=3, default=[240, 240, 155])
+    parser.add_argument("--brats-distinct", type=int, default=16, help="BraTS cases generated; the rest are copies")
     parser.add_argument("--compare-root", type=Path, default=None, help="another checkout whose default run to add")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
