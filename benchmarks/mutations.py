@@ -170,6 +170,12 @@ MUTATIONS = [
         "every rank caches every subject with dataset.cache=auto or disk",
     ),
     Mutation(
+        "cached-loaded-by-processes", "datamodules/pipeline/volume_datamodule.py",
+        "if self.gpu_transforms or isinstance(dataset, CacheDataset):", "if self.gpu_transforms:",
+        ("tests/test_data_cache_auto.py::test_a_memory_cache_with_nothing_to_compute_per_draw_is_served_by_a_thread",),
+        "in-memory items with nothing to compute per draw copied through worker processes",
+    ),
+    Mutation(
         "val-fewer-than-ranks", "datamodules/pipeline/volume_datamodule.py",
         "        if total < world:\n            # A rank without a batch",
         "        if False:\n            # A rank without a batch",

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from monai.data import CacheDataset
+from monai.data import CacheDataset, ThreadDataLoader
 
 from datamodules.pipeline import volume_datamodule
 from datamodules.pipeline.cache_budget import MEMORY_OVERHEAD, parse_budget
@@ -251,6 +251,29 @@ def test_cached_training_batches_equal_uncached_ones_bitwise_with_the_random_tra
 
     first, second = by_subject(drawn["none"][:4]), by_subject(drawn["none"][4:])
     assert any(not torch.equal(first[s], second[s]) for s in first)
+
+
+def test_a_memory_cache_with_nothing_to_compute_per_draw_is_served_by_a_thread(volumes):
+    cached = _datamodule(volumes, cache="memory", num_workers=2)
+    plain = _datamodule(volumes, cache="none", num_workers=2)
+    for datamodule in (cached, plain):
+        datamodule.setup()
+    loader = cached.train_dataloader()
+    assert isinstance(loader, ThreadDataLoader) and loader.num_workers == 0
+    assert cached.summary_fields()["cache"]["loader"] == "thread"
+    assert not isinstance(plain.train_dataloader(), ThreadDataLoader)
+    batches = [(b["subject"], b["image"]) for b in loader]
+    assert len(batches) == 7
+    for (subjects, image), reference in zip(batches, plain.train_dataloader(), strict=True):
+        assert subjects == reference["subject"] and torch.equal(image, reference["image"])
+
+    # Random flips after the cache: worker processes compute them; validation still reads through a thread.
+    flips = _datamodule(volumes, cache="memory", num_workers=2, transforms={"spatial_size": [12, 12, 12], "flip_prob": 0.5})
+    flips.setup()
+    loader = flips.train_dataloader()
+    assert not isinstance(loader, ThreadDataLoader) and loader.num_workers == 2
+    assert isinstance(flips.val_dataloader(), ThreadDataLoader)
+    assert flips.summary_fields()["cache"]["loader"] == "2 worker processes"
 
 
 @pytest.mark.parametrize("mode", ["memory", "disk"])

@@ -27,6 +27,8 @@ DATA = [
     "trainer.limit_train_batches=3",
     "trainer.accumulate_grad_batches=2",
     "test=true",
+    # Every rank samples the whole split (no partitioned cache), so the 2-rank global batches are the single process's.
+    "dataset.cache=none",
 ]
 VQGAN = [
     "model._target_=tests.test_ddp_support.PreinitialisedVQGAN",

@@ -9,7 +9,11 @@ from tests.conftest import compose_cfg
 from tests.test_ddp_correctness import DDP, TINY_DATA, assert_same_weights, weights
 from tests.test_ddp_support import explain, train_cli
 
-DATA = ["dataset.num_subjects=13", "dataset.val_fraction=0.25", "dataset.test_fraction=0.25", "trainer.limit_train_batches=3"]
+# cache=none: every rank samples the whole split, so the 2-rank global batches are the single process's.
+DATA = [
+    "dataset.num_subjects=13", "dataset.val_fraction=0.25", "dataset.test_fraction=0.25", "trainer.limit_train_batches=3",
+    "dataset.cache=none",
+]
 
 
 def regressor(name: str) -> list[str]:

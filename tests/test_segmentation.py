@@ -160,6 +160,8 @@ def test_two_gloo_ranks_give_the_metrics_of_one_process_with_an_odd_subject_coun
         *TINY_COMMON, *TINY_MODEL["segmentation"], "model=segmentation", SYNTHETIC_REGIONS, "model.patch_size=null",
         "dataset.num_subjects=13", "dataset.val_fraction=0.25", "dataset.test_fraction=0.25",
         "trainer.limit_train_batches=2", "trainer.max_epochs=2", "test=true",
+        # Every rank samples the whole split (no partitioned cache), so the 2-rank batches are the single process's.
+        "dataset.cache=none",
     ]
     ddp = train_cli(
         [*common, "strategy=ddp", "trainer.devices=2", "dataset.batch_size=1", *recorder(tmp_path / "ranks"),

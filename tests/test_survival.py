@@ -201,6 +201,8 @@ def test_two_gloo_ranks_train_and_evaluate_as_one_process(tmp_path):
         "dataset.test_fraction=0.34", "trainer.limit_train_batches=2", "test=true", "callbacks.volume_slices=null",
         "model.optimizer._target_=torch.optim.SGD", "~model.optimizer.weight_decay", "model.optimizer.lr=0.01",
         "model.horizons=[20]",
+        # Every rank samples the whole split (no partitioned cache), so the 2-rank batches are the single process's.
+        "dataset.cache=none",
     ]
     ddp = train_cli(
         [*common, "strategy=ddp", "trainer.devices=2", "trainer.sync_batchnorm=true", "dataset.batch_size=1",

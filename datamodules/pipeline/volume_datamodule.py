@@ -12,8 +12,8 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from monai.data import CacheDataset, ThreadDataLoader
 from monai.data import DistributedSampler as EvaluationSampler
-from monai.data import ThreadDataLoader
 from monai.transforms import Compose, ToDeviced
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -229,14 +229,16 @@ class VolumeDataModule(pl.LightningDataModule):
         return plan_cache(len(share), estimate, budget, budget_text, folder, disk_room)
 
     def summary_fields(self) -> dict[str, Any]:
-        """The cache's choice and fill time, for `summary.json`."""
+        """The cache's choice, its fill time and how training batches are loaded, for `summary.json`."""
         fields = self.cache_plan.summary() if self.cache_plan else {"requested": self.cache, "mode": self.cache_mode}
-        return {"cache": {**fields, "fill_seconds": round(self.cache_fill_seconds, 2)}}
+        fields["fill_seconds"] = round(self.cache_fill_seconds, 2)
+        if "train" in self.datasets:
+            threaded, workers = self._loading(self.datasets["train"])
+            fields["loader"] = "thread" if threaded else f"{workers} worker processes" if workers else "main process"
+        return {"cache": fields}
 
     def workers(self) -> int:
         """Loader workers per device: the configured count, or a default from the CPUs and devices."""
-        if self.gpu_transforms:
-            return 0  # CUDA cannot be used from forked workers; the thread loader prefetches instead
         if self.num_workers is not None:
             return int(self.num_workers)
         devices = self.trainer.num_devices if self.trainer is not None else 1
@@ -344,15 +346,27 @@ class VolumeDataModule(pl.LightningDataModule):
             )
         return [r[self.stratify_by] for r in records]
 
+    def _loading(self, dataset: Dataset) -> tuple[bool, int]:
+        """Whether `dataset` is loaded by a background thread, and by how many worker processes otherwise.
+
+        Items served from an in-memory cache with nothing left to compute per draw go through MONAI's
+        `ThreadDataLoader`: a thread collates the next batch while the step runs, where worker processes
+        would only copy every batch through shared memory (measured: docs/BENCHMARKS.md). So do items
+        moved to the GPU by `gpu_transforms` (CUDA cannot be used from forked workers).
+        """
+        if self.gpu_transforms or isinstance(dataset, CacheDataset):
+            return True, 0
+        return False, self.workers()
+
     def _loader(self, dataset: Dataset, batch_size: int, sampler: Any) -> DataLoader:
-        workers = self.workers()
+        threaded, workers = self._loading(dataset)
         if self.cache_mode == "smart" and workers > 0 and torch.multiprocessing.get_start_method() != "fork":
             raise MedvolError(
                 f"`dataset.cache=smart` with `dataset.num_workers`={workers} needs forked worker processes, but this "
                 f"platform starts them with {torch.multiprocessing.get_start_method()!r} (each worker would get a stale "
                 "copy of the cache); set dataset.num_workers=0 or use dataset.cache=memory"
             )
-        loader_class = ThreadDataLoader if self.gpu_transforms else DataLoader
+        loader_class = ThreadDataLoader if threaded else DataLoader
         return loader_class(
             dataset,
             batch_size=batch_size,
