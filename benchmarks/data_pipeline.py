@@ -209,7 +209,7 @@ def train_runs(args: argparse.Namespace, work: Path) -> list[dict]:
         if name == "brats":
             brats = make_brats(args.brats or work / "brats", args.brats_subjects, args.brats_size, args.brats_distinct)
             overrides.append(f"dataset.root={brats}")
-        for cache in ("auto", "none"):
+        for cache in args.caches:
             results.append(train_run(ROOT, [*overrides, f"dataset.cache={cache}"], args.train_epochs, work, f"{name}-{cache}"))
         if name == "synthetic" and args.compare_root:
             results.append(train_run(args.compare_root, overrides, args.train_epochs, work, "synthetic-compare"))
@@ -242,6 +242,7 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", choices=["throughput", "memory", "train"], default=["throughput", "memory"])
     parser.add_argument("--train-runs", nargs="+", choices=list(TRAIN_RUNS), default=list(TRAIN_RUNS))
     parser.add_argument("--train-epochs", type=int, default=3)
+    parser.add_argument("--caches", nargs="+", choices=["auto", "none", "memory", "disk"], default=["auto", "none"])
     parser.add_argument("--train-overrides", nargs="*", default=[], help="added to every run, e.g. hardware=gpu")
     parser.add_argument("--brats", type=Path, default=None, help="BraTS 2021 folder (default: written under --work)")
     parser.add_argument("--brats-subjects", type=int, default=48)
