@@ -17,6 +17,9 @@
    and fill time, samples/s and peak host memory (`summary.json`), and the load average. `--compare-root`
    adds the default run of another checkout (e.g. an export of main: "before"); `--train-overrides`
    go to every run (`hardware=gpu`).
+5. (`--parts loader`) The wait for each batch of a memory-cached BraTS set (the train command's
+   transforms, `--loader-subjects` cases) between busy 300 ms steps, read by the main process, by one
+   worker process, and by MONAI's `ThreadDataLoader` (what medvol uses for such a set).
 
 Prints Markdown tables and writes the figures as JSON (`--out`).
 """
@@ -43,7 +46,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from monai.data import ThreadDataLoader  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
 from datamodules.pipeline.cache import SmartCacheLifecycle, compact_cache_fill, find_smart_cache  # noqa: E402
+from datamodules.sources.brats import BratsDataModule  # noqa: E402
 from datamodules.sources.example_data import write_brats, write_nifti_folder  # noqa: E402
 from datamodules.sources.nifti import NiftiDataModule  # noqa: E402
 
@@ -231,6 +238,41 @@ def train_table(runs: list[dict]) -> None:
               f"{run['samples_per_second']} | {run['peak_host_memory_mb']:.0f} MiB | {run['load'][0]:.1f}-{run['load'][1]:.1f} |")
 
 
+def busy(milliseconds: float, operand: torch.Tensor) -> None:
+    """Keep this process's core busy for `milliseconds`, as a training step does."""
+    end = time.perf_counter() + milliseconds / 1000
+    while time.perf_counter() < end:
+        operand @ operand
+
+
+def loader_waits(brats: Path, subjects: int, epochs: int, step_ms: float = 300.0) -> dict[str, dict]:
+    """Mean wait for a batch of a memory-cached BraTS set between busy steps, per way of loading it."""
+    datamodule = BratsDataModule(
+        root=str(brats), max_subjects=subjects, cache="memory", num_workers=0, val_fraction=0.1, test_fraction=0.1,
+        transforms={"spacing": [4, 4, 4], "spatial_size": [128, 128, 128]},
+    )
+    datamodule.setup()
+    dataset = datamodule.datasets["train"]
+    operand = torch.randn(512, 512)
+    results = {}
+    for label, loader_class, workers in (("main process", DataLoader, 0), ("1 worker process", DataLoader, 1),
+                                         ("thread (ThreadDataLoader)", ThreadDataLoader, 0)):
+        loader = loader_class(dataset, batch_size=1, sampler=datamodule.train_dataloader().sampler, num_workers=workers)
+        waits = []
+        for epoch in range(epochs):
+            loader.sampler.set_epoch(epoch)
+            start = time.perf_counter()
+            for _batch in loader:
+                waits.append(time.perf_counter() - start)
+                busy(step_ms, operand)
+                start = time.perf_counter()
+        counted = waits[1:]  # the very first batch starts the loader
+        results[label] = {"mean_wait_ms": 1000 * sum(counted) / len(counted), "steps": len(counted),
+                          "step_ms": step_ms, "load": os.getloadavg()[0]}
+        print(label, results[label], flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--subjects", type=int, default=64)
@@ -239,7 +281,9 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--smart-cache-rate", type=float, default=0.5)
     parser.add_argument("--work", type=Path, default=None, help="folder for the data and caches (default: a temp dir)")
-    parser.add_argument("--parts", nargs="+", choices=["throughput", "memory", "train"], default=["throughput", "memory"])
+    parser.add_argument("--parts", nargs="+", choices=["throughput", "memory", "train", "loader"],
+                        default=["throughput", "memory"])
+    parser.add_argument("--loader-subjects", type=int, default=10)
     parser.add_argument("--train-runs", nargs="+", choices=list(TRAIN_RUNS), default=list(TRAIN_RUNS))
     parser.add_argument("--train-epochs", type=int, default=3)
     parser.add_argument("--caches", nargs="+", choices=["auto", "none", "memory", "disk"], default=["auto", "none"])
@@ -259,6 +303,9 @@ def main() -> None:
                      "omp_num_threads": os.environ["OMP_NUM_THREADS"], "modes": {}}
     if "train" in args.parts:
         results["train"] = train_runs(args, work)
+    if "loader" in args.parts:
+        brats = make_brats(args.brats or work / "brats", args.brats_subjects, args.brats_size, args.brats_distinct)
+        results["loader"] = loader_waits(brats, args.loader_subjects, args.epochs)
     for mode in MODES if "throughput" in args.parts else ():
         cache_dir = work / "disk-cache"
         shutil.rmtree(cache_dir, ignore_errors=True)
@@ -283,6 +330,10 @@ def report(results: dict) -> None:
         throughput_table(results["modes"])
     if results.get("train"):
         train_table(results["train"])
+    if results.get("loader"):
+        print("\n| memory-cached BraTS batch (48 MiB) read by | mean wait between 300 ms steps | steps | load |\n|---|---|---|---|")
+        for label, row in results["loader"].items():
+            print(f"| {label} | {row['mean_wait_ms']:.0f} ms | {row['steps']} | {row['load']:.1f} |")
     if "one_copy_mib" not in results:
         return
     print(f"\none copy of the data: {results['one_copy_mib']:.0f} MiB")
