@@ -176,6 +176,12 @@ MUTATIONS = [
         "in-memory items with nothing to compute per draw copied through worker processes",
     ),
     Mutation(
+        "patches-cache-metadata", "datamodules/sources/patches.py",
+        "        chain.append(EnsureTyped(keys, track_meta=False))\n", "",
+        ("tests/test_data_cache_auto.py::test_every_file_dataset_reads_its_disk_items_back_instead_of_making_them_again",),
+        "patch volumes cached with MONAI metadata, so their disk items are made again on every read",
+    ),
+    Mutation(
         "val-fewer-than-ranks", "datamodules/pipeline/volume_datamodule.py",
         "        if total < world:\n            # A rank without a batch",
         "        if False:\n            # A rank without a batch",

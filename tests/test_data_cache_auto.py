@@ -20,9 +20,13 @@ from monai.data import CacheDataset, ThreadDataLoader
 from datamodules.pipeline import volume_datamodule
 from datamodules.pipeline.cache_budget import MEMORY_OVERHEAD, parse_budget
 from datamodules.pipeline.disk_cache import DiskCache
-from datamodules.sources.example_data import write_nifti_folder
+from datamodules.sources.brats import BratsDataModule
+from datamodules.sources.csv_table import CsvDataModule
+from datamodules.sources.example_data import write_brats, write_mace_csv, write_nifti_folder
 from datamodules.sources.nifti import NiftiDataModule
+from datamodules.sources.patches import PatchesDataModule
 from datamodules.sources.synthetic import SyntheticDataModule
+from datamodules.sources.xray_ct import XrayCtDataModule
 from medvol.core.errors import MedvolError
 from tests.test_refusals import FAST, _cli, _one_error_line
 
@@ -251,6 +255,34 @@ def test_cached_training_batches_equal_uncached_ones_bitwise_with_the_random_tra
 
     first, second = by_subject(drawn["none"][:4]), by_subject(drawn["none"][4:])
     assert any(not torch.equal(first[s], second[s]) for s in first)
+
+
+@pytest.mark.parametrize("kind", ["brats", "csv", "patches", "xray_ct"])
+def test_every_file_dataset_reads_its_disk_items_back_instead_of_making_them_again(tmp_path, kind):
+    common = {"num_workers": 0, "val_fraction": 0.2, "test_fraction": 0.2, "cache": "disk", "cache_dir": str(tmp_path / "cache")}
+    cube = {"spatial_size": [16, 16, 16]}
+    if kind == "brats":
+        datamodule = BratsDataModule(root=str(write_brats(tmp_path / "b", 5, 2021, 16)), label_regions=["WT", "TC", "ET"],
+                                     transforms=cube, **common)
+    elif kind == "csv":
+        table = write_mace_csv(tmp_path / "mace", 5, 16)
+        datamodule = CsvDataModule(csv_path=str(table), covariate_columns=["age", "sex"], class_column="label", transforms=cube,
+                                   **common)
+    else:
+        folder = str(write_nifti_folder(tmp_path / "ct", 5, 16, modalities=("ct",), label=False))
+        if kind == "patches":
+            datamodule = PatchesDataModule(root=folder, image_modalities=["ct"], patch_size=[8, 8, 8], patches_per_volume=2, **common)
+        else:
+            datamodule = XrayCtDataModule(root=folder, image_modalities=["ct"], xray_size=[8, 8], transforms=cube, **common)
+    datamodule.setup()
+    dataset = datamodule.datasets["val"]
+    disk = dataset if isinstance(dataset, DiskCache) else dataset.data
+    first = dataset[0]
+    disk.transform = lambda record: pytest.fail(f"{kind}: a cached item was made again")
+    again = dataset[0]
+    for a, b in zip(first if isinstance(first, list) else [first], again if isinstance(again, list) else [again], strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
+        assert all(type(a[k]) is torch.Tensor for k in a if isinstance(a[k], torch.Tensor))  # plain, no MONAI metadata
 
 
 def test_a_memory_cache_with_nothing_to_compute_per_draw_is_served_by_a_thread(volumes):

@@ -117,10 +117,6 @@ class DiskCache(Dataset):
     def item_path(self, record: Mapping[str, Any]) -> Path:
         return self.folder / f"{digest(record)}.pt"
 
-    def cached(self) -> int:
-        """How many of the items are on disk already."""
-        return sum(self.item_path(record).is_file() for record in self.records)
-
     def __getitem__(self, index: int) -> Any:
         record = self.records[index]
         path = self.item_path(record)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 from monai.data import list_data_collate
-from monai.transforms import MapTransform, Randomizable, SpatialPadd
+from monai.transforms import EnsureTyped, MapTransform, Randomizable, SpatialPadd
 from monai.transforms.utils import generate_pos_neg_label_crop_centers, map_binary_to_indices
 
 from datamodules.sources.nifti import BATCH_KEYS, NiftiDataModule
@@ -159,8 +159,12 @@ class PatchesDataModule(NiftiDataModule):
         low = self.settings.output_range[0] if self.settings.intensity != "none" else 0.0
         # Padded at the far end only, so the stored affine still maps voxel (0, 0, 0).
         chain.append(SpatialPadd(self.image_keys(), self.patch_size, method="end", value=low))
+        keys = self.image_keys()
         if self.label_key:
             chain.append(SpatialPadd([self.label_key], self.patch_size, method="end", value=0))
+            keys.append(self.label_key)
+        # Padding brings MONAI's metadata back: plain tensors again, as the cache holds for every dataset.
+        chain.append(EnsureTyped(keys, track_meta=False))
         return chain
 
     def random(self, stage: str) -> list[Callable]:
