@@ -28,19 +28,12 @@ from datamodules.sources.patches import PatchesDataModule
 from datamodules.sources.synthetic import SyntheticDataModule
 from datamodules.sources.xray_ct import XrayCtDataModule
 from medvol.core.errors import MedvolError
+from tests.test_data_cache import _datamodule
 from tests.test_refusals import FAST, _cli, _one_error_line
 
 GIB = 2**30
 # One 12^3 float32 channel: the bulk of each item (the rest: affines, source grid, intensity bounds).
 IMAGE_BYTES = 12**3 * 4
-
-
-def _datamodule(root: Path, **kwargs) -> NiftiDataModule:
-    settings = {
-        "root": str(root), "image_modalities": ["ct"], "transforms": {"spatial_size": [12, 12, 12], "intensity": "window"},
-        "num_workers": 0, "val_fraction": 0.2, "test_fraction": 0.1, **kwargs,
-    }
-    return NiftiDataModule(**settings)
 
 
 @pytest.fixture(scope="module")
