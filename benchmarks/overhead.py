@@ -6,10 +6,9 @@ medvol side: `python train.py` with the default model, callbacks (progress bar, 
 learning-rate monitor, slice images, run summary, telemetry, ...) and TensorBoard logger, on
 in-memory random volumes (`benchmarks.scaling.RandomVolumes`, so that phantom generation is
 not part of the comparison) and validation off. Hand-written side: the same `VQGAN` object
-built from the same config (encoder, codebook, decoder, both discriminators, the same loss
-methods and Adam optimizers), a `DataLoader` over the same kind of volumes with the same
-batch, and a plain loop: generator step with the discriminators frozen, then discriminator
-step. The discriminators are on from the first step on both sides (`discriminator_iter_start=0`),
+built from the same config (encoder, codebook, decoder, both discriminators, the same
+`VQGAN.gan_losses` and Adam optimizers), a `DataLoader` over the same kind of volumes with the
+same batch, and a plain loop: the generator's backward and update, then the discriminators'. The discriminators are on from the first step on both sides (`discriminator_iter_start=0`),
 so every timed step is the full GAN step.
 
 A step is timed from the end of the previous one to its own end (data fetch, hooks, logging
@@ -106,27 +105,18 @@ def medvol_run(args: argparse.Namespace) -> tuple[float, float]:
         return median_step_ms(json.loads(ends.read_text()), args.warmup)
 
 
-def gan_step(model: Any, opt_ae: torch.optim.Optimizer, opt_disc: torch.optim.Optimizer, x: torch.Tensor) -> None:
-    """One VQ-GAN training step written by hand: generator step with the discriminators frozen, then theirs."""
-    from lightning_modules.vqgan.vqgan import random_slices
-
-    discriminators = [*model.image_discriminator.parameters(), *model.video_discriminator.parameters()]
-    for p in discriminators:
-        p.requires_grad_(False)
-    x_rec, quantized = model(x)
-    index = torch.randint(0, x.shape[2], (x.shape[0],), device=x.device)
-    frames, frames_rec = random_slices(x, index), random_slices(x_rec, index)
-    losses = model._generator_losses(x, x_rec, frames, frames_rec, gan_on=True)
-    ae_loss = torch.stack(list(losses.values())).sum() + quantized.commitment_loss
-    ae_loss.backward()
+def gan_step(
+    model: Any, opt_ae: torch.optim.Optimizer, opt_disc: torch.optim.Optimizer, x: torch.Tensor, gan_on: bool = True
+) -> None:
+    """One VQ-GAN training step written by hand: the model's losses, the generator's update, then the discriminators'."""
+    step = model.gan_losses(x, gan_on)
+    step.generator_objective.backward()
     opt_ae.step()
     opt_ae.zero_grad(set_to_none=True)
-    for p in discriminators:
-        p.requires_grad_(True)
-    disc_loss = model._discriminator_loss(x, x_rec, frames, frames_rec)
-    disc_loss.backward()
-    opt_disc.step()
-    opt_disc.zero_grad(set_to_none=True)
+    if step.discriminator_loss is not None:
+        step.discriminator_loss.backward()
+        opt_disc.step()
+        opt_disc.zero_grad(set_to_none=True)
 
 
 def hand_worker(args: argparse.Namespace, out: Path) -> None:

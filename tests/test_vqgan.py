@@ -149,12 +149,11 @@ def test_perceptual_loss_uses_a_local_torchscript_network(tiny_cfg, tmp_path):
 def test_least_squares_discriminator_loss_is_the_squared_distance_to_the_target(tiny_cfg):
     model = VQGAN(n_hiddens=8, n_codes=16, disc_channels=8, disc_layers=2, disc_loss_type="least_squares")
     logits = torch.tensor([[0.5, -1.0, 2.0]])
-    real = model.adversarial(logits, target_is_real=True, for_discriminator=True)
-    fake = model.adversarial(logits, target_is_real=False, for_discriminator=True)
     # MONAI's least-squares criterion puts the logits through a leaky ReLU (slope 0.05) first.
     activated = torch.nn.functional.leaky_relu(logits, 0.05)
-    assert real.item() == pytest.approx(((activated - 1) ** 2).mean().item())
-    assert fake.item() == pytest.approx((activated**2).mean().item())
+    real, fake = ((activated - 1) ** 2).mean().item(), (activated**2).mean().item()
+    assert model.adversarial.discriminator(logits, logits).item() == pytest.approx(0.5 * (real + fake))
+    assert model.adversarial.generator(logits).item() == pytest.approx(real)
     metrics = run(tiny_cfg("model.disc_loss_type=least_squares", "model.discriminator_iter_start=0", "trainer.fast_dev_run=true"))
     assert metrics["train/gan_discriminator_step"] > 0
 

@@ -139,7 +139,8 @@ class EMACodebook(nn.Module):
                     self._initialise(flat.detach())
                 self._known_initialized = True
             indices = self.nearest(flat.detach())
-            counts = torch.bincount(indices, minlength=self.n_codes).to(flat.dtype)
+            # Counted on the device: CUDA's bincount reads the indices' extremes back to the host (two syncs).
+            counts = flat.new_zeros(self.n_codes).index_add_(0, indices, flat.new_ones(()).expand(indices.shape[0]))
             quantized = F.embedding(indices, self.embeddings).view_as(channels_last).movedim(-1, 1)
             commitment = self.commitment_weight * F.mse_loss(z, quantized.detach())
             if self.training:

@@ -10,11 +10,10 @@ and AMP handled here because Lightning does not apply them for manual optimizati
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from monai.losses import PatchAdversarialLoss
 from monai.networks.nets import PatchDiscriminator
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
@@ -22,6 +21,7 @@ from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMe
 
 from lightning_modules.base import MedvolModule
 from lightning_modules.perceptual import SlicePerceptualLoss
+from lightning_modules.vqgan.adversarial import AdversarialLoss
 from lightning_modules.vqgan.codebook import EMACodebook, Quantized
 from lightning_modules.vqgan.vq_autoencoder import Decoder3d, Encoder3d
 from medvol.core.errors import MedvolError
@@ -34,6 +34,25 @@ def random_slices(volume: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """The axial slice `index[b]` of each volume (B, C, D, H, W) -> (B, C, H, W)."""
     gather = index.view(-1, 1, 1, 1, 1).expand(-1, volume.shape[1], 1, *volume.shape[3:])
     return volume.gather(2, gather).squeeze(2)
+
+
+class GANStep(NamedTuple):
+    """One training batch's losses.
+
+    `terms` are the generator's loss terms (values to log, in the order they are summed);
+    `generator_objective` is what the autoencoder's backward pass takes: its gradient is that of
+    the terms' sum, its value is not; `discriminator_loss` is None before the discriminators start.
+    """
+
+    terms: dict[str, torch.Tensor]
+    generator_objective: torch.Tensor
+    discriminator_loss: torch.Tensor | None
+    quantized: Quantized
+
+    @property
+    def generator_loss(self) -> torch.Tensor:
+        """The sum of the generator's terms (what it minimises), without a graph."""
+        return torch.stack([term.detach() for term in self.terms.values()]).sum()
 
 
 class VQGAN(MedvolModule):
@@ -62,6 +81,10 @@ class VQGAN(MedvolModule):
         scheduler: optional partial LR scheduler, stepped once per epoch for both optimizers.
         image_key: batch key of the volume to reconstruct.
         ssim_kernel_size: Gaussian window of the 3D SSIM metric.
+        compile: `torch.compile` the encoder, decoder and discriminators when training on a CUDA device
+            (the state dict keeps its names; ignored on the CPU).
+        channels_last: the 3D networks' weights and the volumes in the channels-last-3d memory layout
+            when training on a CUDA device (ignored on the CPU).
     """
 
     def __init__(
@@ -89,6 +112,8 @@ class VQGAN(MedvolModule):
         scheduler: Callable[..., Any] | None = None,
         image_key: str = "image",
         ssim_kernel_size: int = 11,
+        compile: bool = False,
+        channels_last: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(logger=False)
@@ -112,12 +137,15 @@ class VQGAN(MedvolModule):
         self.video_discriminator = PatchDiscriminator(
             spatial_dims=3, channels=disc_channels, in_channels=in_channels, num_layers_d=disc_layers
         )
-        self.adversarial = PatchAdversarialLoss(criterion=_LOSS_TYPES[disc_loss_type], reduction="mean")
+        self.adversarial = AdversarialLoss(_LOSS_TYPES[disc_loss_type])
         self.perceptual = SlicePerceptualLoss(perceptual_model_path) if perceptual_model_path else None
         self.optimizer_factory = optimizer or (lambda params: torch.optim.Adam(params, lr=3e-4, betas=(0.5, 0.9)))
         self.scheduler_factory = scheduler
         self.image_key = image_key
         self.feature_weight = 4.0 / (disc_layers + 1)
+        # Set by `setup` on a CUDA device (model.compile, model.channels_last).
+        self._accelerated = False
+        self._memory_format = torch.contiguous_format
         # Running (sample-weighted sum, samples) of each training term over the current epoch.
         self._train_sums: dict[str, tuple[torch.Tensor, int]] = {}
         # Metric objects sync sums and counts across ranks, so ranks with unequal shares weigh correctly.
@@ -163,8 +191,27 @@ class VQGAN(MedvolModule):
     def decode(self, embeddings: torch.Tensor) -> torch.Tensor:
         return self.decoder(embeddings)
 
+    def setup(self, stage: str) -> None:
+        self.accelerate(self.trainer.strategy.root_device)
+
+    def accelerate(self, device: torch.device) -> None:
+        """Apply `compile` and `channels_last` once, if `device` is a CUDA device (called by `setup`)."""
+        if self._accelerated or device.type != "cuda":
+            return
+        self._accelerated = True
+        if self.hparams.channels_last:
+            self._memory_format = torch.channels_last_3d
+            # The 2D slice discriminator keeps its layout: its inputs are single slices.
+            for network in (self.encoder, self.decoder, self.video_discriminator):
+                network.to(memory_format=self._memory_format)
+        if self.hparams.compile:
+            # In place (nn.Module.compile), so parameter names and checkpoints are those of the eager networks.
+            for network in (self.encoder, self.decoder, self.image_discriminator, self.video_discriminator):
+                network.compile()
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, Quantized]:
         self._check_shape(x)
+        x = x.contiguous(memory_format=self._memory_format)
         quantized = self.encode(x)
         return self.decode(quantized.embeddings), quantized
 
@@ -174,41 +221,70 @@ class VQGAN(MedvolModule):
             loss = loss + self.feature_weight * F.l1_loss(f, r.detach())
         return loss
 
-    def _generator_losses(
-        self, x: torch.Tensor, x_rec: torch.Tensor, frames: torch.Tensor, frames_rec: torch.Tensor, gan_on: bool
-    ) -> dict[str, torch.Tensor]:
+    def gan_losses(self, x: torch.Tensor, gan_on: bool, loss_scale: torch.Tensor | None = None) -> GANStep:
+        """The losses of one training batch: the generator's terms and objective, and the discriminators' loss.
+
+        Each discriminator sees the real and the reconstructed input once. Their weights do not
+        change between the generator's update and their own, so one forward pass per input serves
+        both losses: the generator's gradient through the discriminators is taken here, onto a
+        detached copy of the reconstruction, and handed to the autoencoder as `generator_objective`
+        (whose gradient is that of the terms' sum); the discriminator loss keeps the same passes'
+        graph for its own backward. Neither backward reaches the other's parameters.
+
+        Args:
+            x: the batch of volumes (B, C, D, H, W).
+            gan_on: whether the discriminators have started.
+            loss_scale: the AMP gradient scaler's current scale (16-mixed), applied to the gradient
+                taken through the discriminators and removed again in float32, so that gradient does
+                not underflow in float16; None without a scaler.
+        """
         hp = self.hparams
-        losses = {"recon_loss": F.l1_loss(x_rec, x) * hp.l1_weight}
+        x = x.contiguous(memory_format=self._memory_format)
+        x_rec, quantized = self(x)
+        slice_index = torch.randint(0, x.shape[2], (x.shape[0],), device=x.device)
+        frames, frames_rec = random_slices(x, slice_index), random_slices(x_rec, slice_index)
+        terms = {"recon_loss": F.l1_loss(x_rec, x) * hp.l1_weight}
         if self.perceptual is not None:
-            losses["perceptual_loss"] = hp.perceptual_weight * self.perceptual(frames_rec, frames)
-        if gan_on:
-            image_fake = self.image_discriminator(frames_rec)
-            video_fake = self.video_discriminator(x_rec)
-            losses["g_adv_loss"] = hp.image_gan_weight * self.adversarial(
-                image_fake[-1], target_is_real=True, for_discriminator=False
-            ) + hp.video_gan_weight * self.adversarial(video_fake[-1], target_is_real=True, for_discriminator=False)
-            if hp.gan_feat_weight > 0:
-                matching = x.new_zeros(())
-                if hp.image_gan_weight > 0:
-                    matching = matching + self._feature_matching(image_fake, self.image_discriminator(frames))
-                if hp.video_gan_weight > 0:
-                    matching = matching + self._feature_matching(video_fake, self.video_discriminator(x))
-                losses["gan_feat_loss"] = hp.gan_feat_weight * matching
-        return losses
+            terms["perceptual_loss"] = hp.perceptual_weight * self.perceptual(frames_rec, frames)
+        direct = list(terms.values())
+        if not gan_on:
+            terms["commitment_loss"] = quantized.commitment_loss
+            return GANStep(terms, torch.stack(list(terms.values())).sum(), None, quantized)
 
-    def _discriminator_loss(
-        self, x: torch.Tensor, x_rec: torch.Tensor, frames: torch.Tensor, frames_rec: torch.Tensor
-    ) -> torch.Tensor:
-        hp = self.hparams
-
-        def d_loss(disc: torch.nn.Module, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
-            real_loss = self.adversarial(disc(real.detach())[-1], target_is_real=True, for_discriminator=True)
-            fake_loss = self.adversarial(disc(fake.detach())[-1], target_is_real=False, for_discriminator=True)
-            return 0.5 * (real_loss + fake_loss)
-
-        return hp.image_gan_weight * d_loss(self.image_discriminator, frames, frames_rec) + (
-            hp.video_gan_weight * d_loss(self.video_discriminator, x, x_rec)
+        fake = x_rec.detach().requires_grad_()
+        image_real, image_fake = self.image_discriminator(frames), self.image_discriminator(random_slices(fake, slice_index))
+        video_real, video_fake = self.video_discriminator(x), self.video_discriminator(fake)
+        terms["g_adv_loss"] = hp.image_gan_weight * self.adversarial.generator(image_fake[-1]) + (
+            hp.video_gan_weight * self.adversarial.generator(video_fake[-1])
         )
+        through_discriminators = terms["g_adv_loss"]
+        if hp.gan_feat_weight > 0:
+            matching = x.new_zeros(())
+            if hp.image_gan_weight > 0:
+                matching = matching + self._feature_matching(image_fake, image_real)
+            if hp.video_gan_weight > 0:
+                matching = matching + self._feature_matching(video_fake, video_real)
+            terms["gan_feat_loss"] = hp.gan_feat_weight * matching
+            through_discriminators = through_discriminators + terms["gan_feat_loss"]
+        terms["commitment_loss"] = quantized.commitment_loss
+
+        if loss_scale is not None:
+            through_discriminators = through_discriminators * loss_scale
+        (gradient,) = torch.autograd.grad(through_discriminators, fake, retain_graph=True)
+        gradient = gradient.float() if loss_scale is None else gradient.float() / loss_scale
+        # d/dx_rec of sum(x_rec * g) is g: the autoencoder receives the discriminators' gradient unchanged.
+        generator_objective = torch.stack([*direct, quantized.commitment_loss, (x_rec.float() * gradient).sum()]).sum()
+        discriminator_loss = hp.image_gan_weight * self.adversarial.discriminator(image_real[-1], image_fake[-1]) + (
+            hp.video_gan_weight * self.adversarial.discriminator(video_real[-1], video_fake[-1])
+        )
+        return GANStep(terms, generator_objective, discriminator_loss, quantized)
+
+    def _loss_scale(self, device: torch.device) -> torch.Tensor | None:
+        """The AMP gradient scaler's scale as a tensor on `device` (no host sync), or None without a scaler."""
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is None or not scaler.is_enabled():
+            return None
+        return scaler.scale(torch.ones((), device=device))
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         x = batch[self.image_key]
@@ -217,31 +293,24 @@ class VQGAN(MedvolModule):
         step_now = self.is_accumulation_boundary(batch_idx)
         scale = 1.0 / self.accumulate_grad_batches
 
-        self.toggle_optimizer(opt_ae)
-        x_rec, quantized = self(x)
-        slice_index = torch.randint(0, x.shape[2], (x.shape[0],), device=x.device)
-        frames, frames_rec = random_slices(x, slice_index), random_slices(x_rec, slice_index)
-        losses = self._generator_losses(x, x_rec, frames, frames_rec, gan_on)
-        losses["commitment_loss"] = quantized.commitment_loss
-        ae_loss = torch.stack(list(losses.values())).sum()
-        self.manual_backward(ae_loss * scale)
+        # The two objectives share no graph (GANStep), so neither optimizer's parameters need freezing.
+        step = self.gan_losses(x, gan_on, self._loss_scale(x.device))
+        self.manual_backward(step.generator_objective * scale)
         if step_now:
             opt_ae.step()
             opt_ae.zero_grad(set_to_none=True)
-        self.untoggle_optimizer(opt_ae)
 
-        if gan_on:
-            self.toggle_optimizer(opt_disc)
-            disc_loss = self._discriminator_loss(x, x_rec, frames, frames_rec)
-            self.manual_backward(disc_loss * scale)
+        losses = dict(step.terms)
+        if step.discriminator_loss is not None:
+            self.manual_backward(step.discriminator_loss * scale)
             if step_now:
                 opt_disc.step()
                 opt_disc.zero_grad(set_to_none=True)
-            self.untoggle_optimizer(opt_disc)
-            losses["disc_loss"] = disc_loss
+            losses["disc_loss"] = step.discriminator_loss
 
-        self._log_training(losses, ae_loss, quantized.perplexity, x.shape[0])
-        return ae_loss.detach()
+        generator_loss = step.generator_loss
+        self._log_training(losses, generator_loss, step.quantized.perplexity, x.shape[0])
+        return generator_loss
 
     def _log_training(
         self, losses: dict[str, torch.Tensor], generator_loss: torch.Tensor, perplexity: torch.Tensor, batch_size: int
