@@ -51,18 +51,12 @@ def measure(args: argparse.Namespace) -> dict[str, float | str]:
     """Patches/s and peak memory of `args.steps` training steps with the chosen options."""
     device = torch.device(args.device)
     torch.manual_seed(0)
-    model = build_model(args.overrides).to(device).train()
-    memory_format = torch.channels_last_3d if args.channels_last else torch.contiguous_format
-    if args.channels_last:
-        # Conv3d weights in channels_last_3d; the 2D slice discriminator keeps its default layout.
-        for part in (model.encoder, model.decoder, model.video_discriminator):
-            part.to(memory_format=torch.channels_last_3d)
-    if args.compile:
-        for name in ("encoder", "decoder", "image_discriminator", "video_discriminator"):
-            setattr(model, name, torch.compile(getattr(model, name)))
+    options = [f"model.compile={args.compile}", f"model.channels_last={args.channels_last}"]
+    model = build_model([*options, *args.overrides]).to(device).train()
+    # What `train.py` does in `VQGAN.setup` (on a CUDA device only).
+    model.accelerate(device)
     opt_ae, opt_disc = model.configure_optimizers()
     patches = torch.rand(args.batch, 1, args.size, args.size, args.size, device=device) * 2 - 1
-    patches = patches.contiguous(memory_format=memory_format)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16-mixed" else nullcontext()
     cuda = device.type == "cuda"
     if cuda:
@@ -71,14 +65,7 @@ def measure(args: argparse.Namespace) -> dict[str, float | str]:
     for _ in range(args.warmup + args.steps):
         start = time.perf_counter()
         with autocast:
-            if args.no_gan:
-                x_rec, quantized = model(patches)
-                loss = torch.nn.functional.l1_loss(x_rec, patches) * model.hparams.l1_weight + quantized.commitment_loss
-                loss.backward()
-                opt_ae.step()
-                opt_ae.zero_grad(set_to_none=True)
-            else:
-                gan_step(model, opt_ae, opt_disc, patches)
+            gan_step(model, opt_ae, opt_disc, patches, gan_on=not args.no_gan)
         if cuda:
             torch.cuda.synchronize(device)
         durations.append(time.perf_counter() - start)
