@@ -74,6 +74,13 @@ def _env() -> dict[str, str]:
     return env
 
 
+def interpreter(args: argparse.Namespace, side: str) -> list[str]:
+    """The Python command line of one side's run: under cProfile (`<profile dir>/<side>.prof`) with `--profile`."""
+    if not args.profile:
+        return [sys.executable]
+    return [sys.executable, "-m", "cProfile", "-o", str(Path(args.profile).resolve() / f"{side}.prof")]
+
+
 def model_overrides(args: argparse.Namespace) -> list[str]:
     return ["model.discriminator_iter_start=0", *args.overrides]
 
@@ -98,7 +105,7 @@ def medvol_run(args: argparse.Namespace) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         ends = Path(tmp) / "ends.json"
         subprocess.run(
-            [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={tmp}/run",
+            [*interpreter(args, "medvol"), str(ROOT / "train.py"), *overrides, f"hydra.run.dir={tmp}/run",
              f"+callbacks.step_ends={{_target_:benchmarks.overhead.StepEnds,path:{ends}}}"],
             cwd=tmp, env=_env(), check=True, capture_output=True, text=True,
         )
@@ -148,7 +155,7 @@ def hand_run(args: argparse.Namespace) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ends.json"
         subprocess.run(
-            [sys.executable, __file__, "--worker", str(out), "--steps", str(args.steps), "--size", str(args.size),
+            [*interpreter(args, "hand"), __file__, "--worker", str(out), "--steps", str(args.steps), "--size", str(args.size),
              "--batch", str(args.batch), *args.overrides],
             env=_env(), check=True, capture_output=True, text=True,
         )
@@ -162,6 +169,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=32, help="volume edge in voxels")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the median")
+    parser.add_argument("--profile", metavar="DIR", help="run each side under cProfile, writing DIR/medvol.prof and "
+                        "DIR/hand.prof (the last repeat's; its timings include the profiler's own cost)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args, args.overrides = parser.parse_known_args()
     if args.worker:
