@@ -571,6 +571,68 @@ MUTATIONS = [
         ("tests/test_cascade.py",),
         "the best path looked up under a callback state named ModelCheckpoint (StepCheckpoint's has its own name)",
     ),
+    # Issue 18: the diffusion core (lightning_modules/diffusion/).
+    Mutation(
+        "ddim-walk-to-minus-one", "lightning_modules/diffusion/samplers.py",
+        "previous = [-1, *steps[:-1]]", "previous = [-1] * len(steps)",
+        ("tests/test_diffusion_core.py::test_ddim_walk_of_a_biased_denoiser_equals_the_papers_update_written_out",),
+        "the DDIM walk steps every time to t = -1",
+    ),
+    Mutation(
+        "ddim-sigma-not-subtracted", "lightning_modules/diffusion/samplers.py",
+        "(1 - a_prev - sigma**2).clamp(min=0).sqrt() * eps", "(1 - a_prev).clamp(min=0).sqrt() * eps",
+        ("tests/test_diffusion_core.py::test_ddim_walk_of_a_biased_denoiser_equals_the_papers_update_written_out",),
+        "DDIM with eta > 0 keeps the whole sqrt(1 - a_prev) on the predicted noise",
+    ),
+    Mutation(
+        "ddpm-posterior-same-step", "lightning_modules/diffusion/samplers.py",
+        "schedule.alpha_bar(t_batch), schedule.alpha_bar(t_batch - 1))", "schedule.alpha_bar(t_batch), schedule.alpha_bar(t_batch))",
+        ("tests/test_diffusion_core.py::test_ddpm_ancestral_walk_of_a_biased_denoiser_equals_hos_posterior_written_out",),
+        "ancestral sampling takes alpha_bar_t for alpha_bar_{t-1}",
+    ),
+    Mutation(
+        "cosine-offset-dropped", "lightning_modules/diffusion/schedule.py",
+        "        s = 0.008\n", "        s = 0.0\n",
+        ("tests/test_diffusion_core.py::test_schedules_equal_monais_and_the_v_target_is_monais_velocity",),
+        "the cosine schedule without Nichol and Dhariwal's offset s",
+    ),
+    Mutation(
+        "v-target-sign", "lightning_modules/diffusion/prediction.py",
+        "return a.sqrt() * noise - (1 - a).sqrt() * x0", "return a.sqrt() * noise + (1 - a).sqrt() * x0",
+        ("tests/test_diffusion_core.py::test_schedules_equal_monais_and_the_v_target_is_monais_velocity",),
+        "the v target with the sign of its x0 term flipped",
+    ),
+    Mutation(
+        "clip-sample-ignored", "lightning_modules/diffusion/diffusion_module.py",
+        "return clip_x0(x0, x_t, self.schedule.alpha_bar(t)) if self.clip_sample else (x0, eps)", "return x0, eps",
+        ("tests/test_diffusion_core.py::test_clip_sample_clamps_each_predicted_x0_and_recomputes_its_epsilon",),
+        "model.clip_sample=true does not clamp the predicted x0",
+    ),
+    Mutation(
+        "loss-sum-is-mean", "lightning_modules/diffusion/diffusion_module.py",
+        "return squared.flatten(1).sum(1).mean()", "return squared.mean()",
+        ("tests/test_diffusion_core.py::test_loss_reductions_are_the_voxel_mean_and_the_per_sample_voxel_sum_averaged_over_the_batch",),
+        "model.loss_reduction=sum averages over the voxels",
+    ),
+    Mutation(
+        "ema-decay-inverted", "lightning_modules/diffusion/ema.py",
+        "ema_param.lerp_(param.detach().to(ema_param.dtype), 1.0 - decay)", "ema_param.lerp_(param.detach().to(ema_param.dtype), decay)",
+        ("tests/test_diffusion_core.py::test_ema_follows_the_decay_and_copies_buffers",),
+        "the EMA keeps 1 - decay of its average and takes decay of the new weights",
+    ),
+    Mutation(
+        "subject-noise-ignores-name", "lightning_modules/diffusion/subject_noise.py",
+        'f"{int(seed)}/{subject}/{salt}"', 'f"{int(seed)}/{salt}"',
+        ("tests/test_subject_noise.py",),
+        "every subject draws the same sampling noise",
+    ),
+    Mutation(
+        "train-steps-not-antithetic", "lightning_modules/diffusion/diffusion_module.py",
+        "index = antithetic_indices(batch_size, len(self.train_timesteps))",
+        "index = torch.randint(0, len(self.train_timesteps), (batch_size,))",
+        ("tests/test_ddpm.py::test_training_draws_only_from_the_set_in_antithetic_pairs",),
+        "training steps drawn independently, not in Fast-DDPM's antithetic pairs",
+    ),
 ]
 
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
+from monai.networks.schedulers import DDPMScheduler
 from torch import nn
 
 from lightning_modules.diffusion.checkpointing import checkpoint_blocks, unet_blocks
 from lightning_modules.diffusion.ema import EMA
 from lightning_modules.diffusion.prediction import PREDICTION_TYPES, to_x0_and_epsilon, training_target
-from lightning_modules.diffusion.samplers import ddim_step, ddpm_posterior, sample_ddim
+from lightning_modules.diffusion.samplers import ddim_step, ddpm_posterior, sample_ddim, sample_ddpm
 from lightning_modules.diffusion.schedule import NoiseSchedule
 from lightning_modules.diffusion.timesteps import (
     PAPER_NON_UNIFORM_10,
@@ -19,6 +23,7 @@ from lightning_modules.diffusion.timesteps import (
     uniform_set,
 )
 from medvol.core.errors import MedvolError
+from tests.test_windowed_sampling import _fast_ddpm
 
 
 def test_non_uniform_set_for_ten_steps_is_the_papers():
@@ -201,3 +206,101 @@ def test_activation_checkpointing_keeps_names_outputs_and_gradients():
     assert len(calls) == 2
     for (name, a), b in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, atol=1e-5), name
+
+
+def test_schedules_equal_monais_and_the_v_target_is_monais_velocity():
+    torch.manual_seed(0)
+    x0, noise, t = torch.randn(3, 1, 4, 4, 4), torch.randn(3, 1, 4, 4, 4), torch.tensor([0, 400, 999])
+    for kind, monai_kind in (("linear", "linear_beta"), ("cosine", "cosine")):
+        ours, monai = NoiseSchedule(kind), DDPMScheduler(1000, schedule=monai_kind)
+        torch.testing.assert_close(ours.alphas_cumprod, monai.alphas_cumprod.float(), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(ours.add_noise(x0, noise, t), monai.add_noise(x0, noise, t), rtol=1e-4, atol=1e-5)
+        target = training_target("v", x0, noise, ours.alpha_bar(t))
+        torch.testing.assert_close(target, monai.get_velocity(x0, noise, t), rtol=1e-4, atol=1e-5)
+
+
+def _hand_alpha_bar() -> np.ndarray:
+    """alpha_bar_t of Ho et al.'s linear schedule (beta from 1e-4 to 0.02 over 1000 steps), in fp64."""
+    return np.cumprod(1.0 - np.linspace(1e-4, 0.02, 1000))
+
+
+def _biased_epsilon(x_t: torch.Tensor, t: int) -> torch.Tensor:
+    """An imperfect denoiser: linear in x_t, biased, depending on the step."""
+    return 0.8 * x_t + 0.1 - t / 5000
+
+
+@pytest.mark.parametrize("eta", [0.0, 0.6])
+@pytest.mark.parametrize("steps", [list(PAPER_NON_UNIFORM_10), [3, 40, 41, 500, 999]], ids=["paper", "uneven"])
+def test_ddim_walk_of_a_biased_denoiser_equals_the_papers_update_written_out(steps, eta):
+    schedule, alpha_bar = NoiseSchedule("linear"), _hand_alpha_bar()
+    torch.manual_seed(0)
+    x_T = torch.randn(2, 1, 4, 4, 4)
+    noises = [torch.randn(2, 1, 4, 4, 4) for _ in steps]
+
+    def denoise(x_t: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = float(alpha_bar[int(t[0])])
+        eps = _biased_epsilon(x_t.double(), int(t[0]))
+        return (x_t.double() - math.sqrt(1 - a) * eps) / math.sqrt(a), eps
+
+    drawn = iter(noises)
+    walked = sample_ddim(denoise, x_T, schedule, torch.tensor(steps), eta, lambda x: next(drawn))
+
+    # Song et al. 2021, eq. 12, from each step of the set to the one below it, the last to alpha_bar = 1:
+    # x_prev = sqrt(a_prev) x0_pred + sqrt(1 - a_prev - sigma^2) eps + sigma z,
+    # sigma = eta sqrt((1 - a_prev) / (1 - a_t)) sqrt(1 - a_t / a_prev), x0_pred = (x_t - sqrt(1 - a_t) eps) / sqrt(a_t).
+    x = x_T.double()
+    for k, i in enumerate(reversed(range(len(steps)))):
+        a_t = float(alpha_bar[steps[i]])
+        a_prev = float(alpha_bar[steps[i - 1]]) if i > 0 else 1.0
+        eps = _biased_epsilon(x, steps[i])
+        x0_pred = (x - math.sqrt(1 - a_t) * eps) / math.sqrt(a_t)
+        sigma = eta * math.sqrt((1 - a_prev) / (1 - a_t)) * math.sqrt(1 - a_t / a_prev)
+        x = math.sqrt(a_prev) * x0_pred + math.sqrt(1 - a_prev - sigma**2) * eps + sigma * noises[k].double()
+    torch.testing.assert_close(walked.double(), x, rtol=1e-4, atol=1e-4)
+
+
+def test_ddpm_ancestral_walk_of_a_biased_denoiser_equals_hos_posterior_written_out():
+    schedule = NoiseSchedule("linear", num_train_timesteps=6, beta_start=0.05, beta_end=0.4)
+    betas = np.linspace(0.05, 0.4, 6)
+    alpha_bar = np.cumprod(1 - betas)
+    torch.manual_seed(0)
+    x_T = torch.randn(2, 1, 4, 4, 4, dtype=torch.float64)
+    noises = [torch.randn(2, 1, 4, 4, 4, dtype=torch.float64) for _ in range(5)]
+
+    def denoise(x_t: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return 0.5 * x_t.double() + 0.1, torch.zeros_like(x_t)
+
+    drawn = iter(noises)
+    walked = sample_ddpm(denoise, x_T, schedule, lambda x: next(drawn))
+    # Ho et al. 2020, eqs. 6-7: mean = sqrt(a_prev) beta_t / (1 - a_t) x0 + sqrt(1 - beta_t) (1 - a_prev) / (1 - a_t) x_t,
+    # variance = (1 - a_prev) / (1 - a_t) beta_t, no noise added at t = 0.
+    x = x_T
+    for k, t in enumerate(range(5, -1, -1)):
+        a_t, a_prev, beta = alpha_bar[t], alpha_bar[t - 1] if t > 0 else 1.0, betas[t]
+        x0 = 0.5 * x + 0.1
+        mean = math.sqrt(a_prev) * beta / (1 - a_t) * x0 + math.sqrt(1 - beta) * (1 - a_prev) / (1 - a_t) * x
+        x = mean + math.sqrt((1 - a_prev) / (1 - a_t) * beta) * noises[k] if t > 0 else mean
+    torch.testing.assert_close(walked.double(), x, rtol=1e-5, atol=1e-5)
+
+
+def test_clip_sample_clamps_each_predicted_x0_and_recomputes_its_epsilon():
+    plain, clipped = _fast_ddpm(), _fast_ddpm(clip_sample=True)
+    for module in (plain, clipped):
+        with torch.no_grad():
+            module.network.conv.weight.mul_(20)
+    torch.manual_seed(1)
+    x_t, cond, t = torch.randn(2, 1, 6, 6, 6), torch.randn(2, 1, 6, 6, 6), torch.tensor([999, 10])
+    x0, _ = plain.denoiser_for(plain.network, plain.conditioning(cond))(x_t, t)
+    assert (x0.abs() > 1).float().mean() > 0.2
+    x0_clipped, eps = clipped.denoiser_for(clipped.network, clipped.conditioning(cond))(x_t, t)
+    assert torch.equal(x0_clipped, x0.clamp(-1, 1))
+    a = torch.tensor(_hand_alpha_bar()[[999, 10]], dtype=torch.float32).view(-1, 1, 1, 1, 1)
+    torch.testing.assert_close(eps, (x_t - a.sqrt() * x0_clipped) / (1 - a).sqrt(), rtol=1e-5, atol=1e-5)
+
+
+def test_loss_reductions_are_the_voxel_mean_and_the_per_sample_voxel_sum_averaged_over_the_batch():
+    torch.manual_seed(0)
+    output, target = torch.randn(2, 1, 4, 4, 4), torch.randn(2, 1, 4, 4, 4)
+    squared = [float(((output[b] - target[b]) ** 2).sum()) for b in range(2)]
+    assert float(_fast_ddpm().regression_loss(output, target)) == pytest.approx(sum(squared) / 128, rel=1e-5)
+    assert float(_fast_ddpm(loss_reduction="sum").regression_loss(output, target)) == pytest.approx(sum(squared) / 2, rel=1e-5)
