@@ -4,21 +4,26 @@ test-time samples are NIfTI files, bad input gets one clear line, 2 ranks valida
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import nibabel as nib
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from monai.networks.nets import DiffusionModelUNet
 
 from datamodules.sources.phantom import phantom_affine
+from lightning_modules.diffusion.module import ConditionalDiffusion
 from lightning_modules.diffusion.samplers import sample_ddim
+from lightning_modules.diffusion.subject_noise import SubjectNoise
 from medvol.core.build import build
 from medvol.core.errors import MedvolError
 from medvol.run.training import run
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
 from tests.test_ddp_support import explain, train_cli
+from tests.test_windowed_sampling import ConvDenoiser, _fast_ddpm
 
 TINY_DDPM = ["model=ddpm", "logger=csv"]
 
@@ -145,6 +150,43 @@ def test_translation_without_a_condition_is_one_clear_line(tmp_path):
     for task in ("denoising", "super_resolution"):
         metrics = run(compose_cfg(tmp_path / task, [*TINY_DDPM, f"model.task={task}", "trainer.fast_dev_run=true"]))
         assert "val/psnr" in metrics
+
+
+def _image_batch(size: int = 8) -> dict:
+    torch.manual_seed(0)
+    return {"image": torch.rand(2, 1, size, size, size) * 2 - 1, "cond": torch.rand(2, 1, size, size, size) * 2 - 1,
+            "subject": ["sub-a", "sub-b"]}
+
+
+def test_denoising_and_super_resolution_conditions_are_the_image_degraded_by_hand():
+    batch = _image_batch()
+    del batch["cond"]  # a dataset without a condition: it is made from the image
+    image = batch["image"]
+    denoising = ConditionalDiffusion(partial(ConvDenoiser), task="denoising", noise_std=0.3, timesteps=2, sample_seed=4)
+    denoising.log = lambda *args, **kwargs: None
+    condition = denoising.validation_step(batch, 0)["volumes"]["condition"]
+    # The image plus noise_std times the first draw of each subject's own sampling stream.
+    expected = image + 0.3 * SubjectNoise(batch["subject"], seed=4, salt="sample").draw((1, 8, 8, 8))
+    torch.testing.assert_close(condition, expected, rtol=0, atol=1e-6)
+
+    resolution = ConditionalDiffusion(partial(ConvDenoiser), task="super_resolution", downsample_factor=2, timesteps=2)
+    # Means of 2 x 2 x 2 blocks, trilinearly resampled back onto the image grid.
+    blocks = image.reshape(2, 1, 4, 2, 4, 2, 4, 2).mean(dim=(3, 5, 7))
+    expected = F.interpolate(blocks, size=(8, 8, 8), mode="trilinear", align_corners=False)
+    torch.testing.assert_close(resolution.condition(batch), expected, rtol=0, atol=1e-6)
+
+
+def test_validation_psnr_is_that_of_the_sample_against_the_target_by_hand():
+    module = _fast_ddpm(timesteps=2)
+    with torch.no_grad():
+        module.ema.module.conv.weight.mul_(5)
+    module.log = lambda *args, **kwargs: None
+    volumes = module.validation_step(_image_batch(), 0)["volumes"]
+    sample, target = volumes["sample"], volumes["target"]
+    assert sample.abs().max() <= 1 and not torch.allclose(sample, volumes["condition"], atol=0.1)
+    # PSNR with a data range of 2 ([-1, 1]), per sample, averaged over the batch.
+    psnr = [10 * np.log10(4.0 / float(((sample[b] - target[b]) ** 2).mean())) for b in range(2)]
+    assert float(module.val_metrics["val/psnr"].compute()) == pytest.approx(np.mean(psnr), rel=1e-5)
 
 
 def test_bad_timestep_set_in_config_is_one_clear_line(tmp_path):
