@@ -682,6 +682,73 @@ MUTATIONS = [
         ("tests/test_ddpm.py::test_training_draws_only_from_the_set_in_antithetic_pairs",),
         "the training loss is computed with the EMA copy, not the trained network",
     ),
+    # Issue 18: X-ray-to-CT (the physics term, the projector's views and axes, the stage hand-off).
+    Mutation(
+        "xray-physics-term-dropped", "lightning_modules/xray2ct/module.py",
+        "loss = diffusion_loss + self.hparams.physics_weight * ", "loss = diffusion_loss + 0.0 * ",
+        ("tests/test_xray2ct_training.py::test_training_loss_gradient_holds_the_projection_term_of_a_hand_built_loss",),
+        "the X-ray-to-CT loss without the physics term (logged, not trained)",
+    ),
+    Mutation(
+        "xray-physics-of-the-output", "lightning_modules/xray2ct/module.py",
+        "self.physics(x0_hat, views, affine)", "self.physics(output, views, affine)",
+        ("tests/test_xray2ct_training.py::test_training_loss_gradient_holds_the_projection_term_of_a_hand_built_loss",),
+        "the physics term projects the network's output (v), not the x0 recovered from it",
+    ),
+    Mutation(
+        "xray-physics-window-ignored", "lightning_modules/xray2ct/physics.py",
+        "scale_from_range(volume[:, 0].float(), *self.window,", "scale_from_range(volume[:, 0].float(), -1000.0, 1000.0,",
+        ("tests/test_xray2ct_training.py::test_training_loss_gradient_holds_the_projection_term_of_a_hand_built_loss",),
+        "the physics loss maps model units to HU with [-1000, 1000], not model.window",
+    ),
+    Mutation(
+        "xray-physics-views-reversed", "lightning_modules/xray2ct/physics.py",
+        "self.views = list(views)", "self.views = list(views)[::-1]",
+        ("tests/test_xray2ct_training.py::test_training_loss_gradient_holds_the_projection_term_of_a_hand_built_loss",),
+        "the physics loss compares each DRR with the other view",
+    ),
+    Mutation(
+        "xray-mu-water-not-passed", "lightning_modules/xray2ct/module.py",
+        "ProjectionLoss(views, window, (-1.0, 1.0), mu_water)", "ProjectionLoss(views, window, (-1.0, 1.0))",
+        ("tests/test_xray2ct_training.py::test_training_loss_gradient_holds_the_projection_term_of_a_hand_built_loss",),
+        "the physics loss ignores model.mu_water",
+    ),
+    Mutation(
+        "xray-view-axes-swapped", "medvol/volumes/projection.py",
+        'VIEW_AXES = {"ap": 1, "lateral": 0}', 'VIEW_AXES = {"ap": 0, "lateral": 1}',
+        ("tests/test_xray2ct_training.py::test_training_loss_gradient_holds_the_projection_term_of_a_hand_built_loss",),
+        "the AP view integrates along x, the lateral one along y",
+    ),
+    Mutation(
+        "xray-drr-rows-unflipped", "medvol/volumes/projection.py",
+        "return radiograph.flip(-1).transpose(-1, -2)", "return radiograph.transpose(-1, -2)",
+        ("tests/test_xray2ct_training.py::test_training_loss_gradient_holds_the_projection_term_of_a_hand_built_loss",),
+        "radiograph rows run from the feet up, not from the head down",
+    ),
+    Mutation(
+        "xray-spacing-row-norms", "medvol/volumes/projection.py",
+        "affine[..., :3, :3].double().pow(2).sum(dim=-2)", "affine[..., :3, :3].double().pow(2).sum(dim=-1)",
+        ("tests/test_xray2ct_training.py::test_training_loss_gradient_holds_the_projection_term_of_a_hand_built_loss",),
+        "voxel sizes for the path integrals from the affine's rows (wrong on an oblique grid)",
+    ),
+    Mutation(
+        "xray-handoff-without-the-output", "lightning_modules/xray2ct/module.py",
+        "upsampled = F.interpolate(previous,", "upsampled = F.interpolate(torch.zeros_like(previous),",
+        ("tests/test_xray2ct_training.py::test_stage_two_samples_from_stage_ones_output_upsampled_plus_its_conditioning_noise",),
+        "stage k samples without stage k-1's output",
+    ),
+    Mutation(
+        "xray-handoff-without-noise", "lightning_modules/xray2ct/module.py",
+        "self.hparams.previous_sampling_noise * conditioning_noise", "0.0 * conditioning_noise",
+        ("tests/test_xray2ct_training.py::test_stage_two_samples_from_stage_ones_output_upsampled_plus_its_conditioning_noise",),
+        "no conditioning noise on the previous stage's output at sampling time",
+    ),
+    Mutation(
+        "xray-training-previous-not-degraded", "lightning_modules/xray2ct/module.py",
+        '"previous": self.degraded(x0) + level', '"previous": x0 + level',
+        ("tests/test_xray2ct_training.py::test_stage_two_trains_on_the_ground_truth_degraded_to_stage_ones_grid",),
+        "stage k trains on the ground truth at its own resolution as the previous stage's output",
+    ),
 ]
 
 
