@@ -80,8 +80,10 @@ def test_training_draws_only_from_the_set_in_antithetic_pairs(module):
 
 def test_validation_and_sampling_use_the_ema_weights(module):
     batch = synthetic_batch(module)
+    # Both copies perturbed (differently), so that neither's output is the zero-initialised constant and a
+    # sample depends on its starting noise.
     with torch.no_grad():
-        for p in module.network.parameters():
+        for p in [*module.network.parameters(), *module.ema.module.parameters()]:
             p.add_(torch.randn_like(p) * 0.1)
     module.log = lambda *args, **kwargs: None
     sample = module.validation_step(batch, 0)["volumes"]["sample"]
@@ -91,8 +93,12 @@ def test_validation_and_sampling_use_the_ema_weights(module):
     with torch.no_grad():
         ema = sample_ddim(module.denoiser(module.ema.module, batch["cond"]), noise, module.schedule, module.sampling_timesteps)
         raw = sample_ddim(module.denoiser(module.network, batch["cond"]), noise, module.schedule, module.sampling_timesteps)
+        other = sample_ddim(module.denoiser(module.ema.module, batch["cond"]), torch.randn_like(noise), module.schedule,
+                            module.sampling_timesteps)
     assert torch.allclose(sample, ema.clamp(-1, 1), atol=1e-6)
     assert not torch.allclose(sample, raw.clamp(-1, 1), atol=1e-3)
+    # The starting noise matters: another draw gives another sample.
+    assert not torch.allclose(sample, other.clamp(-1, 1), atol=1e-3)
     # The same subject gets the same sample in another batch position (what makes ranks agree).
     swapped = {k: v.flip(0) if torch.is_tensor(v) else list(reversed(v)) for k, v in batch.items()}
     assert torch.allclose(module.validation_step(swapped, 5)["volumes"]["sample"].flip(0), sample, atol=1e-6)
