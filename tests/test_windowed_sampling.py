@@ -18,6 +18,7 @@ from lightning_modules.diffusion.module import ConditionalDiffusion
 from lightning_modules.diffusion.prediction import to_x0_and_epsilon
 from lightning_modules.diffusion.samplers import sample_ddim
 from lightning_modules.diffusion.subject_noise import SubjectNoise
+from lightning_modules.xray2ct.crops import coordinate_channels
 from lightning_modules.xray2ct.module import XrayToCT
 from medvol.core.errors import MedvolError
 from medvol.volumes.sliding_window import SlidingWindow
@@ -143,7 +144,8 @@ def _fast_ddpm_case(tmp_path):
 def _xray_case(tmp_path):
     module = _xray_stage_two(tmp_path, sampling_window_batch_size=3)
     torch.manual_seed(1)
-    return module, Conditioning({"previous": torch.randn(2, 1, 16, 16, 16)}, {"views": torch.rand(2, 2, 16, 16) * 2 - 1})
+    volumes = {"previous": torch.randn(2, 1, 16, 16, 16), "coordinates": coordinate_channels((16, 16, 16), 2)}
+    return module, Conditioning(volumes, {"views": torch.rand(2, 2, 16, 16) * 2 - 1})
 
 
 @pytest.mark.parametrize("case", [_fast_ddpm_case, _xray_case], ids=["fast_ddpm", "xray2ct"])

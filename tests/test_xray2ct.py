@@ -73,9 +73,9 @@ def test_stage_two_starts_from_stage_one_best_weights(cascade_run):
     first_conv = "unet.conv_in.conv.weight"
     for name, tensor in stage1.items():
         if name == first_conv:
-            # Input channels are [previous, x_t]: x_t's filters carry over, the new channel starts at zero.
-            assert torch.equal(started[name][:, 1:], tensor)
-            assert torch.count_nonzero(started[name][:, :1]) == 0
+            # Input channels are [previous, z, y, x, x_t]: x_t's filters carry over, the new channels start at zero.
+            assert torch.equal(started[name][:, -1:], tensor)
+            assert torch.count_nonzero(started[name][:, :-1]) == 0
         else:
             assert torch.equal(started[name], tensor), name
 

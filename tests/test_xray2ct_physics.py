@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from lightning_modules.xray2ct.physics import ProjectionLoss
 from medvol.volumes.intensity import scale_from_range, scale_to_range
-from medvol.volumes.projection import back_project, drr, radiographs
+from medvol.volumes.projection import back_project, drr, radiographs, voxel_spacing
 
 
 def _ball(n: int, radius_voxels: float, hounsfield: float) -> torch.Tensor:
@@ -80,3 +81,23 @@ def test_back_projection_of_one_view_projects_back_onto_it():
         assert volume.shape == (1, 16, 16, 16)
         again = radiographs(volume, spacing, [view], (16, 16))
         assert torch.allclose(again, views, atol=1e-3)
+
+
+def test_views_of_an_asymmetric_anisotropic_phantom_equal_numpy_line_integrals_along_the_right_axes():
+    # (x, y, z) = (12, 12, 20) voxels of 1.5 x 2.5 x 3.0 mm (RAS): two blocks off every axis' centre.
+    hounsfield = np.full((12, 12, 20), -1000.0)
+    hounsfield[1:4, 7:11, 13:19] = 1000.0
+    hounsfield[6:11, 2:4, 2:6] = 0.0
+    affine = torch.diag(torch.tensor([1.5, 2.5, 3.0, 1.0], dtype=torch.float64))
+    mu_water = 0.02
+    views = radiographs(
+        torch.from_numpy(hounsfield).float()[None], voxel_spacing(affine)[None], ["ap", "lateral"], (20, 12),
+        mu_water, output_range=(0.0, 1.0),
+    )[0].double().numpy()
+    mu = mu_water * np.clip(1.0 + hounsfield / 1000.0, 0.0, None)
+    # AP: rays along y (2.5 mm steps), columns along x; lateral: along x (1.5 mm), columns along y; rows run
+    # along z from the head (the last z) down.
+    ap = 1.0 - np.exp(-mu.sum(axis=1) * 2.5)
+    lateral = 1.0 - np.exp(-mu.sum(axis=0) * 1.5)
+    np.testing.assert_allclose(views[0], ap.T[::-1], atol=1e-5)
+    np.testing.assert_allclose(views[1], lateral.T[::-1], atol=1e-5)

@@ -11,13 +11,24 @@ from monai.networks.nets import DiffusionModelUNet
 from torch import nn
 
 from lightning_modules.xray2ct.view_encoder import ViewEncoder
+from medvol.core.errors import MedvolError
+
+# The condition channels of a stage >= 2 before x_t: the upsampled previous stage, then z, y, x coordinates.
+CONDITION_CHANNELS = 4
 
 
 class ViewConditionedDenoiser(nn.Module):
     """Predicts the diffusion target of a CT stage from x_t, the step, the X-ray tokens and (stage >= 2) the previous stage.
 
-    The input is `cat([previous, x_t])` on channels from stage 2 on (the condition first, as in
-    Fast-DDPM), `x_t` alone at stage 1.
+    The input is `cat([previous, coordinates, x_t])` on channels from stage 2 on (the condition
+    first, as in Fast-DDPM; `coordinates` are the three global-coordinate channels that tell a crop
+    or a sampling window where it lies in the body), `x_t` alone at stage 1.
+
+    The view tokens reach the UNet by cross-attention at the `attention_levels` only. MONAI's
+    transformer block at such a level also runs self-attention over every token of that level, so
+    the full-resolution level (level 0: one token per voxel) never carries attention: a stage
+    trained on 64^3 crops with 4 levels attends at 16^3 and 8^3 tokens per crop, through PyTorch's
+    fused `scaled_dot_product_attention` (`use_flash_attention`), never materialising the matrix.
 
     Args:
         num_views: radiographs per subject.
@@ -26,10 +37,11 @@ class ViewConditionedDenoiser(nn.Module):
         token_dim: width of the view tokens = the UNet's cross-attention dim.
         encoder_channels: strided stages of the view encoder.
         channels: UNet channels per level.
-        attention_levels: UNet levels with (self + cross) attention.
+        attention_levels: UNet levels with (self + cross) attention; never level 0 (full resolution).
         num_res_blocks: residual blocks per UNet level.
         num_head_channels: channels per attention head.
         norm_num_groups: GroupNorm groups (must divide every UNet channel count).
+        use_flash_attention: fused attention (PyTorch's SDPA) instead of MONAI's explicit attention matrix.
     """
 
     def __init__(
@@ -44,13 +56,20 @@ class ViewConditionedDenoiser(nn.Module):
         num_res_blocks: int = 1,
         num_head_channels: int = 16,
         norm_num_groups: int = 8,
+        use_flash_attention: bool = True,
     ) -> None:
         super().__init__()
+        if attention_levels and bool(attention_levels[0]):
+            raise MedvolError(
+                f"`model.attention_levels` {list(attention_levels)} puts attention at level 0, where MONAI's transformer "
+                "block self-attends over every voxel; expected attention at the coarser levels only (e.g. "
+                "[false, false, true, true])"
+            )
         self.cascaded = bool(cascaded)
         self.encoder = ViewEncoder(num_views, (int(xray_size[0]), int(xray_size[1])), token_dim, tuple(encoder_channels))
         self.unet = DiffusionModelUNet(
             spatial_dims=3,
-            in_channels=2 if self.cascaded else 1,
+            in_channels=1 + CONDITION_CHANNELS if self.cascaded else 1,
             out_channels=1,
             channels=tuple(channels),
             attention_levels=tuple(bool(a) for a in attention_levels),
@@ -59,15 +78,20 @@ class ViewConditionedDenoiser(nn.Module):
             norm_num_groups=norm_num_groups,
             with_conditioning=True,
             cross_attention_dim=token_dim,
+            use_flash_attention=bool(use_flash_attention),
         )
         self.downsampling = 2 ** (len(channels) - 1)
 
     def forward(
-        self, x_t: torch.Tensor, t: torch.Tensor, views: torch.Tensor, previous: torch.Tensor | None = None
+        self, x_t: torch.Tensor, t: torch.Tensor, views: torch.Tensor, previous: torch.Tensor | None = None,
+        coordinates: torch.Tensor | None = None,
     ) -> torch.Tensor:
         tokens = self.encoder(views)
-        inputs = torch.cat([previous, x_t], dim=1) if self.cascaded else x_t
-        return self.unet(inputs, t, context=tokens)
+        if not self.cascaded:
+            return self.unet(x_t, t, context=tokens)
+        if previous is None or coordinates is None:
+            raise ValueError("a cascaded stage needs the previous stage's volume and the coordinate channels")
+        return self.unet(torch.cat([previous, coordinates, x_t], dim=1), t, context=tokens)
 
 
 # What a stage's data fixes; every other argument of the denoiser is a setting of `model=xray2ct`.
@@ -86,7 +110,7 @@ def network_settings(hparams: Mapping[str, Any]) -> dict[str, Any]:
 
 @torch.no_grad()
 def load_from_previous_stage(network: ViewConditionedDenoiser, previous: ViewConditionedDenoiser) -> list[str]:
-    """Start `network` from `previous`'s weights; the new previous-stage input channel starts at zero.
+    """Start `network` from `previous`'s weights; the new condition input channels (previous, coordinates) start at zero.
 
     Returns the names of the tensors that could not be copied (shape mismatch other than the
     first convolution's input channels), which the caller reports.
@@ -100,10 +124,13 @@ def load_from_previous_stage(network: ViewConditionedDenoiser, previous: ViewCon
         weights = source[name]
         if weights.shape == tensor.shape:
             tensor.copy_(weights)
-        elif tensor.ndim == 5 and weights.shape[1] == 1 and tensor.shape[1] == 2 and weights.shape[0] == tensor.shape[0]:
-            # First convolution: input channels are [previous, x_t]; x_t's filters carry over.
+        elif (
+            tensor.ndim == 5 and weights.shape[1] == 1 and tensor.shape[1] == 1 + CONDITION_CHANNELS
+            and weights.shape[0] == tensor.shape[0]
+        ):
+            # First convolution: input channels are [previous, coordinates, x_t]; x_t's filters carry over.
             tensor.zero_()
-            tensor[:, 1:].copy_(weights)
+            tensor[:, -1:].copy_(weights)
         else:
             skipped.append(name)
     return skipped

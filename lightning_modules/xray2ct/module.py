@@ -1,12 +1,18 @@
 """X-ray-to-CT: one stage of a progressive 3D diffusion cascade conditioned on radiographs.
 
-Stage 1 generates a low-resolution CT from the views alone; stage k >= 2 also sees the
-previous stage's output, upsampled to its grid, as an extra input channel (cascaded
-diffusion). In training that input is the ground truth degraded to the previous stage's grid
-plus Gaussian noise of a random level (conditioning augmentation, Ho et al. 2021), so the
-stage learns to correct an imperfect previous output; in validation and test it is the actual
-output of the previous stages, run from their best weights (held frozen inside this module,
-so a stage's checkpoint generates from X-rays on its own).
+Stage 1 generates a low-resolution CT from the views alone, on the whole volume; stage k >= 2
+is conditional super-resolution diffusion: it also sees the previous stage's output, upsampled
+to its grid, and three global-coordinate channels (cascaded diffusion). Stage k >= 2 trains on
+random crops (`crop_size`, 64^3 by default) of its grid, cut jointly from the target, the
+condition and the coordinates (PatchDDM, MedSyn's super-resolution stage), so its memory
+follows the crop and not the volume. In training the condition is the ground truth degraded to
+the previous stage's grid plus Gaussian noise of a random level (conditioning augmentation,
+Ho et al. 2021), so the stage learns to correct an imperfect previous output; in validation,
+test and predict it is the actual output of the previous stages, run from their best weights
+(held frozen inside this module, so a stage's checkpoint generates from X-rays on its own).
+Sampling a crop-trained stage runs every denoising step window by window over the whole
+volume (the core's Gaussian-blended windows, the training crop by default), the step, the view
+tokens, the condition and the coordinates cut to each window.
 
 The module derives from the diffusion core (`lightning_modules.diffusion.DiffusionModule`:
 fp32 noise tables, v/epsilon/x0 algebra, timestep sets, samplers, EMA, per-subject noise, the
@@ -28,6 +34,7 @@ from torchmetrics import MeanMetric, MetricCollection
 
 from lightning_modules.diffusion.diffusion_module import Conditioning, DiffusionModule, sampling_window_size
 from lightning_modules.diffusion.subject_noise import SubjectNoise, subject_names
+from lightning_modules.xray2ct.crops import coordinate_channels, random_crops
 from lightning_modules.xray2ct.denoiser import (
     NETWORK_SETTINGS,
     ViewConditionedDenoiser,
@@ -46,6 +53,20 @@ DIFFUSION_DEFAULTS = {"beta_schedule": "cosine", "prediction_type": "v", "timest
 def as_size(size: int | Sequence[int]) -> list[int]:
     """A volume size as three ints (an int means a cube)."""
     return [int(size)] * 3 if isinstance(size, int) else [int(s) for s in size]
+
+
+def crop_of(settings: dict[str, Any]) -> list[int]:
+    """The volume a stage's network trains on: its whole grid at stage 1, else `crop_size` (null: whole) within the grid."""
+    size = as_size(settings["size"])
+    crop = settings.get("crop_size")
+    if int(settings["stage"]) == 1 or crop is None:
+        return size
+    return [min(c, s) for c, s in zip(as_size(crop), size, strict=True)]
+
+
+def window_of(settings: dict[str, Any]) -> list[int]:
+    """The window a stage samples with: its `sampling_window`, by default the volume its network trained on."""
+    return list(sampling_window_size(settings.get("sampling_window")) or crop_of(settings))
 
 
 def _load_stage(path: str) -> tuple[dict[str, Any], ViewConditionedDenoiser]:
@@ -77,6 +98,8 @@ class XrayToCT(DiffusionModule):
         mu_water: attenuation of water per mm, as the dataset's projector used.
         previous_noise: largest std of the noise added to the previous-stage input in training.
         previous_sampling_noise: std added to the previous stages' outputs at sampling time.
+        crop_size: the training crop of a stage >= 2 (an int is a cube; capped at the volume; null:
+            the whole volume); also its default sampling window. Stage 1 always trains whole.
         previous_stages: best checkpoints of stages 1..k-1 (set by the cascade runner).
         init_from: a checkpoint whose network weights this stage starts from (stage k-1's best).
         image_key: batch key of the CT target.
@@ -84,7 +107,10 @@ class XrayToCT(DiffusionModule):
             attention_levels, num_res_blocks, num_head_channels, norm_num_groups) and the diffusion
             core's (`DiffusionModule`: schedule, timestep sets, sampler, prediction type, EMA,
             sampling seed and window, optimizer); the core defaults to a cosine schedule,
-            v-prediction and a uniform set here.
+            v-prediction and a uniform set here. `sampling_window` null means the training crop.
+
+    The projection-consistency loss needs the whole volume: a stage trained on crops smaller than
+    its volume trains without it (validation and test still report the sampled CT's).
     """
 
     default_lr = 1e-4
@@ -100,6 +126,7 @@ class XrayToCT(DiffusionModule):
         mu_water: float = 0.02,
         previous_noise: float = 0.2,
         previous_sampling_noise: float = 0.05,
+        crop_size: int | Sequence[int] | None = 64,
         previous_stages: Sequence[str] = (),
         init_from: str | None = None,
         image_key: str = "image",
@@ -121,7 +148,15 @@ class XrayToCT(DiffusionModule):
                 f"stage {stage} volume size {as_size(size)} must divide by the network's downsampling "
                 f"{network.downsampling} (2 ** (len(model.channels) - 1)); change the stage's size"
             )
-        window_size = self.sampling_window or as_size(size)
+        if crop_size is not None and (len(as_size(crop_size)) != 3 or min(as_size(crop_size)) < 1):
+            raise MedvolError(f"`model.crop_size`: got {crop_size!r}; expected a crop size [D, H, W] of positive ints or null")
+        self.crop = crop_of(dict(self.hparams))
+        if any(c % network.downsampling for c in self.crop):
+            raise MedvolError(
+                f"stage {stage}: the training crop {self.crop} (`model.crop_size` within the volume {as_size(size)}) must "
+                f"divide by the network's downsampling {network.downsampling}; change `model.crop_size`"
+            )
+        window_size = window_of(dict(self.hparams))
         if any(w % network.downsampling or w > s for w, s in zip(window_size, as_size(size), strict=True)):
             raise MedvolError(
                 f"stage {stage}: `model.sampling_window` {list(window_size)} must divide by the network's downsampling "
@@ -177,23 +212,36 @@ class XrayToCT(DiffusionModule):
     # -- training ----------------------------------------------------------------------------------------------
 
     def network_output(
-        self, network: nn.Module, x_t: torch.Tensor, t: torch.Tensor, views: torch.Tensor, previous: torch.Tensor | None = None
+        self, network: nn.Module, x_t: torch.Tensor, t: torch.Tensor, views: torch.Tensor,
+        previous: torch.Tensor | None = None, coordinates: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return network(x_t.to(views.dtype), t, views, previous)
+        return network(x_t.to(views.dtype), t, views, previous, coordinates)
+
+    def training_volumes(self, x0: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """A stage >= 2's training target and its condition volumes: random crops, cut jointly, of the
+        target, the degraded ground truth plus noise of a random level, and the coordinates."""
+        b = x0.shape[0]
+        level = torch.rand(b, 1, 1, 1, 1, device=x0.device) * self.hparams.previous_noise
+        previous = self.degraded(x0) + level * torch.randn_like(x0)
+        coordinates = coordinate_channels(x0.shape[2:], b, x0.device).to(x0.dtype)
+        if self.crop != list(x0.shape[2:]):
+            x0, previous, coordinates = random_crops([x0, previous, coordinates], self.crop)
+        return x0, {"previous": previous, "coordinates": coordinates}
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         x0, views, affine = self._inputs(batch)
         b = x0.shape[0]
         t = self.draw_timesteps(b, x0.device)
-        noise = self.noise_like(x0)
         conditioning = Conditioning(per_sample={"views": views})
         if self.hparams.stage > 1:
-            level = torch.rand(b, 1, 1, 1, 1, device=x0.device) * self.hparams.previous_noise
-            conditioning = Conditioning({"previous": self.degraded(x0) + level * torch.randn_like(x0)}, {"views": views})
+            x0, volumes = self.training_volumes(x0)
+            conditioning = Conditioning(volumes, {"views": views})
+        whole = list(x0.shape[2:]) == as_size(self.hparams.size)
+        noise = self.noise_like(x0)
         output, target, x_t = self.training_prediction(self.network, x0, t, noise, conditioning)
         diffusion_loss = self.regression_loss(output, target)
         losses = {"diffusion_loss": diffusion_loss}
-        if self.hparams.physics_weight > 0:
+        if self.hparams.physics_weight > 0 and whole:
             x0_hat, _ = self.x0_and_epsilon(output, x_t, t)
             losses["physics_loss"] = self.physics(x0_hat, views, affine)
         loss = diffusion_loss + self.hparams.physics_weight * losses.get("physics_loss", 0.0)
@@ -208,14 +256,16 @@ class XrayToCT(DiffusionModule):
         """Run the cascade from the views: every previous stage, then this one (EMA weights); model units.
 
         Stage k starts from its own per-subject noise (stream `stage<k>`), sees stage k-1's output
-        upsampled plus conditioning noise (`stage<k>/previous`), and each stage samples with its own
-        window (`model.sampling_window` of its run; none: the whole volume).
+        upsampled plus conditioning noise (`stage<k>/previous`) and the coordinate channels, and each
+        stage samples with its own window (`model.sampling_window` of its run, by default the
+        volume its network trained on: the whole volume at stage 1, the training crop after).
+        Validation, test and predict all generate here.
         """
         seed = self.sample_seed
         stages = [
-            *((as_size(s["size"]), network, sampling_window_size(s.get("sampling_window")) or as_size(s["size"]))
+            *((as_size(s["size"]), network, window_of(s))
               for s, network in zip(self.previous_settings, self.previous, strict=True)),
-            (list(size), self.sampling_network, self.sampling_window),
+            (list(size), self.sampling_network, window_of({**self.hparams, "size": list(size)})),
         ]
         outputs: dict[str, torch.Tensor] = {}
         previous = None
@@ -225,6 +275,7 @@ class XrayToCT(DiffusionModule):
                 upsampled = F.interpolate(previous, size=tuple(stage_size), mode="trilinear", align_corners=False)
                 conditioning_noise = SubjectNoise(subjects, seed, f"stage{index}/previous")(upsampled)
                 volumes["previous"] = upsampled + self.hparams.previous_sampling_noise * conditioning_noise
+                volumes["coordinates"] = coordinate_channels(stage_size, views.shape[0], views.device)
             x_T = SubjectNoise(subjects, seed, f"stage{index}").draw((1, *stage_size), views.device)
             walk_noise = SubjectNoise(subjects, seed, f"stage{index}/walk")
             previous = self.sample(x_T, Conditioning(volumes, {"views": views}), walk_noise, network, window).clamp(-1.0, 1.0)
