@@ -94,3 +94,34 @@ def test_bad_crops_and_attention_at_full_resolution_are_one_clear_line():
         XrayToCT(stage=2, size=16, crop_size=[8, 8], previous_stages=["unused"], **TINY_XRAY)
     with pytest.raises(MedvolError, match=r"attention at level 0, where MONAI's transformer block self-attends over every voxel"):
         ViewConditionedDenoiser(channels=(8, 16), attention_levels=(True, True), num_head_channels=8, norm_num_groups=4)
+
+
+def test_activation_checkpointing_keeps_fewer_activations_and_the_same_gradients():
+    settings = {
+        "channels": (8, 16, 16), "attention_levels": (False, False, True), "num_head_channels": 8, "norm_num_groups": 4,
+        "encoder_channels": (8, 16), "token_dim": 16, "xray_size": (16, 16), "cascaded": True,
+    }
+    torch.manual_seed(0)
+    plain = ViewConditionedDenoiser(**settings)
+    for weight in plain.parameters():
+        if not weight.any():
+            torch.nn.init.normal_(weight, std=0.1)
+    recomputing = ViewConditionedDenoiser(**settings, activation_checkpointing=True)
+    recomputing.load_state_dict(plain.state_dict())
+    inputs = (torch.randn(2, 1, 16, 16, 16), torch.tensor([3, 500]), torch.rand(2, 2, 16, 16),
+              torch.randn(2, 1, 16, 16, 16), coordinate_channels((16, 16, 16), 2))
+    kept, gradients = {}, {}
+    for name, network in (("plain", plain), ("recomputing", recomputing)):
+        sizes: list[int] = []
+
+        def keep(tensor: torch.Tensor, sizes: list[int] = sizes) -> torch.Tensor:
+            sizes.append(tensor.numel())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            loss = network(*inputs).square().sum()
+        kept[name] = sum(sizes)
+        gradients[name] = torch.autograd.grad(loss, list(network.parameters()))
+    assert kept["recomputing"] < kept["plain"] / 2
+    for plain_gradient, recomputed in zip(gradients["plain"], gradients["recomputing"], strict=True):
+        torch.testing.assert_close(recomputed, plain_gradient)
