@@ -11,10 +11,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from datamodules.sources.example_data import write_xray_ct
 from lightning_modules.xray2ct.module import XrayToCT
+from medvol.core.build import build
 from medvol.core.errors import MedvolError
+from medvol.run.predicting import predict
 from medvol.run.training import run
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
+from tests.test_predict import predict_cfg
 
 # Two tiny stages (8^3 -> 16^3), 16 px views, a 2-level UNet, 4 Fast-DDPM steps.
 TINY_CASCADE = [
@@ -40,7 +44,11 @@ def _network(checkpoint: Path, prefix: str) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def cascade_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("cascade")
-    metrics = run(compose_cfg(root, TINY_CASCADE, tiny=False))
+    cfg = compose_cfg(root, TINY_CASCADE, tiny=False)
+    metrics = run(cfg)
+    # Where train.py saves the run's config (predict.py reads it).
+    (root / ".hydra").mkdir(exist_ok=True)
+    OmegaConf.save({k: v for k, v in cfg.items() if k != "hydra"}, root / ".hydra" / "config.yaml")
     return root, metrics
 
 
@@ -153,3 +161,57 @@ def test_a_bad_value_in_a_later_stage_stops_the_cascade_before_stage_one_trains(
     with pytest.raises(MedvolError, match="max_epochs"):
         run(compose_cfg(tmp_path, [*TINY_CASCADE, bad], tiny=False))
     assert not (tmp_path / "stage1").exists()
+
+
+def _radiographs_alone(tmp_path: Path, subjects: int = 2, size: int = 16, seed: int = 5) -> Path:
+    """Example radiographs of 16 px (the fixture's views) over a 192 mm field of view, their CTs moved away."""
+    folder = write_xray_ct(tmp_path / "xr", subjects, size=size, field_of_view=192.0, xray_size=(16, 16), seed=seed)
+    for ct in folder.glob("*_ct.nii.gz"):
+        ct.rename(tmp_path / ct.name)
+    return folder
+
+
+def test_a_ct_from_radiographs_alone_is_the_test_time_ct_of_the_same_views(cascade_run, tmp_path):
+    root, _ = cascade_run
+    folder = _radiographs_alone(tmp_path)
+    out = tmp_path / "out"
+    predict(predict_cfg(f"ckpt_path={root / 'stage2' / 'best.ckpt'}", f"input={folder}", f"output_dir={out}"))
+    # The reference: the views dataset=synthetic computes for the same phantoms (seed 5) on stage 2's grid,
+    # generated through every stage as test=true generates them.
+    cfg = OmegaConf.load(root / "stage2" / "config.yaml")
+    datamodule = build(OmegaConf.merge(cfg.dataset, {"seed": 5, "num_subjects": 2, "split_file": None}))
+    dataset = datamodule.build_dataset(datamodule.subjects(), "test")
+    module = XrayToCT.load_from_checkpoint(root / "stage2" / "best.ckpt", map_location="cpu", weights_only=False).eval()
+    assert sorted(p.name for p in out.iterdir()) == ["phantom-5-0000_ct.nii.gz", "phantom-5-0001_ct.nii.gz"]
+    for item in dataset:
+        written = nib.load(str(out / f"{item['subject']}_ct.nii.gz"))
+        views = [nib.load(str(folder / f"{item['subject']}_{v}.nii.gz")).get_fdata() for v in ("ap", "lateral")]
+        np.testing.assert_allclose(np.stack(views) * 2 - 1, item["xray"].numpy(), atol=1e-5)
+        expected = module.generate(item["xray"][None], [16, 16, 16], [item["subject"]])["ct"][0, 0]
+        np.testing.assert_allclose(written.get_fdata(), expected.numpy() * 1000.0, atol=1e-2)
+        # Stage 2's grid: 16^3 voxels of 12 mm, RAS, centred on the origin as the training phantoms.
+        np.testing.assert_allclose(written.affine, np.diag([12.0, 12.0, 12.0, 1.0]) + np.array([[0, 0, 0, -90]] * 3 + [[0, 0, 0, 0]]))
+
+
+@pytest.mark.parametrize(
+    ("breakage", "message"),
+    [
+        ("missing", r"subject phantom-5-0001 has no lateral view \(phantom-5-0001_lateral.nii.gz\)"),
+        ("size", r"phantom-5-0001_ap.nii.gz is a 8x8 image; the model was trained on 16x16 ap radiographs"),
+        ("spacing", r"phantom-5-0001_ap.nii.gz has pixels of 6 x 6 mm; the model's ap radiographs have 12 x 12 mm"),
+    ],
+)
+def test_bad_radiographs_are_one_clear_line_and_nothing_is_written(cascade_run, tmp_path, breakage, message):
+    root, _ = cascade_run
+    folder = _radiographs_alone(tmp_path)
+    view = folder / "phantom-5-0001_ap.nii.gz"
+    image = nib.load(str(view))
+    if breakage == "missing":
+        (folder / "phantom-5-0001_lateral.nii.gz").unlink()
+    elif breakage == "size":
+        nib.save(nib.Nifti1Image(np.asarray(image.dataobj)[::2, ::2], np.diag([24.0, 24.0, 1.0, 1.0])), str(view))
+    else:
+        nib.save(nib.Nifti1Image(np.asarray(image.dataobj), np.diag([6.0, 6.0, 1.0, 1.0])), str(view))
+    with pytest.raises(MedvolError, match=message):
+        predict(predict_cfg(f"ckpt_path={root / 'stage2' / 'best.ckpt'}", f"input={folder}", f"output_dir={tmp_path / 'out'}"))
+    assert not (tmp_path / "out").exists()

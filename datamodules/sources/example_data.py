@@ -1,7 +1,9 @@
-"""Write the synthetic phantoms as real on-disk layouts (NIfTI folder, BraTS 2021/2023, MACE CSV).
+"""Write the synthetic phantoms as real on-disk layouts (NIfTI folder, BraTS 2021/2023, MACE CSV, CTs with radiographs).
 
-Lets anyone try the file-based datasets, the data doctor and the pipeline benchmark without
-downloading data: `python -m datamodules.sources.example_data brats2023 /tmp/brats --subjects 8 --size 32`.
+Lets anyone try the file-based datasets, the data doctor, the pipeline benchmark and predicting a
+CT from radiographs without downloading data:
+`python -m datamodules.sources.example_data brats2023 /tmp/brats --subjects 8 --size 32`,
+`python -m datamodules.sources.example_data xray_ct /tmp/xr --subjects 4 --size 32 --seed 7`.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from pathlib import Path
 
 import nibabel as nib
 import numpy as np
+import torch
 
 from datamodules.sources.phantom import lesion_class, make_phantom, phantom_affine
+from medvol.volumes.projection import radiographs, voxel_spacing
 
 BRATS_SUFFIXES = {
     2021: {"t1": "_t1", "t1ce": "_t1ce", "t2": "_t2", "flair": "_flair", "seg": "_seg"},
@@ -92,16 +96,54 @@ def write_mace_csv(root: Path, subjects: int, size: int | Sequence[int] = 32, se
     return table
 
 
+def radiograph_affine(row_mm: float, column_mm: float) -> np.ndarray:
+    """The affine of a 2D radiograph file: pixel spacing (rows, columns) in mm on the diagonal."""
+    return np.diag([row_mm, column_mm, 1.0, 1.0])
+
+
+def write_xray_ct(
+    root: Path, subjects: int, size: int = 32, field_of_view: float = 192.0, xray_size: Sequence[int] = (32, 32),
+    window: Sequence[float] = (-1000.0, 1000.0), mu_water: float = 0.02, seed: int = 0,
+) -> Path:
+    """`root/<subject>_ct.nii.gz` (HU, RAS, centred) with `<subject>_ap.nii.gz` and `<subject>_lateral.nii.gz` beside it.
+
+    The radiographs are what `dataset=synthetic dataset.views=[ap,lateral]` computes from the same
+    phantom (the CT clipped to `window`, projected with `medvol.volumes.projection.radiographs`),
+    stored as 1 - I/I0 in [0, 1), rows from head to feet, with their pixel spacing in the header.
+    The phantom fills the `field_of_view` (mm), as the synthetic dataset's does at any size, so
+    the views of a 16^3 and a 32^3 phantom cover the same body.
+    """
+    shape = _shape(size)
+    spacing = field_of_view / shape[0]
+    affine = phantom_affine(shape, spacing)
+    rows, columns = (int(s) for s in xray_size)
+    view_affine = radiograph_affine(field_of_view / rows, field_of_view / columns)
+    for i in range(subjects):
+        ct = make_phantom(seed, i, shape).channels["ct"]
+        subject = f"phantom-{seed}-{i:04d}"  # the name dataset=synthetic gives the same phantom
+        write_volume(Path(root) / f"{subject}_ct.nii.gz", ct, affine)
+        hounsfield = torch.from_numpy(np.clip(ct, *window))[None]
+        views = radiographs(hounsfield, voxel_spacing(torch.from_numpy(affine))[None], ["ap", "lateral"], (rows, columns),
+                            mu_water, output_range=(0.0, 1.0))[0]
+        for name, view in zip(("ap", "lateral"), views, strict=True):
+            write_volume(Path(root) / f"{subject}_{name}.nii.gz", view.numpy().astype(np.float32), view_affine)
+    return Path(root)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("layout", choices=["nifti", "brats2021", "brats2023", "mace"])
+    parser.add_argument("layout", choices=["nifti", "brats2021", "brats2023", "mace", "xray_ct"])
     parser.add_argument("root", type=Path)
     parser.add_argument("--subjects", type=int, default=8)
     parser.add_argument("--size", type=int, nargs="+", default=[32])
+    parser.add_argument("--seed", type=int, default=0, help="phantom seed (xray_ct; the training phantoms use 0..)")
+    parser.add_argument("--xray-size", type=int, nargs=2, default=[32, 32], help="radiograph rows, columns (xray_ct)")
     args = parser.parse_args(argv)
     size = args.size[0] if len(args.size) == 1 else args.size
     if args.layout == "nifti":
         write_nifti_folder(args.root, args.subjects, size)
+    elif args.layout == "xray_ct":
+        write_xray_ct(args.root, args.subjects, args.size[0], xray_size=args.xray_size, seed=args.seed)
     elif args.layout == "mace":
         write_mace_csv(args.root, args.subjects, size)
     else:

@@ -252,16 +252,18 @@ class XrayToCT(DiffusionModule):
     # -- sampling ----------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, views: torch.Tensor, size: Sequence[int], subjects: Sequence[str]) -> dict[str, torch.Tensor]:
+    def generate(
+        self, views: torch.Tensor, size: Sequence[int], subjects: Sequence[str], seed: int | None = None
+    ) -> dict[str, torch.Tensor]:
         """Run the cascade from the views: every previous stage, then this one (EMA weights); model units.
 
         Stage k starts from its own per-subject noise (stream `stage<k>`), sees stage k-1's output
         upsampled plus conditioning noise (`stage<k>/previous`) and the coordinate channels, and each
         stage samples with its own window (`model.sampling_window` of its run, by default the
         volume its network trained on: the whole volume at stage 1, the training crop after).
-        Validation, test and predict all generate here.
+        Validation, test and predict all generate here; `seed` (default `sample_seed`) seeds the noise.
         """
-        seed = self.sample_seed
+        seed = self.sample_seed if seed is None else int(seed)
         stages = [
             *((as_size(s["size"]), network, window_of(s))
               for s, network in zip(self.previous_settings, self.previous, strict=True)),
@@ -282,6 +284,20 @@ class XrayToCT(DiffusionModule):
             outputs[f"stage{index}"] = previous
         outputs["ct"] = outputs.pop(f"stage{len(stages)}")
         return outputs
+
+    def generation_inputs(self) -> dict[str, int]:
+        """What a CT is generated from without one: the radiographs (batch key `xray`, one channel per view)."""
+        return {"xray": len(self.hparams.views)}
+
+    def generate_volumes(self, batch: dict[str, Any], draw: int = 0) -> dict[str, Any]:
+        """The CT of each subject from its radiographs alone (batch keys `xray`, `subject`), on this stage's grid.
+
+        Draw k is seeded `sample_seed + k`; draw 0 is the CT `test_step` generates for the same views.
+        """
+        views = batch["xray"]
+        subjects = subject_names(batch, 0, views.shape[0])
+        ct = self.generate(views, as_size(self.hparams.size), subjects, self.sample_seed + int(draw))["ct"]
+        return {"volumes": {"ct": ct}, "window": tuple(self.hparams.window)}
 
     def _evaluate(self, batch: dict[str, Any], batch_idx: int, metrics: MetricCollection) -> dict[str, Any]:
         x0, views, affine = self._inputs(batch)

@@ -3,7 +3,8 @@
 The model family and its preprocessing come from the checkpoint's run (`<run>/.hydra/config.yaml`);
 `model.*` and `dataset.*` given to `predict.py` are merged on top. Inputs are NIfTI files (one file
 per subject, its channels the model's), or a dataset: the run's own with `split=test`, or another
-chosen with `dataset=...`. Every subject goes through the family's `predict_volumes` (sliding
+chosen with `dataset=...`. A model that generates from radiographs (X-ray-to-CT) takes a folder
+of `<subject>_<view>.nii.gz` radiographs as `input` instead (`medvol.run.radiographs`). Every other subject goes through the family's `predict_volumes` (sliding
 windows of the training size where the forward is volume-to-volume) and `PredictionWriter`, the
 code that writes `test=true` outputs: the source grid and units, the source header.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -40,6 +42,7 @@ from medvol.run.generation import (
     with_target_units,
     without_targets,
 )
+from medvol.run.radiographs import ct_from_radiographs
 from medvol.run.resolvers import run_dir_of_checkpoint
 from medvol.volumes.prediction_writer import PredictionWriter
 from medvol.volumes.sliding_window import BLEND_MODES, SlidingWindow
@@ -70,12 +73,19 @@ def run_config(ckpt_path: str) -> DictConfig:
     if not path.is_file():
         raise MedvolError(f"`ckpt_path`: no file at {path}; expected a .ckpt file of a medvol run, e.g. <run>/checkpoints/last.ckpt")
     run_dir = run_dir_of_checkpoint(str(path))
+    if run_dir is None and path.name == "best.ckpt" and re.fullmatch(r"stage\d+", path.parent.name):
+        run_dir = path.parent.parent
     if run_dir is None or not (run_dir / ".hydra" / "config.yaml").is_file():
         raise MedvolError(
             f"`ckpt_path`: {path} is not in a medvol run directory (no <run>/.hydra/config.yaml next to its "
             "checkpoints/ folder); expected a checkpoint written by train.py"
         )
-    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    # A cascade stage's checkpoint (`<run>/stage<k>/best.ckpt` or `.../stage<k>/checkpoints/`) runs with that stage's config.
+    stage_dir = next(
+        (p for p in (path.parent, path.parent.parent) if re.fullmatch(r"stage\d+", p.name) and (p / "config.yaml").is_file()),
+        None,
+    )
+    cfg = OmegaConf.load((stage_dir / "config.yaml") if stage_dir is not None else run_dir / ".hydra" / "config.yaml")
     assert isinstance(cfg, DictConfig)
     with open_dict(cfg):
         # `${hydra:runtime.output_dir}` means nothing outside that run's Hydra job: the run is where split.json is.
@@ -327,6 +337,19 @@ def predict(cfg: DictConfig) -> dict[str, float]:
             f"`num_samples`={num_samples}: {class_path(module)} is not generative (its outputs are not samples); "
             "use num_samples=1"
         )
+    if cfg.input is not None and "xray" in generation:
+        source = Path(str(cfg.input)).expanduser()
+        if not source.is_dir():
+            raise MedvolError(
+                f"`input`: {source} is not a folder; the model generates a CT from radiographs, expected a folder of "
+                "<subject>_ap.nii.gz and <subject>_lateral.nii.gz files"
+            )
+        if num_samples > 1:
+            raise MedvolError(f"`num_samples`={num_samples}: a CT from radiographs is written once per subject; use num_samples=1")
+        check_output_dir(output_dir, [source])
+        count = ct_from_radiographs(module, run, source, output_dir, device)
+        print(summary_line([], count, output_dir))
+        return {}
     geometry = input_geometry(cfg.get("spacing"), module.training_data)
     run = with_geometry(run, geometry)
     override = cfg.get("dataset")

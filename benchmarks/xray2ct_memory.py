@@ -1,0 +1,202 @@
+"""X-ray-to-CT at the seed's scale: per stage, a training step's peak memory and speed, and the wall time of a whole CT.
+
+The stages are built as `experiment=xray2ct_a100x4` builds them (ViewConditionedDenoiser with
+channels 64/128/256/256, attention at the two coarsest levels, 2 res blocks, 512 px views, token
+dim 256, fused attention, activation checkpointing; random weights): stage 1 trains on the
+whole 64^3 volume at batch 16, stages 2 and 3 on 64^3 crops of 128^3 / 256^3 at batch 8 / 4
+(`XrayToCT.training_step`: the crop cut, the degraded condition, the diffusion loss; then
+backward and an Adam step). Then `XrayToCT.generate` samples a whole CT through all three
+stages (stage 1 whole, stages 2 and 3 by Gaussian-blended 64^3 windows, `--steps` each): the
+code path of validation, test and predict.
+
+On a GPU: bf16 autocast, peak `torch.cuda.max_memory_allocated`. On the CPU (fp32) the sizes
+are divided by `--reduce` (default 4: 16^3 -> 32^3 -> 64^3 volumes, 16^3 crops, 128 px views),
+the batches by `--batch-divisor` (default 8: 2 / 1 / 1), 2 sampling steps a stage, and the memory
+is the growth of the process's peak resident set over the training steps; each measurement runs
+in its own process. The CPU estimate of the preset's GPU memory: the activation bytes per trained
+voxel (the growth between batch b and 2b, over b crops' voxels) times the preset's voxels, plus
+20 bytes per trained parameter (weights, gradients, Adam's two moments, the EMA copy). It is an
+estimate in fp32 activations (bf16 autocast keeps the convolutions' in half).
+
+    python benchmarks/xray2ct_memory.py                      # CPU, reduced sizes
+    python benchmarks/xray2ct_memory.py --device cuda --reduce 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lightning_modules.xray2ct.module import XrayToCT  # noqa: E402
+
+PRESET = {
+    "token_dim": 256, "encoder_channels": [32, 64, 128, 256, 256], "channels": [64, 128, 256, 256],
+    "attention_levels": [False, False, True, True], "num_res_blocks": 2, "num_head_channels": 32,
+    "norm_num_groups": 32, "use_flash_attention": True, "physics_weight": 0.1, "window": [-1000.0, 3000.0],
+}
+# (stage, volume size, training crop, batch per GPU) of experiment=xray2ct_a100x4.
+STAGES = [(1, 64, 64, 16), (2, 128, 64, 8), (3, 256, 64, 4)]
+XRAY_SIZE = 512
+
+
+def stage_settings(stage: int, reduce: int, checkpointing: bool, steps: int) -> dict[str, Any]:
+    _, size, crop, _ = STAGES[stage - 1]
+    return {
+        **PRESET, "stage": stage, "size": [size // reduce] * 3, "crop_size": crop // reduce,
+        "xray_size": [XRAY_SIZE // reduce] * 2, "activation_checkpointing": checkpointing, "timesteps": steps,
+    }
+
+
+def build(stage: int, reduce: int, checkpointing: bool, steps: int, folder: Path) -> XrayToCT:
+    """Stage `stage` over the random-weight checkpoints of the stages before it in `folder` (written on first use)."""
+    previous = []
+    for earlier in range(1, stage):
+        path = folder / f"stage{earlier}.ckpt"
+        if not path.exists():
+            module = build(earlier, reduce, checkpointing, steps, folder)
+            torch.save({"hyper_parameters": dict(module.hparams), "state_dict": module.state_dict()}, path)
+        previous.append(str(path))
+    torch.manual_seed(stage)
+    return XrayToCT(**stage_settings(stage, reduce, checkpointing, steps), previous_stages=previous)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def train_step(args: argparse.Namespace, device: torch.device, folder: Path) -> dict[str, Any]:
+    module = build(args.stage, args.reduce, args.checkpointing, args.steps, folder).to(device)
+    module.log = module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
+    optimizer = torch.optim.Adam(module.network.parameters(), lr=1e-4)
+    _, size, crop, batch = STAGES[args.stage - 1]
+    batch = args.batch or max(1, batch // args.batch_divisor)
+    views = XRAY_SIZE // args.reduce
+    inputs = {
+        "image": torch.rand(batch, 1, *[size // args.reduce] * 3, device=device) * 2 - 1,
+        "xray": torch.rand(batch, 2, views, views, device=device) * 2 - 1,
+        "affine": torch.eye(4, device=device).expand(batch, 4, 4),
+    }
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+    def step() -> None:
+        with autocast:
+            loss = module.training_step(inputs, 0)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    before = peak_memory_mib(device)
+    step()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(args.repeats):
+        step()
+    synchronize(device)
+    seconds = (time.perf_counter() - start) / args.repeats
+    peak = peak_memory_mib(device)
+    trained = min(crop // args.reduce, size // args.reduce) ** 3 * batch
+    grown = peak - (0.0 if device.type == "cuda" else before)
+    parameters = sum(p.numel() for p in module.network.parameters())
+    return {"batch": batch, "trained_voxels": trained, "peak_mib": peak, "grown_mib": grown,
+            "samples_per_s": batch / seconds, "step_s": seconds, "parameters": parameters}
+
+
+def sample_whole(args: argparse.Namespace, device: torch.device, folder: Path) -> dict[str, Any]:
+    module = build(3, args.reduce, args.checkpointing, args.steps, folder).to(device).eval()
+    views = XRAY_SIZE // args.reduce
+    xray = torch.rand(1, 2, views, views, device=device) * 2 - 1
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    size = [STAGES[2][1] // args.reduce] * 3
+    with autocast:
+        synchronize(device)
+        start = time.perf_counter()
+        ct = module.generate(xray, size, ["bench"])["ct"]
+        synchronize(device)
+    return {"size": size, "seconds": time.perf_counter() - start, "peak_mib": peak_memory_mib(device),
+            "finite": bool(torch.isfinite(ct).all())}
+
+
+def measure(
+    args: argparse.Namespace, what: str, stage: int, checkpointing: bool, folder: Path, batch: int = 0
+) -> dict[str, Any]:
+    """One measurement in a fresh process (so the CPU's peak resident set is this measurement's own)."""
+    command = [sys.executable, __file__, "--one", what, "--stage", str(stage), "--device", args.device,
+               "--reduce", str(args.reduce), "--batch-divisor", str(args.batch_divisor), "--steps", str(args.steps),
+               "--repeats", str(args.repeats), "--folder", str(folder), "--batch", str(batch)]
+    if checkpointing:
+        command.append("--checkpointing")
+    done = subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--reduce", type=int, default=None, help="divide sizes, crops and views by this (CPU default 4)")
+    parser.add_argument("--batch-divisor", type=int, default=None, help="divide the preset's batches (CPU default 8)")
+    parser.add_argument("--steps", type=int, default=None, help="sampling steps per stage (CPU 2, GPU 10)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed training steps (CPU 1, GPU 5)")
+    parser.add_argument("--one", choices=["train", "sample"], help=argparse.SUPPRESS)
+    parser.add_argument("--stage", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    cpu = args.device == "cpu"
+    args.reduce = args.reduce or (4 if cpu else 1)
+    args.batch_divisor = args.batch_divisor or (8 if cpu else 1)
+    args.repeats = args.repeats or (1 if cpu else 5)
+    args.steps = args.steps or (2 if cpu else 10)
+    device = torch.device(args.device)
+    if args.one:
+        result = (train_step if args.one == "train" else sample_whole)(args, device, Path(args.folder))
+        print(json.dumps(result))
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        print(f"device {args.device}, sizes / {args.reduce}, batches / {args.batch_divisor}, {args.steps} sampling steps a stage")
+        print("| stage | volume | trained on | batch | activation checkpointing | peak memory | samples/s | "
+              "estimate at the preset (64^3 crops, full batch) |")
+        print("|---|---|---|---|---|---|---|---|")
+        for stage, size, crop, preset_batch in STAGES:
+            for checkpointing in (False, True):
+                row = measure(args, "train", stage, checkpointing, Path(folder))
+                trained = min(crop, size) // args.reduce
+                memory = row["peak_mib"] if not cpu else row["grown_mib"]
+                estimate = "measured"
+                if cpu:
+                    double = measure(args, "train", stage, checkpointing, Path(folder), 2 * row["batch"])
+                    per_voxel = (double["grown_mib"] - row["grown_mib"]) / row["trained_voxels"]
+                    fixed = 20 * row["parameters"] / 2**20
+                    estimate = f"{(per_voxel * min(crop, size) ** 3 * preset_batch + fixed) / 1024:.1f} GiB (estimate)"
+                print(f"| {stage} | {size // args.reduce}^3 | {trained}^3 {'crops' if stage > 1 else 'whole'} | "
+                      f"{row['batch']} | {'on' if checkpointing else 'off'} | {memory:.0f} MiB | "
+                      f"{row['samples_per_s']:.2f} | {estimate} |")
+        whole = measure(args, "sample", 3, False, Path(folder))
+        print(f"\nwhole CT {whole['size'][0]}^3 through all 3 stages, {args.steps} steps each: {whole['seconds']:.1f} s "
+              f"(peak {whole['peak_mib']:.0f} MiB, finite: {whole['finite']})")
+
+
+if __name__ == "__main__":
+    main()

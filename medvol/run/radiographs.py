@@ -1,0 +1,141 @@
+"""predict.py from radiographs alone: a CT generated from each subject's `<subject>_<view>.nii.gz` files.
+
+A model that generates from the batch key `xray` (X-ray-to-CT: `generation_inputs() == {"xray": V}`)
+is given a folder of 2D radiographs, one file per view and subject, as
+`python -m datamodules.sources.example_data xray_ct` writes them: 1 - I/I0 in [0, 1), rows from head
+to feet, the pixel spacing (rows, columns) in mm in the header. Every view's size and pixel spacing
+must be those the model was trained with (from its run's dataset: the CT grid's field of view over
+the view size); anything else is refused with one line before anything is written. Each subject's
+views go through the family's `generate_volumes` (the sampling code of `test=true`), and its CT is
+written in HU as `<subject>_ct.nii.gz` on the stage's grid: its size and spacing, RAS, centred on
+the origin as the training volumes were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nibabel as nib
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from lightning_modules.base import MedvolModule
+from medvol.core.errors import MedvolError
+from medvol.volumes.intensity import scale_from_range
+
+# A view's pixel spacing counts as the training one within this relative margin.
+SPACING_TOLERANCE = 1e-3
+
+
+@dataclass(frozen=True)
+class ViewGeometry:
+    """What the model's radiographs were: view names, (rows, columns), and the CT grid they were projected from."""
+
+    views: list[str]
+    size: tuple[int, int]
+    grid: tuple[int, int, int]
+    spacing: tuple[float, float, float]
+    output_range: tuple[float, float]
+
+    def pixel_spacing(self, view: str) -> tuple[float, float]:
+        """(row, column) mm of a view: rows span z; columns span x (ap) or y (lateral)."""
+        across = 0 if view == "ap" else 1
+        return (self.grid[2] * self.spacing[2] / self.size[0], self.grid[across] * self.spacing[across] / self.size[1])
+
+    def affine(self) -> np.ndarray:
+        """The RAS affine of the CT grid, centred on the origin (as the training phantoms and crops)."""
+        affine = np.diag([*self.spacing, 1.0])
+        affine[:3, 3] = -np.asarray(self.spacing) * (np.asarray(self.grid) - 1) / 2
+        return affine
+
+
+def view_geometry(run: DictConfig) -> ViewGeometry:
+    """The radiograph geometry of a run's dataset (`synthetic` with views, or `xray_ct`)."""
+    dataset = run.dataset
+    transforms = dataset.get("transforms") or {}
+    if transforms:
+        grid, spacing = transforms.get("spatial_size"), transforms.get("spacing")
+        output_range = transforms.get("output_range") or (-1.0, 1.0)
+    else:
+        size, step = dataset.get("size"), dataset.get("spacing")
+        grid = [size] * 3 if isinstance(size, int) else size
+        spacing = [step] * 3 if isinstance(step, (int, float)) else step
+        output_range = (-1.0, 1.0)
+    if not grid or not spacing:
+        raise MedvolError(
+            "the model's run resamples its CTs to no fixed grid (`dataset.transforms.spatial_size` and `.spacing`), so "
+            "the pixel spacing of its radiographs is unknown; predict from radiographs needs a run with both set"
+        )
+    rows, columns = (int(s) for s in dataset.xray_size)
+    return ViewGeometry(
+        list(dataset.views), (rows, columns), tuple(int(g) for g in grid), tuple(float(s) for s in spacing),  # type: ignore[arg-type]
+        (float(output_range[0]), float(output_range[1])),
+    )
+
+
+def radiograph_subjects(folder: Path, geometry: ViewGeometry) -> dict[str, dict[str, Path]]:
+    """subject -> view -> file, for every `<subject>_<view>.nii(.gz)` in `folder`; each subject must have every view."""
+    found: dict[str, dict[str, Path]] = {}
+    for path in sorted(folder.iterdir()):
+        stem = path.name.removesuffix(".gz").removesuffix(".nii")
+        if stem == path.name or not path.is_file():
+            continue
+        for view in geometry.views:
+            if stem.endswith(f"_{view}"):
+                found.setdefault(stem.removesuffix(f"_{view}"), {})[view] = path
+    if not found:
+        names = " and ".join(f"<subject>_{v}.nii.gz" for v in geometry.views)
+        raise MedvolError(f"`input`: {folder} holds no radiographs; expected {names} per subject")
+    for subject, views in found.items():
+        missing = [v for v in geometry.views if v not in views]
+        if missing:
+            raise MedvolError(
+                f"`input`: subject {subject} has no {' or '.join(missing)} view ({', '.join(f'{subject}_{m}.nii.gz' for m in missing)}); "
+                f"the model generates from the views {geometry.views} of every subject"
+            )
+    return found
+
+
+def read_view(path: Path, view: str, geometry: ViewGeometry) -> np.ndarray:
+    """One radiograph as (rows, columns), refused unless its size and pixel spacing are the training views'."""
+    image = nib.load(str(path))
+    data = np.asarray(image.dataobj, dtype=np.float32)
+    data = data.reshape(data.shape[:2]) if data.ndim > 2 and int(np.prod(data.shape[2:])) == 1 else data
+    if data.shape != geometry.size:
+        raise MedvolError(
+            f"`input`: {path.name} is a {'x'.join(map(str, data.shape))} image; the model was trained on "
+            f"{geometry.size[0]}x{geometry.size[1]} {view} radiographs"
+        )
+    spacing = tuple(float(z) for z in image.header.get_zooms()[:2])
+    expected = geometry.pixel_spacing(view)
+    if not np.allclose(spacing, expected, rtol=SPACING_TOLERANCE, atol=0.0):
+        raise MedvolError(
+            f"`input`: {path.name} has pixels of {spacing[0]:g} x {spacing[1]:g} mm; the model's {view} radiographs have "
+            f"{expected[0]:g} x {expected[1]:g} mm (rows x columns); resample the view to that spacing"
+        )
+    return data
+
+
+def ct_from_radiographs(
+    module: MedvolModule, run: DictConfig, folder: Path, output_dir: Path, device: torch.device
+) -> int:
+    """Write `<subject>_ct.nii.gz` (HU) for every subject in `folder`; every file is checked before the first write."""
+    geometry = view_geometry(run)
+    subjects = radiograph_subjects(folder, geometry)
+    low, high = geometry.output_range
+    views = {
+        subject: torch.from_numpy(np.stack([read_view(files[v], v, geometry) for v in geometry.views]))
+        for subject, files in subjects.items()
+    }
+    output_dir.mkdir(parents=True, exist_ok=True)
+    for subject, radiographs in views.items():
+        batch: dict[str, Any] = {"xray": (low + radiographs.clamp(0.0, 1.0) * (high - low))[None].to(device), "subject": [subject]}
+        outputs = module.generate_volumes(batch)  # type: ignore[attr-defined]
+        window: Sequence[float] = outputs["window"]
+        hounsfield = scale_from_range(outputs["volumes"]["ct"][0, 0].float().cpu(), float(window[0]), float(window[1]), (low, high))
+        nib.save(nib.Nifti1Image(hounsfield.numpy().astype(np.float32), geometry.affine()), str(output_dir / f"{subject}_ct.nii.gz"))
+    return len(views)
