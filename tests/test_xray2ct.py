@@ -15,7 +15,9 @@ from datamodules.sources.example_data import write_xray_ct
 from lightning_modules.xray2ct.module import XrayToCT
 from medvol.core.build import build
 from medvol.core.errors import MedvolError
+from medvol.run import predicting
 from medvol.run.predicting import predict
+from medvol.run.radiographs import model_views, view_geometry
 from medvol.run.training import run
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
 from tests.test_predict import predict_cfg
@@ -175,18 +177,20 @@ def test_a_ct_from_radiographs_alone_is_the_test_time_ct_of_the_same_views(casca
     root, _ = cascade_run
     folder = _radiographs_alone(tmp_path)
     out = tmp_path / "out"
-    predict(predict_cfg(f"ckpt_path={root / 'stage2' / 'best.ckpt'}", f"input={folder}", f"output_dir={out}"))
+    checkpoint = root / "stage2" / "best.ckpt"
+    predict(predict_cfg(f"ckpt_path={checkpoint}", f"input={folder}", f"output_dir={out}"))
     # The reference: the views dataset=synthetic computes for the same phantoms (seed 5) on stage 2's grid,
     # generated through every stage as test=true generates them.
     cfg = OmegaConf.load(root / "stage2" / "config.yaml")
     datamodule = build(OmegaConf.merge(cfg.dataset, {"seed": 5, "num_subjects": 2, "split_file": None}))
     dataset = datamodule.build_dataset(datamodule.subjects(), "test")
-    module = XrayToCT.load_from_checkpoint(root / "stage2" / "best.ckpt", map_location="cpu", weights_only=False).eval()
+    module = XrayToCT.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=False).eval()
     assert sorted(p.name for p in out.iterdir()) == ["phantom-5-0000_ct.nii.gz", "phantom-5-0001_ct.nii.gz"]
+    # The views predict.py reads from the files, in the model's range and order, are the dataset's.
+    read = model_views(folder, view_geometry(predicting.run_config(str(checkpoint))))
     for item in dataset:
+        torch.testing.assert_close(read[item["subject"]], item["xray"], atol=1e-5, rtol=0)
         written = nib.load(str(out / f"{item['subject']}_ct.nii.gz"))
-        views = [nib.load(str(folder / f"{item['subject']}_{v}.nii.gz")).get_fdata() for v in ("ap", "lateral")]
-        np.testing.assert_allclose(np.stack(views) * 2 - 1, item["xray"].numpy(), atol=1e-5)
         expected = module.generate(item["xray"][None], [16, 16, 16], [item["subject"]])["ct"][0, 0]
         np.testing.assert_allclose(written.get_fdata(), expected.numpy() * 1000.0, atol=1e-2)
         # Stage 2's grid: 16^3 voxels of 12 mm, RAS, centred on the origin as the training phantoms.

@@ -1,4 +1,4 @@
-"""Crop-trained X-ray-to-CT stages: the coordinate channels locate a crop, crops are cut jointly, the network sees crops."""
+"""Crop-trained X-ray-to-CT stages: coordinates locate a crop, crops are cut jointly, windows sample, checkpointing, learning."""
 
 from __future__ import annotations
 

@@ -120,20 +120,26 @@ def read_view(path: Path, view: str, geometry: ViewGeometry) -> np.ndarray:
     return data
 
 
+def model_views(folder: Path, geometry: ViewGeometry) -> dict[str, torch.Tensor]:
+    """subject -> (V, H, W) views in the model's range, in the model's view order, every file checked."""
+    low, high = geometry.output_range
+    views = {}
+    for subject, files in radiograph_subjects(folder, geometry).items():
+        radiographs = torch.from_numpy(np.stack([read_view(files[v], v, geometry) for v in geometry.views]))
+        views[subject] = low + radiographs.clamp(0.0, 1.0) * (high - low)
+    return views
+
+
 def ct_from_radiographs(
     module: MedvolModule, run: DictConfig, folder: Path, output_dir: Path, device: torch.device
 ) -> int:
     """Write `<subject>_ct.nii.gz` (HU) for every subject in `folder`; every file is checked before the first write."""
     geometry = view_geometry(run)
-    subjects = radiograph_subjects(folder, geometry)
     low, high = geometry.output_range
-    views = {
-        subject: torch.from_numpy(np.stack([read_view(files[v], v, geometry) for v in geometry.views]))
-        for subject, files in subjects.items()
-    }
+    views = model_views(folder, geometry)
     output_dir.mkdir(parents=True, exist_ok=True)
     for subject, radiographs in views.items():
-        batch: dict[str, Any] = {"xray": (low + radiographs.clamp(0.0, 1.0) * (high - low))[None].to(device), "subject": [subject]}
+        batch: dict[str, Any] = {"xray": radiographs[None].to(device), "subject": [subject]}
         outputs = module.generate_volumes(batch)  # type: ignore[attr-defined]
         window: Sequence[float] = outputs["window"]
         hounsfield = scale_from_range(outputs["volumes"]["ct"][0, 0].float().cpu(), float(window[0]), float(window[1]), (low, high))
