@@ -14,11 +14,19 @@ are divided by `--reduce` (default 4: 16^3 -> 32^3 -> 64^3 volumes, 16^3 crops, 
 the batches by `--batch-divisor` (default 8: 2 / 1 / 1), 2 sampling steps a stage, and the memory
 is the growth of the process's peak resident set over the training steps; each measurement runs
 in its own process. The CPU estimate of the preset's GPU memory: the activation bytes per trained
-voxel (the growth between batch b and 2b, over b crops' voxels) times the preset's voxels, plus
-20 bytes per trained parameter (weights, gradients, Adam's two moments, the EMA copy). It is an
-estimate in fp32 activations (bf16 autocast keeps the convolutions' in half).
+voxel (the growth between stage 1 at batch b and 2b, over b crops' voxels; every stage trains the
+same network on the same crop, stages >= 2 with 4 more input channels) times the preset's voxels,
+plus 20 bytes per trained parameter (weights, gradients, Adam's two moments, the EMA copy). It is
+an estimate in fp32 activations (bf16 autocast keeps the convolutions' in half). `--modes` picks
+activation checkpointing off and/or on (CPU default: on, the preset's).
+
+`--activations` counts instead the bytes the preset's stage >= 2 network keeps for its backward
+pass (every distinct storage saved by autograd, fp32, batch 1, 128 px views) at 16^3 and 32^3
+inputs, with and without activation checkpointing: the slope is the activation memory per
+trained voxel, which times 64^3 x batch estimates a stage's activations at the preset.
 
     python benchmarks/xray2ct_memory.py                      # CPU, reduced sizes
+    python benchmarks/xray2ct_memory.py --activations        # CPU, saved activations per voxel
     python benchmarks/xray2ct_memory.py --device cuda --reduce 1
 """
 
@@ -40,6 +48,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from lightning_modules.xray2ct.crops import coordinate_channels  # noqa: E402
+from lightning_modules.xray2ct.denoiser import ViewConditionedDenoiser  # noqa: E402
 from lightning_modules.xray2ct.module import XrayToCT  # noqa: E402
 
 PRESET = {
@@ -138,6 +148,40 @@ def sample_whole(args: argparse.Namespace, device: torch.device, folder: Path) -
             "finite": bool(torch.isfinite(ct).all())}
 
 
+def saved_mib(size: int, checkpointing: bool) -> float:
+    """MiB of distinct storages autograd keeps for the backward pass of the preset's stage 2 network on one size^3 input."""
+    torch.manual_seed(0)
+    settings = {k: v for k, v in PRESET.items() if k not in ("physics_weight", "window")}
+    network = ViewConditionedDenoiser(
+        num_views=2, xray_size=(XRAY_SIZE // 4, XRAY_SIZE // 4), cascaded=True, activation_checkpointing=checkpointing,
+        **settings,
+    )
+    kept: dict[int, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        kept[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    grid = (size, size, size)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        network(torch.randn(1, 1, *grid), torch.tensor([10]), torch.rand(1, 2, XRAY_SIZE // 4, XRAY_SIZE // 4),
+                torch.randn(1, 1, *grid), coordinate_channels(grid, 1))
+    return sum(kept.values()) / 2**20
+
+
+def activations() -> None:
+    print("| activation checkpointing | kept at 16^3 | kept at 32^3 | per trained voxel | per 64^3 crop | "
+          "stage 1 (b16) / 2 (b8) / 3 (b4) activations |")
+    print("|---|---|---|---|---|---|")
+    for checkpointing in (False, True):
+        small, large = saved_mib(16, checkpointing), saved_mib(32, checkpointing)
+        per_voxel = (large - small) / (32**3 - 16**3)
+        crop = per_voxel * 64**3 / 1024
+        stages = " / ".join(f"{crop * batch:.1f}" for _, _, _, batch in STAGES)
+        print(f"| {'on' if checkpointing else 'off'} | {small:.0f} MiB | {large:.0f} MiB | {per_voxel * 1024:.2f} KiB | "
+              f"{crop:.2f} GiB | {stages} GiB (estimate) |")
+
+
 def measure(
     args: argparse.Namespace, what: str, stage: int, checkpointing: bool, folder: Path, batch: int = 0
 ) -> dict[str, Any]:
@@ -158,6 +202,8 @@ def main() -> None:
     parser.add_argument("--batch-divisor", type=int, default=None, help="divide the preset's batches (CPU default 8)")
     parser.add_argument("--steps", type=int, default=None, help="sampling steps per stage (CPU 2, GPU 10)")
     parser.add_argument("--repeats", type=int, default=None, help="timed training steps (CPU 1, GPU 5)")
+    parser.add_argument("--modes", default=None, help="activation checkpointing: off,on (GPU default) or on (CPU default)")
+    parser.add_argument("--activations", action="store_true", help="only the saved activations per voxel (CPU)")
     parser.add_argument("--one", choices=["train", "sample"], help=argparse.SUPPRESS)
     parser.add_argument("--stage", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
@@ -169,7 +215,11 @@ def main() -> None:
     args.batch_divisor = args.batch_divisor or (8 if cpu else 1)
     args.repeats = args.repeats or (1 if cpu else 5)
     args.steps = args.steps or (2 if cpu else 10)
+    args.modes = [mode == "on" for mode in (args.modes or ("on" if cpu else "off,on")).split(",")]
     device = torch.device(args.device)
+    if args.activations:
+        activations()
+        return
     if args.one:
         result = (train_step if args.one == "train" else sample_whole)(args, device, Path(args.folder))
         print(json.dumps(result))
@@ -179,21 +229,24 @@ def main() -> None:
         print("| stage | volume | trained on | batch | activation checkpointing | peak memory | samples/s | "
               "estimate at the preset (64^3 crops, full batch) |")
         print("|---|---|---|---|---|---|---|---|")
+        whole = measure(args, "sample", 3, False, Path(folder))
+        per_voxel: dict[bool, float] = {}
         for stage, size, crop, preset_batch in STAGES:
-            for checkpointing in (False, True):
+            for checkpointing in args.modes:
                 row = measure(args, "train", stage, checkpointing, Path(folder))
                 trained = min(crop, size) // args.reduce
                 memory = row["peak_mib"] if not cpu else row["grown_mib"]
                 estimate = "measured"
                 if cpu:
-                    double = measure(args, "train", stage, checkpointing, Path(folder), 2 * row["batch"])
-                    per_voxel = (double["grown_mib"] - row["grown_mib"]) / row["trained_voxels"]
+                    if checkpointing not in per_voxel:
+                        double = measure(args, "train", stage, checkpointing, Path(folder), 2 * row["batch"])
+                        per_voxel[checkpointing] = (double["grown_mib"] - row["grown_mib"]) / row["trained_voxels"]
                     fixed = 20 * row["parameters"] / 2**20
-                    estimate = f"{(per_voxel * min(crop, size) ** 3 * preset_batch + fixed) / 1024:.1f} GiB (estimate)"
+                    voxels = min(crop, size) ** 3 * preset_batch
+                    estimate = f"{(per_voxel[checkpointing] * voxels + fixed) / 1024:.1f} GiB (estimate)"
                 print(f"| {stage} | {size // args.reduce}^3 | {trained}^3 {'crops' if stage > 1 else 'whole'} | "
                       f"{row['batch']} | {'on' if checkpointing else 'off'} | {memory:.0f} MiB | "
                       f"{row['samples_per_s']:.2f} | {estimate} |")
-        whole = measure(args, "sample", 3, False, Path(folder))
         print(f"\nwhole CT {whole['size'][0]}^3 through all 3 stages, {args.steps} steps each: {whole['seconds']:.1f} s "
               f"(peak {whole['peak_mib']:.0f} MiB, finite: {whole['finite']})")
 
