@@ -745,7 +745,7 @@ MUTATIONS = [
     ),
     Mutation(
         "xray-training-previous-not-degraded", "lightning_modules/xray2ct/module.py",
-        '"previous": self.degraded(x0) + level', '"previous": x0 + level',
+        "previous = self.degraded(x0) + level", "previous = x0 + level",
         ("tests/test_xray2ct_training.py::test_stage_two_trains_on_the_ground_truth_degraded_to_stage_ones_grid",),
         "stage k trains on the ground truth at its own resolution as the previous stage's output",
     ),

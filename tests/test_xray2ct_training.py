@@ -23,7 +23,10 @@ class FixedOutput(nn.Module):
         super().__init__()
         self.value = nn.Parameter(value.clone())
 
-    def forward(self, x_t: torch.Tensor, t: torch.Tensor, views: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x_t: torch.Tensor, t: torch.Tensor, views: torch.Tensor, previous: torch.Tensor | None,
+        coordinates: torch.Tensor | None,
+    ) -> torch.Tensor:
         return self.value * 1.0
 
 
