@@ -10,7 +10,7 @@ import torch
 
 from lightning_modules.xray2ct.physics import ProjectionLoss
 from medvol.volumes.intensity import scale_from_range, scale_to_range
-from medvol.volumes.projection import back_project, drr, radiographs, voxel_spacing
+from medvol.volumes.projection import back_project, drr, radiographs, view_pixel_spacing, voxel_spacing
 
 
 def _ball(n: int, radius_voxels: float, hounsfield: float) -> torch.Tensor:
@@ -101,3 +101,9 @@ def test_views_of_an_asymmetric_anisotropic_phantom_equal_numpy_line_integrals_a
     lateral = 1.0 - np.exp(-mu.sum(axis=0) * 1.5)
     np.testing.assert_allclose(views[0], ap.T[::-1], atol=1e-5)
     np.testing.assert_allclose(views[1], lateral.T[::-1], atol=1e-5)
+
+
+def test_view_pixel_spacing_rows_run_along_z_and_columns_across_the_view():
+    # A 10 x 20 x 30 mm volume (x, y, z) as 5 x 4 views: ap integrates over y, so its columns span x; lateral over x.
+    assert view_pixel_spacing("ap", (10.0, 20.0, 30.0), (5, 4)) == (6.0, 2.5)
+    assert view_pixel_spacing("lateral", (10.0, 20.0, 30.0), (5, 4)) == (6.0, 5.0)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from datamodules.sources.phantom import lesion_class, make_phantom, phantom_affine
-from medvol.volumes.projection import radiographs, voxel_spacing
+from medvol.volumes.projection import radiographs, view_pixel_spacing, voxel_spacing
 
 BRATS_SUFFIXES = {
     2021: {"t1": "_t1", "t1ce": "_t1ce", "t2": "_t2", "flair": "_flair", "seg": "_seg"},
@@ -117,7 +117,7 @@ def write_xray_ct(
     spacing = field_of_view / shape[0]
     affine = phantom_affine(shape, spacing)
     rows, columns = (int(s) for s in xray_size)
-    view_affine = radiograph_affine(field_of_view / rows, field_of_view / columns)
+    extent = [n * spacing for n in shape]
     for i in range(subjects):
         ct = make_phantom(seed, i, shape).channels["ct"]
         subject = f"phantom-{seed}-{i:04d}"  # the name dataset=synthetic gives the same phantom
@@ -126,7 +126,8 @@ def write_xray_ct(
         views = radiographs(hounsfield, voxel_spacing(torch.from_numpy(affine))[None], ["ap", "lateral"], (rows, columns),
                             mu_water, output_range=(0.0, 1.0))[0]
         for name, view in zip(("ap", "lateral"), views, strict=True):
-            write_volume(Path(root) / f"{subject}_{name}.nii.gz", view.numpy().astype(np.float32), view_affine)
+            pixels = radiograph_affine(*view_pixel_spacing(name, extent, (rows, columns)))
+            write_volume(Path(root) / f"{subject}_{name}.nii.gz", view.numpy().astype(np.float32), pixels)
     return Path(root)
 
 

@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from lightning_modules.base import MedvolModule
 from medvol.core.errors import MedvolError
 from medvol.volumes.intensity import scale_from_range
+from medvol.volumes.projection import view_pixel_spacing
 
 # A view's pixel spacing counts as the training one within this relative margin.
 SPACING_TOLERANCE = 1e-3
@@ -42,9 +43,8 @@ class ViewGeometry:
     output_range: tuple[float, float]
 
     def pixel_spacing(self, view: str) -> tuple[float, float]:
-        """(row, column) mm of a view: rows span z; columns span x (ap) or y (lateral)."""
-        across = 0 if view == "ap" else 1
-        return (self.grid[2] * self.spacing[2] / self.size[0], self.grid[across] * self.spacing[across] / self.size[1])
+        """(row, column) mm of a view (`view_pixel_spacing` over the CT grid's extent)."""
+        return view_pixel_spacing(view, [g * d for g, d in zip(self.grid, self.spacing, strict=True)], self.size)
 
     def affine(self) -> np.ndarray:
         """The RAS affine of the CT grid, centred on the origin (as the training phantoms and crops)."""
@@ -140,7 +140,7 @@ def ct_from_radiographs(
     output_dir.mkdir(parents=True, exist_ok=True)
     for subject, radiographs in views.items():
         batch: dict[str, Any] = {"xray": radiographs[None].to(device), "subject": [subject]}
-        outputs = module.generate_volumes(batch)  # type: ignore[attr-defined]
+        outputs = module.generate_volumes(batch)
         window: Sequence[float] = outputs["window"]
         hounsfield = scale_from_range(outputs["volumes"]["ct"][0, 0].float().cpu(), float(window[0]), float(window[1]), (low, high))
         nib.save(nib.Nifti1Image(hounsfield.numpy().astype(np.float32), geometry.affine()), str(output_dir / f"{subject}_ct.nii.gz"))

@@ -33,6 +33,16 @@ def drr(hounsfield: torch.Tensor, spacing: float | torch.Tensor, axis: int, mu_w
     return radiograph.flip(-1).transpose(-1, -2)
 
 
+def view_pixel_spacing(view: str, extent: Sequence[float], size: Sequence[int]) -> tuple[float, float]:
+    """(row, column) mm of a `view` resized to `size` (rows, columns) from a volume spanning `extent` (x, y, z) mm.
+
+    Rows run along z (head to feet); columns along the in-plane axis the view does not integrate
+    over (x for ap, y for lateral).
+    """
+    across = 1 - VIEW_AXES[view]
+    return float(extent[2]) / int(size[0]), float(extent[across]) / int(size[1])
+
+
 def voxel_spacing(affine: torch.Tensor) -> torch.Tensor:
     """Voxel sizes (..., 3) in mm from (..., 4, 4) affines."""
     return affine[..., :3, :3].double().pow(2).sum(dim=-2).sqrt().float()
