@@ -691,7 +691,7 @@ MUTATIONS = [
     ),
     Mutation(
         "xray-physics-of-the-output", "lightning_modules/xray2ct/module.py",
-        "self.physics(x0_hat, views, affine)", "self.physics(output, views, affine)",
+        "self.physics(x0_hat if base is None", "self.physics(output if base is None",
         ("tests/test_xray2ct_training.py::test_training_loss_gradient_holds_the_projection_term_of_a_hand_built_loss",),
         "the physics term projects the network's output (v), not the x0 recovered from it",
     ),
@@ -745,9 +745,40 @@ MUTATIONS = [
     ),
     Mutation(
         "xray-training-previous-not-degraded", "lightning_modules/xray2ct/module.py",
-        "previous = self.degraded(x0) + level", "previous = x0 + level",
+        "base = self.degraded(x0)", "base = x0",
         ("tests/test_xray2ct_training.py::test_stage_two_trains_on_the_ground_truth_degraded_to_stage_ones_grid",),
         "stage k trains on the ground truth at its own resolution as the previous stage's output",
+    ),
+    # Issue 20: residual stages >= 2 (the base, the identity start, each stage's own prediction type).
+    Mutation(
+        "xray-residual-physics-without-the-base", "lightning_modules/xray2ct/module.py",
+        "else base + x0_hat, views, affine)", "else x0_hat, views, affine)",
+        ("tests/test_xray2ct_training.py::test_a_residual_stage_diffuses_the_ct_minus_the_degraded_ground_truth_and_adds_that_back",),
+        "a residual stage's physics term projects the residual, not the base plus the residual",
+    ),
+    Mutation(
+        "xray-residual-base-with-the-noise", "lightning_modules/xray2ct/module.py",
+        "base = base if self.residual else None", 'base = volumes["previous"] if self.residual else None',
+        ("tests/test_xray2ct_training.py::test_a_residual_stage_diffuses_the_ct_minus_the_degraded_ground_truth_and_adds_that_back",),
+        "the residual is taken over the noise-augmented input, so the augmentation noise enters the target",
+    ),
+    Mutation(
+        "xray-residual-sample-without-the-base", "lightning_modules/xray2ct/module.py",
+        "previous = (upsampled + sampled if residual else sampled)", "previous = (sampled)",
+        ("tests/test_xray2ct_training.py::test_an_untrained_residual_stage_is_its_identity_baseline_and_samples_stage_one_as_stage_one_predicts",),
+        "a residual stage's sample is not added to the upsampled previous stage",
+    ),
+    Mutation(
+        "xray-residual-output-not-zeroed", "lightning_modules/xray2ct/module.py",
+        "            zero_output(network)\n", "            pass\n",
+        ("tests/test_xray2ct_training.py::test_an_untrained_residual_stage_is_its_identity_baseline_and_samples_stage_one_as_stage_one_predicts",),
+        "a residual stage keeps stage k-1's output layer, so it does not start as its identity baseline",
+    ),
+    Mutation(
+        "xray-earlier-stages-with-this-prediction-type", "lightning_modules/xray2ct/module.py",
+        "walk_noise, network, window, prediction_type)", "walk_noise, network, window)",
+        ("tests/test_xray2ct_training.py::test_an_untrained_residual_stage_is_its_identity_baseline_and_samples_stage_one_as_stage_one_predicts",),
+        "earlier stages are sampled with this stage's prediction type instead of their own",
     ),
 ]
 

@@ -120,3 +120,62 @@ def test_stage_two_trains_on_the_ground_truth_degraded_to_stage_ones_grid(tmp_pa
     blocks = x0.reshape(2, 1, 8, 2, 8, 2, 8, 2).mean(dim=(3, 5, 7))
     expected = F.interpolate(blocks, size=(16, 16, 16), mode="trilinear", align_corners=False)
     torch.testing.assert_close(seen[0], expected, rtol=0, atol=1e-6)
+
+
+def test_a_residual_stage_diffuses_the_ct_minus_the_degraded_ground_truth_and_adds_that_back(tmp_path):
+    window, mu_water, weight = (-1000.0, 2000.0), 0.03, 0.5
+    module = _xray_stage_two(tmp_path, physics_weight=weight, window=window, mu_water=mu_water, crop_size=None)
+    module.log = module.log_dict = lambda *args, **kwargs: None
+    torch.manual_seed(4)
+    x0 = torch.rand(2, 1, 16, 16, 16) * 2 - 1
+    x0[:, :, :5, 10:, 2:9] = 0.8
+    noise, t = torch.randn_like(x0), torch.tensor([100, 600])
+    module.draw_timesteps = lambda batch_size, device: t
+    module.noise_like = lambda x, subject_noise=None: noise
+    a = torch.tensor([_cosine_alpha_bar(100), _cosine_alpha_bar(600)]).view(2, 1, 1, 1, 1)
+    # The base: means of 2 x 2 x 2 blocks (stage 1's 8^3 grid) resampled trilinearly back, without the noise
+    # the network's previous-stage input gets (previous_noise stays at its default).
+    blocks = x0.reshape(2, 1, 8, 2, 8, 2, 8, 2).mean(dim=(3, 5, 7))
+    base = F.interpolate(blocks, size=(16, 16, 16), mode="trilinear", align_corners=False)
+    residual = x0 - base
+    output = a.sqrt() * noise - (1 - a).sqrt() * residual + 0.3 * torch.randn_like(x0)
+    module.network = FixedOutput(output)
+    views = torch.rand(2, 2, 16, 16) * 2 - 1
+    affine = torch.diag(torch.tensor([1.5, 2.0, 3.0, 1.0]))
+    loss = module.training_step({"image": x0, "xray": views, "affine": affine.expand(2, 4, 4)}, 0)
+    loss.backward()
+
+    # v-prediction of the residual; the physics term projects the base plus the residual recovered from v.
+    out = output.clone().requires_grad_(True)
+    x_t = a.sqrt() * residual + (1 - a).sqrt() * noise
+    diffusion = ((out - (a.sqrt() * noise - (1 - a).sqrt() * residual)) ** 2).mean()
+    ct_hat = base + a.sqrt() * x_t - (1 - a).sqrt() * out
+    physics = (_hand_views(ct_hat, (1.5, 2.0, 3.0), *window, mu_water) - views).abs().mean()
+    expected = diffusion + weight * physics
+    assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-5)
+    gradient = torch.autograd.grad(expected, out)[0]
+    torch.testing.assert_close(module.network.value.grad, gradient, rtol=1e-4, atol=1e-4 * float(gradient.abs().max()))
+
+
+def test_an_untrained_residual_stage_is_its_identity_baseline_and_samples_stage_one_as_stage_one_predicts(tmp_path):
+    from tests.test_windowed_sampling import _live_xray_stage
+
+    stage_one = _live_xray_stage()
+    path = tmp_path / "stage1.ckpt"
+    torch.save({"hyper_parameters": dict(stage_one.hparams), "state_dict": stage_one.state_dict()}, path)
+    torch.manual_seed(5)
+    views = torch.rand(2, 2, 16, 16) * 2 - 1
+    first = stage_one.generate(views, [8, 8, 8], ["a", "b"])["ct"]
+    for residual in (True, False):
+        # Stage 2 starts from stage 1's weights and predicts the clean volume; stage 1 predicts v.
+        module = XrayToCT(stage=2, size=16, previous_stages=[str(path)], init_from=str(path), residual=residual,
+                          prediction_type="sample", previous_sampling_noise=0.1, **TINY_XRAY)
+        generated = module.generate(views, [16, 16, 16], ["a", "b"])
+        torch.testing.assert_close(generated["stage1"], first, rtol=0, atol=1e-6)
+        upsampled = F.interpolate(first, size=(16, 16, 16), mode="trilinear", align_corners=False)
+        if residual:
+            # Its output layer starts at zero: the residual is 0, the CT the upsampled stage 1 (without the
+            # conditioning noise, which only the network's input gets).
+            torch.testing.assert_close(generated["ct"], upsampled.clamp(-1, 1), rtol=0, atol=1e-6)
+        else:
+            assert (generated["ct"] - upsampled).abs().mean() > 0.05

@@ -237,9 +237,12 @@ class DiffusionModule(MedvolModule, ABC):
             return squared.flatten(1).sum(1).mean()
         return squared.mean()
 
-    def x0_and_epsilon(self, output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x0, eps) implied by the network's `output` at x_t and steps t, in fp32."""
-        return to_x0_and_epsilon(self.prediction_type, output, x_t, self.schedule.alpha_bar(t))
+    def x0_and_epsilon(
+        self, output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor, prediction_type: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x0, eps) implied by the network's `output` at x_t and steps t, in fp32 (output of `prediction_type`,
+        default this module's)."""
+        return to_x0_and_epsilon(prediction_type or self.prediction_type, output, x_t, self.schedule.alpha_bar(t))
 
     # ---- sampling ------------------------------------------------------------------------
 
@@ -250,8 +253,12 @@ class DiffusionModule(MedvolModule, ABC):
             device=device, output_device=device,
         )
 
-    def denoiser_for(self, network: nn.Module, conditioning: Conditioning, window: SlidingWindow | None = None) -> Denoise:
-        """`denoise(x_t, t) -> (x0, eps)` for the samplers: the network on the whole volume, or window by window."""
+    def denoiser_for(
+        self, network: nn.Module, conditioning: Conditioning, window: SlidingWindow | None = None,
+        prediction_type: str | None = None,
+    ) -> Denoise:
+        """`denoise(x_t, t) -> (x0, eps)` for the samplers: the network (predicting `prediction_type`, default this
+        module's) on the whole volume, or window by window."""
 
         def predict(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             if window is None:
@@ -260,7 +267,7 @@ class DiffusionModule(MedvolModule, ABC):
             return window(call, x_t, conditioning.volumes, {"t": t, **conditioning.per_sample})
 
         def denoise(x_t: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            x0, eps = self.x0_and_epsilon(predict(x_t, t), x_t, t)
+            x0, eps = self.x0_and_epsilon(predict(x_t, t), x_t, t, prediction_type)
             return clip_x0(x0, x_t, self.schedule.alpha_bar(t)) if self.clip_sample else (x0, eps)
 
         return denoise
@@ -273,6 +280,7 @@ class DiffusionModule(MedvolModule, ABC):
         noise: NoiseLike | None = None,
         network: nn.Module | None = None,
         window: Sequence[int] | None = None,
+        prediction_type: str | None = None,
     ) -> torch.Tensor:
         """The denoising walk: x0 generated from x_T by the configured sampler over the sampling set.
 
@@ -283,6 +291,8 @@ class DiffusionModule(MedvolModule, ABC):
             network: the weights to call; default `sampling_network` (the EMA copy).
             window: the sampling window size; default `sampling_window`. A window the size of the
                 volume (or no window configured) runs the whole volume at once.
+            prediction_type: what `network` predicts; default this module's `prediction_type` (a
+                cascade samples earlier stages, which may predict another target, with its schedule).
         """
         size = window if window is not None else self.sampling_window
         if size is not None and any(w > s for w, s in zip(size, x_T.shape[2:], strict=True)):
@@ -292,7 +302,10 @@ class DiffusionModule(MedvolModule, ABC):
                 "expected a window no larger than the volume along every axis (or null: the whole volume)"
             )
         sliding = None if size is None else self.sliding_window(size, x_T.device)
-        denoise = self.denoiser_for(network if network is not None else self.sampling_network, conditioning or Conditioning(), sliding)
+        denoise = self.denoiser_for(
+            network if network is not None else self.sampling_network, conditioning or Conditioning(), sliding,
+            check_prediction_type(prediction_type) if prediction_type else None,
+        )
         noise_like = noise if noise is not None else self.noise_like
         if self.sampler == "ddpm":
             return sample_ddpm(denoise, x_T, self.schedule, noise_like)

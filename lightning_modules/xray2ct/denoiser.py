@@ -166,3 +166,10 @@ def load_from_previous_stage(network: ViewConditionedDenoiser, previous: ViewCon
         else:
             skipped.append(name)
     return skipped
+
+
+@torch.no_grad()
+def zero_output(network: ViewConditionedDenoiser) -> None:
+    """Zero the UNet's output convolution (as MONAI initialises it), so the network predicts 0 whatever its input."""
+    for tensor in network.unet.out[-1].parameters():
+        tensor.zero_()

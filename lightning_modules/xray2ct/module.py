@@ -2,7 +2,8 @@
 
 Stage 1 generates a low-resolution CT from the views alone, on the whole volume; stage k >= 2
 is conditional super-resolution diffusion: it also sees the previous stage's output, upsampled
-to its grid, and three global-coordinate channels (cascaded diffusion). Stage k >= 2 trains on
+to its grid, and three global-coordinate channels (cascaded diffusion), and by default diffuses only
+the residual of the CT over that upsampled volume, which it adds back (`residual`). Stage k >= 2 trains on
 random crops (`crop_size`, 64^3 by default) of its grid, cut jointly from the target, the
 condition and the coordinates (PatchDDM, MedSyn's super-resolution stage), so its memory
 follows the crop and not the volume. In training the condition is the ground truth degraded to
@@ -40,6 +41,7 @@ from lightning_modules.xray2ct.denoiser import (
     ViewConditionedDenoiser,
     load_from_previous_stage,
     network_settings,
+    zero_output,
 )
 from lightning_modules.xray2ct.physics import ProjectionLoss
 from medvol.core.errors import MedvolError
@@ -67,6 +69,12 @@ def crop_of(settings: dict[str, Any]) -> list[int]:
 def window_of(settings: dict[str, Any]) -> list[int]:
     """The window a stage samples with: its `sampling_window`, by default the volume its network trained on."""
     return list(sampling_window_size(settings.get("sampling_window")) or crop_of(settings))
+
+
+def is_residual(settings: dict[str, Any]) -> bool:
+    """Whether a stage diffuses the residual over its previous-stage input (stage >= 2 with `residual`; stages
+    saved before the setting existed diffuse the CT itself)."""
+    return int(settings["stage"]) > 1 and bool(settings.get("residual", False))
 
 
 def _load_stage(path: str) -> tuple[dict[str, Any], ViewConditionedDenoiser]:
@@ -100,6 +108,11 @@ class XrayToCT(DiffusionModule):
         previous_sampling_noise: std added to the previous stages' outputs at sampling time.
         crop_size: the training crop of a stage >= 2 (an int is a cube; capped at the volume; null:
             the whole volume); also its default sampling window. Stage 1 always trains whole.
+        residual: a stage >= 2 diffuses the residual of the CT over its base, the upsampled previous stage
+            (in training the ground truth degraded to the previous stage's grid, without the conditioning
+            noise its network input gets), and adds the base back (SRDiff, Li et al. 2022); its output
+            convolution starts at zero, so with `prediction_type=sample` an untrained stage samples its
+            identity baseline. False: it diffuses the CT itself.
         previous_stages: best checkpoints of stages 1..k-1 (set by the cascade runner).
         init_from: a checkpoint whose network weights this stage starts from (stage k-1's best).
         image_key: batch key of the CT target.
@@ -127,6 +140,7 @@ class XrayToCT(DiffusionModule):
         previous_noise: float = 0.2,
         previous_sampling_noise: float = 0.05,
         crop_size: int | Sequence[int] | None = 64,
+        residual: bool = True,
         previous_stages: Sequence[str] = (),
         init_from: str | None = None,
         image_key: str = "image",
@@ -151,6 +165,7 @@ class XrayToCT(DiffusionModule):
         if crop_size is not None and (len(as_size(crop_size)) != 3 or min(as_size(crop_size)) < 1):
             raise MedvolError(f"`model.crop_size`: got {crop_size!r}; expected a crop size [D, H, W] of positive ints or null")
         self.crop = crop_of(dict(self.hparams))
+        self.residual = is_residual(dict(self.hparams))
         if any(c % network.downsampling for c in self.crop):
             raise MedvolError(
                 f"stage {stage}: the training crop {self.crop} (`model.crop_size` within the volume {as_size(size)}) must "
@@ -177,6 +192,9 @@ class XrayToCT(DiffusionModule):
             _, source = _load_stage(init_from)
             skipped = load_from_previous_stage(network, source)
             log.info("stage %s starts from %s (%d tensors not carried over)", stage, init_from, len(skipped))
+        if self.residual:
+            # The residual starts at zero: what stage k-1's output layer learned predicts a whole CT, not a correction.
+            zero_output(network)
         self.attach_network(network)
         self.physics = ProjectionLoss(views, window, (-1.0, 1.0), mu_water)
         self.set_metrics(5, physics_loss=MeanMetric())
@@ -217,33 +235,38 @@ class XrayToCT(DiffusionModule):
     ) -> torch.Tensor:
         return network(x_t.to(views.dtype), t, views, previous, coordinates)
 
-    def training_volumes(self, x0: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """A stage >= 2's training target and its condition volumes: random crops, cut jointly, of the
-        target, the degraded ground truth plus noise of a random level, and the coordinates."""
+    def training_volumes(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """A stage >= 2's training target, its base (the degraded ground truth: what a perfect previous stage
+        gives) and its condition volumes: random crops, cut jointly, of the target, the base, the base plus noise
+        of a random level (the network's previous-stage input), and the coordinates."""
         b = x0.shape[0]
         level = torch.rand(b, 1, 1, 1, 1, device=x0.device) * self.hparams.previous_noise
-        previous = self.degraded(x0) + level * torch.randn_like(x0)
+        base = self.degraded(x0)
+        previous = base + level * torch.randn_like(x0)
         coordinates = coordinate_channels(x0.shape[2:], b, x0.device).to(x0.dtype)
         if self.crop != list(x0.shape[2:]):
-            x0, previous, coordinates = random_crops([x0, previous, coordinates], self.crop)
-        return x0, {"previous": previous, "coordinates": coordinates}
+            x0, base, previous, coordinates = random_crops([x0, base, previous, coordinates], self.crop)
+        return x0, base, {"previous": previous, "coordinates": coordinates}
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         x0, views, affine = self._inputs(batch)
         b = x0.shape[0]
         t = self.draw_timesteps(b, x0.device)
         conditioning = Conditioning(per_sample={"views": views})
+        base = None
         if self.hparams.stage > 1:
-            x0, volumes = self.training_volumes(x0)
+            x0, base, volumes = self.training_volumes(x0)
             conditioning = Conditioning(volumes, {"views": views})
+            base = base if self.residual else None
         whole = list(x0.shape[2:]) == as_size(self.hparams.size)
-        noise = self.noise_like(x0)
-        output, target, x_t = self.training_prediction(self.network, x0, t, noise, conditioning)
+        diffused = x0 if base is None else x0 - base
+        noise = self.noise_like(diffused)
+        output, target, x_t = self.training_prediction(self.network, diffused, t, noise, conditioning)
         diffusion_loss = self.regression_loss(output, target)
         losses = {"diffusion_loss": diffusion_loss}
         if self.hparams.physics_weight > 0 and whole:
             x0_hat, _ = self.x0_and_epsilon(output, x_t, t)
-            losses["physics_loss"] = self.physics(x0_hat, views, affine)
+            losses["physics_loss"] = self.physics(x0_hat if base is None else base + x0_hat, views, affine)
         loss = diffusion_loss + self.hparams.physics_weight * losses.get("physics_loss", 0.0)
         self.log_dict({f"train/{k}": v.detach() for k, v in losses.items()}, on_step=True, on_epoch=True, batch_size=b)
         self.log("train/loss", loss.detach(), on_step=True, on_epoch=True, prog_bar=True, batch_size=b)
@@ -265,13 +288,14 @@ class XrayToCT(DiffusionModule):
         """
         seed = self.sample_seed if seed is None else int(seed)
         stages = [
-            *((as_size(s["size"]), network, window_of(s))
+            *((as_size(s["size"]), network, window_of(s), is_residual(s), s.get("prediction_type", "v"))
               for s, network in zip(self.previous_settings, self.previous, strict=True)),
-            (list(size), self.sampling_network, window_of({**self.hparams, "size": list(size)})),
+            (list(size), self.sampling_network, window_of({**self.hparams, "size": list(size)}), self.residual,
+             self.prediction_type),
         ]
         outputs: dict[str, torch.Tensor] = {}
         previous = None
-        for index, (stage_size, network, window) in enumerate(stages, start=1):
+        for index, (stage_size, network, window, residual, prediction_type) in enumerate(stages, start=1):
             volumes: dict[str, torch.Tensor] = {}
             if previous is not None:
                 upsampled = F.interpolate(previous, size=tuple(stage_size), mode="trilinear", align_corners=False)
@@ -280,7 +304,8 @@ class XrayToCT(DiffusionModule):
                 volumes["coordinates"] = coordinate_channels(stage_size, views.shape[0], views.device)
             x_T = SubjectNoise(subjects, seed, f"stage{index}").draw((1, *stage_size), views.device)
             walk_noise = SubjectNoise(subjects, seed, f"stage{index}/walk")
-            previous = self.sample(x_T, Conditioning(volumes, {"views": views}), walk_noise, network, window).clamp(-1.0, 1.0)
+            sampled = self.sample(x_T, Conditioning(volumes, {"views": views}), walk_noise, network, window, prediction_type)
+            previous = (upsampled + sampled if residual else sampled).clamp(-1.0, 1.0)
             outputs[f"stage{index}"] = previous
         outputs["ct"] = outputs.pop(f"stage{len(stages)}")
         return outputs
