@@ -104,8 +104,10 @@ def main() -> None:
             return f"{value:.3f}" if isinstance(value, (int, float)) else "n/a"
 
         speed, memory = summary.get("samples_per_second"), summary.get("peak_host_memory_mb")
+        crop = cfg.model.get("crop_size")
+        crops = f" ({crop}^3 crops)" if int(cfg.model.stage) > 1 and crop and int(crop) < int(cfg.dataset.size) else ""
         print(
-            f"| {stage_dir.name} | {cfg.dataset.size}^3 | {cfg.trainer.max_epochs} | {speed} | {memory} MiB | "
+            f"| {stage_dir.name} | {cfg.dataset.size}^3{crops} | {cfg.trainer.max_epochs} | {speed} | {memory} MiB | "
             f"{get('test/psnr')} | {get('test/ssim')} | {get('test/physics_loss')} | {base['psnr']:.3f} | {base['ssim']:.3f} | {previous} |"
         )
 
