@@ -780,6 +780,12 @@ MUTATIONS = [
         ("tests/test_xray2ct_training.py::test_an_untrained_residual_stage_is_its_identity_baseline_and_samples_stage_one_as_stage_one_predicts",),
         "earlier stages are sampled with this stage's prediction type instead of their own",
     ),
+    Mutation(
+        "xray-earlier-stage-schedule-unchecked", "lightning_modules/xray2ct/module.py",
+        "for key in SHARED_SAMPLING if ours[key] != theirs[key]", "for key in SHARED_SAMPLING if False",
+        ("tests/test_xray2ct_training.py::test_a_stage_whose_schedule_differs_from_an_earlier_stage_is_one_clear_line",),
+        "a stage whose schedule or sampling set differs from an earlier stage's samples that stage with its own",
+    ),
 ]
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_modules.diffusion.subject_noise import SubjectNoise
 from lightning_modules.xray2ct.module import XrayToCT
+from medvol.core.errors import MedvolError
 from tests.test_windowed_sampling import TINY_XRAY, _xray_stage_two
 
 
@@ -179,3 +180,20 @@ def test_an_untrained_residual_stage_is_its_identity_baseline_and_samples_stage_
             torch.testing.assert_close(generated["ct"], upsampled.clamp(-1, 1), rtol=0, atol=1e-6)
         else:
             assert (generated["ct"] - upsampled).abs().mean() > 0.05
+
+
+def test_a_stage_whose_schedule_differs_from_an_earlier_stage_is_one_clear_line(tmp_path):
+    from omegaconf import OmegaConf
+
+    def stage(number: int, previous: list[str], **settings) -> XrayToCT:
+        return XrayToCT(stage=number, size=8 * number, previous_stages=previous, **{**TINY_XRAY, **settings})
+
+    first = tmp_path / "stage1.ckpt"
+    stage_one = stage(1, [], timesteps=[0, 250, 500, 999])
+    torch.save({"hyper_parameters": dict(stage_one.hparams), "state_dict": stage_one.state_dict()}, first)
+    with pytest.raises(MedvolError, match=r"`model.timesteps` is 5 at stage 2 but \[0, 250, 500, 999\] at stage 1 \(.*stage1.ckpt\)"):
+        stage(2, [str(first)], timesteps=5)
+    with pytest.raises(MedvolError, match=r"`model.sampling_timesteps` is \[0, 500\] at stage 2 but None at stage 1"):
+        stage(2, [str(first)], timesteps=[0, 250, 500, 999], sampling_timesteps=OmegaConf.create([0, 500]))
+    # The same set, a list in one stage's settings and a config list in the other's, is the same set.
+    assert stage(2, [str(first)], timesteps=OmegaConf.create([0, 250, 500, 999])).hparams.stage == 2

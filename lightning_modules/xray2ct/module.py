@@ -24,6 +24,7 @@ recovered from v) with the input views.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -69,6 +70,26 @@ def crop_of(settings: dict[str, Any]) -> list[int]:
 def window_of(settings: dict[str, Any]) -> list[int]:
     """The window a stage samples with: its `sampling_window`, by default the volume its network trained on."""
     return list(sampling_window_size(settings.get("sampling_window")) or crop_of(settings))
+
+
+# The forward process and the walk: a cascade samples its earlier stages with this stage's, so they must agree.
+SHARED_SAMPLING = (
+    "num_train_timesteps", "beta_schedule", "beta_start", "beta_end", "timesteps", "timestep_spacing", "sampler",
+    "sampling_timesteps", "sampling_spacing", "eta", "clip_sample",
+)
+
+
+def _plain(value: Any) -> Any:
+    """A setting comparable across a config and a checkpoint (sequences as lists)."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return [_plain(v) for v in value]
+    return value
+
+
+def sampling_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """A stage's `SHARED_SAMPLING` settings as it ran them: its own, else this family's or the core's defaults."""
+    defaults = {name: p.default for name, p in inspect.signature(DiffusionModule.__init__).parameters.items()}
+    return {key: _plain(settings.get(key, DIFFUSION_DEFAULTS.get(key, defaults[key]))) for key in SHARED_SAMPLING}
 
 
 def is_residual(settings: dict[str, Any]) -> bool:
@@ -185,6 +206,13 @@ class XrayToCT(DiffusionModule):
                 raise MedvolError(
                     f"`model.views` {list(views)} differ from the views {list(previous_settings['views'])} of stage "
                     f"{previous_settings['stage']} ({path}); every stage sees the same radiographs"
+                )
+            ours, theirs = sampling_settings(dict(self.hparams)), sampling_settings(previous_settings)
+            for key in (key for key in SHARED_SAMPLING if ours[key] != theirs[key]):
+                raise MedvolError(
+                    f"`model.{key}` is {ours[key]!r} at stage {stage} but {theirs[key]!r} at stage "
+                    f"{previous_settings['stage']} ({path}); every stage of a cascade samples its earlier stages with its "
+                    "own schedule and sampling set, so set it alike for every stage"
                 )
             self.previous.append(previous_network)
             self.previous_settings.append(previous_settings)
