@@ -782,7 +782,7 @@ MUTATIONS = [
     ),
     Mutation(
         "xray-earlier-stage-schedule-unchecked", "lightning_modules/xray2ct/module.py",
-        "for key in SHARED_SAMPLING if ours[key] != theirs[key]", "for key in SHARED_SAMPLING if False",
+        "differing = [key for key in SHARED_SAMPLING if ours[key] != theirs[key]]", "differing = []",
         ("tests/test_xray2ct_training.py::test_a_stage_whose_schedule_differs_from_an_earlier_stage_is_one_clear_line",),
         "a stage whose schedule or sampling set differs from an earlier stage's samples that stage with its own",
     ),

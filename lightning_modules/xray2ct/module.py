@@ -208,7 +208,9 @@ class XrayToCT(DiffusionModule):
                     f"{previous_settings['stage']} ({path}); every stage sees the same radiographs"
                 )
             ours, theirs = sampling_settings(dict(self.hparams)), sampling_settings(previous_settings)
-            for key in (key for key in SHARED_SAMPLING if ours[key] != theirs[key]):
+            differing = [key for key in SHARED_SAMPLING if ours[key] != theirs[key]]
+            if differing:
+                key = differing[0]
                 raise MedvolError(
                     f"`model.{key}` is {ours[key]!r} at stage {stage} but {theirs[key]!r} at stage "
                     f"{previous_settings['stage']} ({path}); every stage of a cascade samples its earlier stages with its "
@@ -316,7 +318,7 @@ class XrayToCT(DiffusionModule):
         """
         seed = self.sample_seed if seed is None else int(seed)
         stages = [
-            *((as_size(s["size"]), network, window_of(s), is_residual(s), s.get("prediction_type", "v"))
+            *((as_size(s["size"]), network, window_of(s), is_residual(s), s.get("prediction_type", DIFFUSION_DEFAULTS["prediction_type"]))
               for s, network in zip(self.previous_settings, self.previous, strict=True)),
             (list(size), self.sampling_network, window_of({**self.hparams, "size": list(size)}), self.residual,
              self.prediction_type),
