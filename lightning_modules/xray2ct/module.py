@@ -19,7 +19,7 @@ The module derives from the diffusion core (`lightning_modules.diffusion.Diffusi
 fp32 noise tables, v/epsilon/x0 algebra, timestep sets, samplers, EMA, per-subject noise, the
 walk and windowed sampling) and adds the view-conditioned network, the cascade and the
 projection-consistency loss, which compares the DRRs of the predicted clean volume (x0
-recovered from v) with the input views.
+recovered from the network's output, plus the base at a residual stage) with the input views.
 """
 
 from __future__ import annotations
