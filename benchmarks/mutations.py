@@ -764,7 +764,7 @@ MUTATIONS = [
     ),
     Mutation(
         "xray-residual-sample-without-the-base", "lightning_modules/xray2ct/module.py",
-        "previous = (upsampled + sampled if residual else sampled)", "previous = (sampled)",
+        "previous = (upsampled + sampled if is_residual(settings) else sampled)", "previous = (sampled)",
         ("tests/test_xray2ct_training.py::test_an_untrained_residual_stage_is_its_identity_baseline_and_samples_stage_one_as_stage_one_predicts",),
         "a residual stage's sample is not added to the upsampled previous stage",
     ),
@@ -776,7 +776,8 @@ MUTATIONS = [
     ),
     Mutation(
         "xray-earlier-stages-with-this-prediction-type", "lightning_modules/xray2ct/module.py",
-        "walk_noise, network, window, prediction_type)", "walk_noise, network, window)",
+        "prediction_type = settings.get(\"prediction_type\", DIFFUSION_DEFAULTS[\"prediction_type\"])",
+        "prediction_type = self.prediction_type",
         ("tests/test_xray2ct_training.py::test_an_untrained_residual_stage_is_its_identity_baseline_and_samples_stage_one_as_stage_one_predicts",),
         "earlier stages are sampled with this stage's prediction type instead of their own",
     ),

@@ -9,12 +9,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch import nn
 
 from lightning_modules.diffusion.subject_noise import SubjectNoise
 from lightning_modules.xray2ct.module import XrayToCT
 from medvol.core.errors import MedvolError
-from tests.test_windowed_sampling import TINY_XRAY, _xray_stage_two
+from tests.test_windowed_sampling import TINY_XRAY, _live_xray_stage, _xray_stage_two
 
 
 class FixedOutput(nn.Module):
@@ -159,8 +160,6 @@ def test_a_residual_stage_diffuses_the_ct_minus_the_degraded_ground_truth_and_ad
 
 
 def test_an_untrained_residual_stage_is_its_identity_baseline_and_samples_stage_one_as_stage_one_predicts(tmp_path):
-    from tests.test_windowed_sampling import _live_xray_stage
-
     stage_one = _live_xray_stage()
     path = tmp_path / "stage1.ckpt"
     torch.save({"hyper_parameters": dict(stage_one.hparams), "state_dict": stage_one.state_dict()}, path)
@@ -183,8 +182,6 @@ def test_an_untrained_residual_stage_is_its_identity_baseline_and_samples_stage_
 
 
 def test_a_stage_whose_schedule_differs_from_an_earlier_stage_is_one_clear_line(tmp_path):
-    from omegaconf import OmegaConf
-
     def stage(number: int, previous: list[str], **settings) -> XrayToCT:
         return XrayToCT(stage=number, size=8 * number, previous_stages=previous, **{**TINY_XRAY, **settings})
 

@@ -317,15 +317,16 @@ class XrayToCT(DiffusionModule):
         Validation, test and predict all generate here; `seed` (default `sample_seed`) seeds the noise.
         """
         seed = self.sample_seed if seed is None else int(seed)
+        # Every stage as its own run was configured: its size, window, prediction type and residual setting.
         stages = [
-            *((as_size(s["size"]), network, window_of(s), is_residual(s), s.get("prediction_type", DIFFUSION_DEFAULTS["prediction_type"]))
-              for s, network in zip(self.previous_settings, self.previous, strict=True)),
-            (list(size), self.sampling_network, window_of({**self.hparams, "size": list(size)}), self.residual,
-             self.prediction_type),
+            *zip(self.previous_settings, self.previous, strict=True),
+            ({**self.hparams, "size": list(size)}, self.sampling_network),
         ]
         outputs: dict[str, torch.Tensor] = {}
         previous = None
-        for index, (stage_size, network, window, residual, prediction_type) in enumerate(stages, start=1):
+        for index, (settings, network) in enumerate(stages, start=1):
+            stage_size = as_size(settings["size"])
+            prediction_type = settings.get("prediction_type", DIFFUSION_DEFAULTS["prediction_type"])
             volumes: dict[str, torch.Tensor] = {}
             if previous is not None:
                 upsampled = F.interpolate(previous, size=tuple(stage_size), mode="trilinear", align_corners=False)
@@ -334,8 +335,9 @@ class XrayToCT(DiffusionModule):
                 volumes["coordinates"] = coordinate_channels(stage_size, views.shape[0], views.device)
             x_T = SubjectNoise(subjects, seed, f"stage{index}").draw((1, *stage_size), views.device)
             walk_noise = SubjectNoise(subjects, seed, f"stage{index}/walk")
-            sampled = self.sample(x_T, Conditioning(volumes, {"views": views}), walk_noise, network, window, prediction_type)
-            previous = (upsampled + sampled if residual else sampled).clamp(-1.0, 1.0)
+            conditioning = Conditioning(volumes, {"views": views})
+            sampled = self.sample(x_T, conditioning, walk_noise, network, window_of(settings), prediction_type)
+            previous = (upsampled + sampled if is_residual(settings) else sampled).clamp(-1.0, 1.0)
             outputs[f"stage{index}"] = previous
         outputs["ct"] = outputs.pop(f"stage{len(stages)}")
         return outputs
