@@ -66,13 +66,15 @@ def _fast_ddpm_samples(cond: torch.Tensor, subjects: list[str]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("sampler", "condition"),
-    [(_xray_samples, torch.rand(2, 2, 16, 16)), (_fast_ddpm_samples, torch.rand(2, 1, 8, 8, 8))],
+    ("sampler", "shape"), [(_xray_samples, (2, 2, 16, 16)), (_fast_ddpm_samples, (2, 1, 8, 8, 8))],
     ids=["xray2ct", "fast_ddpm"],
 )
-def test_stochastic_sampling_gives_a_subject_the_same_sample_alone_or_in_a_batch(sampler, condition):
+def test_stochastic_sampling_gives_a_subject_the_same_sample_alone_or_in_a_batch(sampler, shape):
+    condition = torch.rand(shape, generator=torch.Generator().manual_seed(11))
     # eta = 1: every DDIM step draws noise too, from the subject's own stream.
     pair = sampler(condition, ["s0", "s1"])
     alone = sampler(condition[1:], ["s1"])
-    torch.testing.assert_close(alone[0], pair[1], rtol=0, atol=1e-5)
+    # A convolution over a batch of 1 and of 2 rounds differently: over 25 random conditions the X-ray walk ended
+    # up to 1.1e-5 apart (samples in [-1, 1]); a subject drawing another subject's noise is off by ~0.1 or more.
+    torch.testing.assert_close(alone[0], pair[1], rtol=0, atol=1e-4)
     assert not torch.allclose(pair[0], pair[1], atol=1e-3)
