@@ -1,11 +1,13 @@
 """X-ray-to-CT at the seed's scale: per stage, a training step's peak memory and speed, and the wall time of a whole CT.
 
-The stages are built as `experiment=xray2ct_a100x4` builds them (ViewConditionedDenoiser with
+The stages are built from the composed `experiment=xray2ct_a100x4` config, each stage's
+`cascade.stage<k>` merged in as the cascade runner merges it (ViewConditionedDenoiser with
 channels 64/128/256/256, attention at the two coarsest levels, 2 res blocks, 512 px views, token
-dim 256, fused attention, activation checkpointing; random weights): stage 1 trains on the
-whole 64^3 volume at batch 16, stages 2 and 3 on 64^3 crops of 128^3 / 256^3 at batch 8 / 4
-(`XrayToCT.training_step`: the crop cut, the degraded condition, the diffusion loss; then
-backward and an Adam step). Then `XrayToCT.generate` samples a whole CT through all three
+dim 256, fused attention, activation checkpointing; stages 2-3 residual with x0-prediction;
+random weights): stage 1 trains on the whole 64^3 volume at batch 16, stages 2 and 3 on 64^3
+crops of 128^3 / 256^3 at batch 8 / 4 (`XrayToCT.training_step`: the crop cut, the degraded
+condition, the diffusion loss; then backward and an Adam step). A step that runs out of GPU
+memory is reported as such, and the other rows still run. Then `XrayToCT.generate` samples a whole CT through all three
 stages (stage 1 whole, stages 2 and 3 by Gaussian-blended 64^3 windows, `--steps` each): the
 code path of validation, test and predict.
 
@@ -49,25 +51,56 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_modules.xray2ct.crops import coordinate_channels  # noqa: E402
-from lightning_modules.xray2ct.denoiser import ViewConditionedDenoiser  # noqa: E402
-from lightning_modules.xray2ct.module import XrayToCT  # noqa: E402
+from lightning_modules.xray2ct.denoiser import NETWORK_SETTINGS, ViewConditionedDenoiser  # noqa: E402
+from lightning_modules.xray2ct.module import XrayToCT, as_size  # noqa: E402
 
-PRESET = {
-    "token_dim": 256, "encoder_channels": [32, 64, 128, 256, 256], "channels": [64, 128, 256, 256],
-    "attention_levels": [False, False, True, True], "num_res_blocks": 2, "num_head_channels": 32,
-    "norm_num_groups": 32, "use_flash_attention": True, "physics_weight": 0.1, "window": [-1000.0, 3000.0],
-}
-# (stage, volume size, training crop, batch per GPU) of experiment=xray2ct_a100x4.
-STAGES = [(1, 64, 64, 16), (2, 128, 64, 8), (3, 256, 64, 4)]
-XRAY_SIZE = 512
+# Set here, not taken from the preset: the stage, the benchmark's sizes, the earlier stages, what the preset
+# leaves to the data or the cascade runner.
+RUN_SETTINGS = {"_target_", "stage", "size", "crop_size", "xray_size", "activation_checkpointing", "timesteps",
+                "previous_stages", "init_from", "optimizer", "scheduler"}
+
+
+def preset_stages() -> list[tuple[dict[str, Any], int]]:
+    """(model settings, batch per GPU) of each stage of `experiment=xray2ct_a100x4`, each stage's
+    `cascade.stage<k>` merged over the job's config as the cascade runner merges it."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import medvol.run.resolvers  # noqa: F401 - resolvers the configs use
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="xray2ct_memory"):
+        cfg = compose(config_name="train", overrides=["experiment=xray2ct_a100x4", "dataset.root=/unused"])
+    stages = []
+    for stage in cfg.cascade.stages:
+        merged = OmegaConf.merge(cfg, cfg.cascade[f"stage{stage}"])
+        settings = OmegaConf.to_container(merged.model, resolve=True)
+        settings.update(stage=int(stage), xray_size=list(merged.dataset.xray_size))
+        stages.append((settings, int(merged.dataset.batch_size)))
+    return stages
+
+
+STAGES = preset_stages()
 
 
 def stage_settings(stage: int, reduce: int, checkpointing: bool, steps: int) -> dict[str, Any]:
-    _, size, crop, _ = STAGES[stage - 1]
+    """The preset's stage `stage` with its volume, crop and views divided by `reduce`."""
+    preset, _ = STAGES[stage - 1]
     return {
-        **PRESET, "stage": stage, "size": [size // reduce] * 3, "crop_size": crop // reduce,
-        "xray_size": [XRAY_SIZE // reduce] * 2, "activation_checkpointing": checkpointing, "timesteps": steps,
+        **{key: value for key, value in preset.items() if key not in RUN_SETTINGS}, "stage": stage,
+        "size": [s // reduce for s in as_size(preset["size"])], "crop_size": [c // reduce for c in as_size(preset["crop_size"])],
+        "xray_size": [s // reduce for s in preset["xray_size"]], "activation_checkpointing": checkpointing, "timesteps": steps,
     }
+
+
+def volume_of(stage: int) -> int:
+    """The edge of stage `stage`'s (cubic) volume in the preset."""
+    return as_size(STAGES[stage - 1][0]["size"])[0]
+
+
+def crop_edge(stage: int) -> int:
+    """The edge of the (cubic) volume stage `stage` trains on in the preset: its crop, or the whole volume at stage 1."""
+    settings, _ = STAGES[stage - 1]
+    return volume_of(stage) if stage == 1 else min(as_size(settings["crop_size"])[0], volume_of(stage))
 
 
 def build(stage: int, reduce: int, checkpointing: bool, steps: int, folder: Path) -> XrayToCT:
@@ -98,12 +131,12 @@ def train_step(args: argparse.Namespace, device: torch.device, folder: Path) -> 
     module = build(args.stage, args.reduce, args.checkpointing, args.steps, folder).to(device)
     module.log = module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
     optimizer = torch.optim.Adam(module.network.parameters(), lr=1e-4)
-    _, size, crop, batch = STAGES[args.stage - 1]
-    batch = args.batch or max(1, batch // args.batch_divisor)
-    views = XRAY_SIZE // args.reduce
+    size, crop = volume_of(args.stage), crop_edge(args.stage)
+    batch = args.batch or max(1, STAGES[args.stage - 1][1] // args.batch_divisor)
+    views = list(module.hparams.xray_size)
     inputs = {
         "image": torch.rand(batch, 1, *[size // args.reduce] * 3, device=device) * 2 - 1,
-        "xray": torch.rand(batch, 2, views, views, device=device) * 2 - 1,
+        "xray": torch.rand(batch, len(module.hparams.views), *views, device=device) * 2 - 1,
         "affine": torch.eye(4, device=device).expand(batch, 4, 4),
     }
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
@@ -126,7 +159,7 @@ def train_step(args: argparse.Namespace, device: torch.device, folder: Path) -> 
     synchronize(device)
     seconds = (time.perf_counter() - start) / args.repeats
     peak = peak_memory_mib(device)
-    trained = min(crop // args.reduce, size // args.reduce) ** 3 * batch
+    trained = (crop // args.reduce) ** 3 * batch
     grown = peak - (0.0 if device.type == "cuda" else before)
     parameters = sum(p.numel() for p in module.network.parameters())
     return {"batch": batch, "trained_voxels": trained, "peak_mib": peak, "grown_mib": grown,
@@ -134,11 +167,11 @@ def train_step(args: argparse.Namespace, device: torch.device, folder: Path) -> 
 
 
 def sample_whole(args: argparse.Namespace, device: torch.device, folder: Path) -> dict[str, Any]:
-    module = build(3, args.reduce, args.checkpointing, args.steps, folder).to(device).eval()
-    views = XRAY_SIZE // args.reduce
-    xray = torch.rand(1, 2, views, views, device=device) * 2 - 1
+    last = len(STAGES)
+    module = build(last, args.reduce, args.checkpointing, args.steps, folder).to(device).eval()
+    xray = torch.rand(1, len(module.hparams.views), *module.hparams.xray_size, device=device) * 2 - 1
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    size = [STAGES[2][1] // args.reduce] * 3
+    size = [volume_of(last) // args.reduce] * 3
     with autocast:
         synchronize(device)
         start = time.perf_counter()
@@ -151,10 +184,11 @@ def sample_whole(args: argparse.Namespace, device: torch.device, folder: Path) -
 def saved_mib(size: int, checkpointing: bool) -> float:
     """MiB of distinct storages autograd keeps for the backward pass of the preset's stage 2 network on one size^3 input."""
     torch.manual_seed(0)
-    settings = {k: v for k, v in PRESET.items() if k not in ("physics_weight", "window")}
+    preset = STAGES[1][0]
+    settings = {k: v for k, v in preset.items() if k in NETWORK_SETTINGS and k not in ("xray_size", "activation_checkpointing")}
+    views = [s // 4 for s in preset["xray_size"]]
     network = ViewConditionedDenoiser(
-        num_views=2, xray_size=(XRAY_SIZE // 4, XRAY_SIZE // 4), cascaded=True, activation_checkpointing=checkpointing,
-        **settings,
+        num_views=len(preset["views"]), xray_size=views, cascaded=True, activation_checkpointing=checkpointing, **settings,
     )
     kept: dict[int, int] = {}
 
@@ -164,7 +198,7 @@ def saved_mib(size: int, checkpointing: bool) -> float:
 
     grid = (size, size, size)
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        network(torch.randn(1, 1, *grid), torch.tensor([10]), torch.rand(1, 2, XRAY_SIZE // 4, XRAY_SIZE // 4),
+        network(torch.randn(1, 1, *grid), torch.tensor([10]), torch.rand(1, len(preset["views"]), *views),
                 torch.randn(1, 1, *grid), coordinate_channels(grid, 1))
     return sum(kept.values()) / 2**20
 
@@ -177,7 +211,7 @@ def activations() -> None:
         small, large = saved_mib(16, checkpointing), saved_mib(32, checkpointing)
         per_voxel = (large - small) / (32**3 - 16**3)
         crop = per_voxel * 64**3 / 1024
-        stages = " / ".join(f"{crop * batch:.1f}" for _, _, _, batch in STAGES)
+        stages = " / ".join(f"{crop * batch:.1f}" for _, batch in STAGES)
         print(f"| {'on' if checkpointing else 'off'} | {small:.0f} MiB | {large:.0f} MiB | {per_voxel * 1024:.2f} KiB | "
               f"{crop:.2f} GiB | {stages} GiB (estimate) |")
 
@@ -191,7 +225,9 @@ def measure(
                "--repeats", str(args.repeats), "--folder", str(folder), "--batch", str(batch)]
     if checkpointing:
         command.append("--checkpointing")
-    done = subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        raise SystemExit(f"{what} at stage {stage} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -221,7 +257,10 @@ def main() -> None:
         activations()
         return
     if args.one:
-        result = (train_step if args.one == "train" else sample_whole)(args, device, Path(args.folder))
+        try:
+            result = (train_step if args.one == "train" else sample_whole)(args, device, Path(args.folder))
+        except torch.cuda.OutOfMemoryError as error:
+            result = {"out_of_memory": str(error).splitlines()[0]}
         print(json.dumps(result))
         return
     with tempfile.TemporaryDirectory() as folder:
@@ -229,12 +268,18 @@ def main() -> None:
         print("| stage | volume | trained on | batch | activation checkpointing | peak memory | samples/s | "
               "estimate at the preset (64^3 crops, full batch) |")
         print("|---|---|---|---|---|---|---|---|")
-        whole = measure(args, "sample", 3, False, Path(folder))
+        whole = measure(args, "sample", len(STAGES), False, Path(folder))
         per_voxel: dict[bool, float] = {}
-        for stage, size, crop, preset_batch in STAGES:
+        for stage, (_, preset_batch) in enumerate(STAGES, start=1):
+            size, crop = volume_of(stage), crop_edge(stage)
+            trained = crop // args.reduce
             for checkpointing in args.modes:
                 row = measure(args, "train", stage, checkpointing, Path(folder))
-                trained = min(crop, size) // args.reduce
+                if "out_of_memory" in row:
+                    batch = args.batch or max(1, preset_batch // args.batch_divisor)
+                    print(f"| {stage} | {size // args.reduce}^3 | {trained}^3 {'crops' if stage > 1 else 'whole'} | "
+                          f"{batch} | {'on' if checkpointing else 'off'} | out of memory | - | {row['out_of_memory']} |")
+                    continue
                 memory = row["peak_mib"] if not cpu else row["grown_mib"]
                 estimate = "measured"
                 if cpu:
@@ -242,13 +287,16 @@ def main() -> None:
                         double = measure(args, "train", stage, checkpointing, Path(folder), 2 * row["batch"])
                         per_voxel[checkpointing] = (double["grown_mib"] - row["grown_mib"]) / row["trained_voxels"]
                     fixed = 20 * row["parameters"] / 2**20
-                    voxels = min(crop, size) ** 3 * preset_batch
+                    voxels = crop**3 * preset_batch
                     estimate = f"{(per_voxel[checkpointing] * voxels + fixed) / 1024:.1f} GiB (estimate)"
                 print(f"| {stage} | {size // args.reduce}^3 | {trained}^3 {'crops' if stage > 1 else 'whole'} | "
                       f"{row['batch']} | {'on' if checkpointing else 'off'} | {memory:.0f} MiB | "
                       f"{row['samples_per_s']:.2f} | {estimate} |")
-        print(f"\nwhole CT {whole['size'][0]}^3 through all 3 stages, {args.steps} steps each: {whole['seconds']:.1f} s "
-              f"(peak {whole['peak_mib']:.0f} MiB, finite: {whole['finite']})")
+        if "out_of_memory" in whole:
+            print(f"\nwhole CT through all {len(STAGES)} stages: out of memory ({whole['out_of_memory']})")
+        else:
+            print(f"\nwhole CT {whole['size'][0]}^3 through all {len(STAGES)} stages, {args.steps} steps each: "
+                  f"{whole['seconds']:.1f} s (peak {whole['peak_mib']:.0f} MiB, finite: {whole['finite']})")
 
 
 if __name__ == "__main__":
