@@ -558,18 +558,24 @@ MUTATIONS = [
     # Issue 18: the cascade hands on the best checkpoint.
     Mutation(
         "cascade-hands-on-last", "medvol/run/cascade.py",
-        "source = Path(best) if best and Path(best).is_file() else last", "source = last",
+        "source = Path(best) if found else last", "source = last",
         ("tests/test_cascade.py",),
         "the cascade hands on the last checkpoint, not the best",
     ),
     Mutation(
         "cascade-best-by-class-name", "medvol/run/cascade.py",
-        '(s["best_model_path"] for s in state.get("callbacks", {}).values()\n'
+        '((s["best_model_path"], s.get("best_model_score")) for s in state.get("callbacks", {}).values()\n'
         '         if isinstance(s, dict) and s.get("monitor") and s.get("best_model_path")),',
-        '(s["best_model_path"] for k, s in state.get("callbacks", {}).items()\n'
+        '((s["best_model_path"], s.get("best_model_score")) for k, s in state.get("callbacks", {}).items()\n'
         '         if "ModelCheckpoint" in k and s.get("best_model_path")),',
         ("tests/test_cascade.py",),
         "the best path looked up under a callback state named ModelCheckpoint (StepCheckpoint's has its own name)",
+    ),
+    Mutation(
+        "cascade-summary-last-score", "medvol/run/cascade.py",
+        '"best_score": score,', '"best_score": stage_metrics.get(str(cfg.get("optimized_metric"))),',
+        ("tests/test_cascade.py",),
+        "the cascade's summary and log give a stage's last-epoch metric as its best score",
     ),
     # Issue 18: the diffusion core (lightning_modules/diffusion/).
     Mutation(

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import csv
+import json
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -73,5 +75,9 @@ def test_stage_two_starts_from_the_best_epoch_of_stage_one_not_its_last(tmp_path
 
     handed_on = torch.load(stage1 / "best.ckpt", map_location="cpu", weights_only=False)["state_dict"]
     assert torch.equal(handed_on["steps"], expected)
+    # The summary names the best epoch's score, not the last epoch's metric.
+    summary = json.loads((tmp_path / "cascade_summary.json").read_text())
+    assert summary["stage1"]["best_score"] == pytest.approx(SCORES[best_epoch])
+    assert summary["stage1"]["metrics"]["val/score"] == pytest.approx(SCORES[-1])
     stage2 = torch.load(tmp_path / "stage2" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert torch.equal(stage2["state_dict"]["started_from"], expected)

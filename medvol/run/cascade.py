@@ -40,26 +40,28 @@ def stage_of_checkpoint(ckpt_path: str | None) -> tuple[Path, int] | None:
     return (stage_dir.parent, int(match.group(1))) if match else None
 
 
-def best_checkpoint(stage_dir: Path) -> Path:
-    """The best checkpoint a finished stage recorded in its last.ckpt, copied to `stage_dir/best.ckpt`."""
+def best_checkpoint(stage_dir: Path) -> tuple[Path, float | None]:
+    """The best checkpoint a finished stage recorded in its last.ckpt, copied to `stage_dir/best.ckpt`, and its
+    score by the monitored metric (None where none was recorded)."""
     target = stage_dir / "best.ckpt"
     last = stage_dir / "checkpoints" / "last.ckpt"
     if not last.is_file():
         if target.is_file():
-            return target
+            return target, None
         raise MedvolError(f"cascade: {stage_dir} has no checkpoints/last.ckpt; the stage did not finish an epoch")
     state = torch.load(last, map_location="cpu", weights_only=False)
     # A checkpoint callback's state is found by its content, not its class name: subclasses of
     # ModelCheckpoint (medvol's StepCheckpoint) store theirs under their own name.
-    best = next(
-        (s["best_model_path"] for s in state.get("callbacks", {}).values()
+    best, score = next(
+        ((s["best_model_path"], s.get("best_model_score")) for s in state.get("callbacks", {}).values()
          if isinstance(s, dict) and s.get("monitor") and s.get("best_model_path")),
-        None,
+        (None, None),
     )
-    source = Path(best) if best and Path(best).is_file() else last
+    found = bool(best) and Path(best).is_file()
+    source = Path(best) if found else last
     shutil.copyfile(source, target.with_suffix(".tmp"))
     target.with_suffix(".tmp").replace(target)
-    return target
+    return target, float(score) if found and score is not None else None
 
 
 def _stage_config(cfg: DictConfig, stage: int, stage_dir: Path, ckpt_path: str | None) -> DictConfig:
@@ -148,13 +150,15 @@ def run_cascade(
         OmegaConf.save(stage_cfg, stage_dir / "config.yaml", resolve=False)
         log.info("cascade: stage %d of %s in %s", stage, stages, stage_dir)
         stage_metrics = run_stage(stage_cfg)
-        best = best_checkpoint(stage_dir) if stage_cfg.get("train", True) else stage_dir / "best.ckpt"
+        best, score = best_checkpoint(stage_dir) if stage_cfg.get("train", True) else (stage_dir / "best.ckpt", None)
         previous.append(best)
         metrics.update({f"stage{stage}/{k}": v for k, v in stage_metrics.items()})
-        summary[f"stage{stage}"] = {"best_checkpoint": str(best), "metrics": stage_metrics}
+        summary[f"stage{stage}"] = {"best_checkpoint": str(best), "best_score": score, "metrics": stage_metrics}
     metrics.update({k: v for k, v in stage_metrics.items()})
     (root / "cascade_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     optimized = str(cfg.get("optimized_metric") or "")
     for stage, entry in summary.items():
-        log.info("cascade: %s best %s = %s (%s)", stage, optimized, entry["metrics"].get(optimized), entry["best_checkpoint"])
+        # The best epoch's score, which the metrics (the last epoch's) need not hold.
+        score = "not recorded" if entry["best_score"] is None else f"{entry['best_score']:.4f}"
+        log.info("cascade: %s best %s = %s (%s)", stage, optimized, score, entry["best_checkpoint"])
     return metrics
