@@ -793,6 +793,18 @@ MUTATIONS = [
         ("tests/test_xray2ct_training.py::test_a_stage_whose_schedule_differs_from_an_earlier_stage_is_one_clear_line",),
         "a stage whose schedule or sampling set differs from an earlier stage's samples that stage with its own",
     ),
+    Mutation(
+        "xray-restore-reads-earlier-files", "lightning_modules/xray2ct/module.py",
+        'return {"previous_settings": hyper_parameters["previous_settings"]}', "return {}",
+        ("tests/test_xray2ct.py::test_a_moved_cascade_run_predicts_from_its_checkpoint_alone",),
+        "predict builds a stage's earlier stages from the files its run read, not from its checkpoint",
+    ),
+    Mutation(
+        "xray-restore-reads-init-from", "lightning_modules/xray2ct/module.py",
+        "if init_from and not restoring:", "if init_from:",
+        ("tests/test_xray2ct.py::test_a_moved_cascade_run_predicts_from_its_checkpoint_alone",),
+        "a stage restored from its checkpoint still loads the weights it started training from",
+    ),
 ]
 
 

@@ -100,6 +100,13 @@ class MedvolModule(pl.LightningModule):
         """
         raise NotImplementedError(f"{class_path(self)} generates nothing without its target")
 
+    @classmethod
+    def restoring_settings(cls, hyper_parameters: dict[str, Any]) -> dict[str, Any]:
+        """Constructor arguments a module restored from a checkpoint takes from the checkpoint's hyperparameters
+        (`hyper_parameters`) over its run's config: what the run read from files that need not exist where the
+        checkpoint is loaded (another machine, a moved run), and that the checkpoint holds itself. Default none."""
+        return {}
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[MODEL_KEY] = class_path(self)
         if self.training_data:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
 
@@ -92,10 +93,20 @@ def sampling_settings(settings: dict[str, Any]) -> dict[str, Any]:
     return {key: _plain(settings.get(key, DIFFUSION_DEFAULTS.get(key, defaults[key]))) for key in SHARED_SAMPLING}
 
 
+def _container(value: Any) -> Any:
+    """A config node as plain Python (a checkpoint's or Hydra's lists and dicts); other values as they are."""
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
 def is_residual(settings: dict[str, Any]) -> bool:
     """Whether a stage diffuses the residual over its previous-stage input (stage >= 2 with `residual`; stages
     saved before the setting existed diffuse the CT itself)."""
     return int(settings["stage"]) > 1 and bool(settings.get("residual", False))
+
+
+def _frozen(settings: dict[str, Any]) -> ViewConditionedDenoiser:
+    """An earlier stage's network as its settings build it, in eval mode and without gradients."""
+    return ViewConditionedDenoiser(**network_settings(settings)).eval().requires_grad_(False)
 
 
 def _load_stage(path: str) -> tuple[dict[str, Any], ViewConditionedDenoiser]:
@@ -107,11 +118,11 @@ def _load_stage(path: str) -> tuple[dict[str, Any], ViewConditionedDenoiser]:
     hparams = dict(checkpoint.get("hyper_parameters", {}))
     if "stage" not in hparams or "views" not in hparams:
         raise MedvolError(f"`model.previous_stages`: {path} is not an X-ray-to-CT stage checkpoint")
-    network = ViewConditionedDenoiser(**network_settings(hparams))
+    network = _frozen(hparams)
     prefix = "ema.module."
     state = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
     network.load_state_dict(state)
-    return hparams, network.eval().requires_grad_(False)
+    return hparams, network
 
 
 class XrayToCT(DiffusionModule):
@@ -136,6 +147,10 @@ class XrayToCT(DiffusionModule):
             identity baseline. False: it diffuses the CT itself.
         previous_stages: best checkpoints of stages 1..k-1 (set by the cascade runner).
         init_from: a checkpoint whose network weights this stage starts from (stage k-1's best).
+        previous_settings: the hyperparameters of stages 1..k-1. Recorded in this stage's hyperparameters
+            when it reads `previous_stages`; a module restored from its checkpoint (predict.py,
+            `load_from_checkpoint`) builds the earlier networks from them and reads neither `previous_stages`
+            nor `init_from`, whose weights the checkpoint holds, so a moved or copied run still generates.
         image_key: batch key of the CT target.
         **settings: the network's (`ViewConditionedDenoiser`: token_dim, encoder_channels, channels,
             attention_levels, num_res_blocks, num_head_channels, norm_num_groups) and the diffusion
@@ -164,6 +179,7 @@ class XrayToCT(DiffusionModule):
         residual: bool = True,
         previous_stages: Sequence[str] = (),
         init_from: str | None = None,
+        previous_settings: Sequence[dict[str, Any]] | None = None,
         image_key: str = "image",
         **settings: Any,
     ) -> None:
@@ -172,7 +188,10 @@ class XrayToCT(DiffusionModule):
         self.save_hyperparameters(logger=False, ignore=["optimizer", "scheduler"])
         if int(stage) < 1:
             raise MedvolError(f"`model.stage` must be >= 1, got {stage}")
-        if len(previous_stages) != int(stage) - 1:
+        restoring = previous_settings is not None
+        if restoring:
+            previous_settings = [_container(s) for s in _container(previous_settings)]
+        if not restoring and len(previous_stages) != int(stage) - 1:
             raise MedvolError(
                 f"`model.previous_stages` lists {len(previous_stages)} checkpoint(s) for stage {stage}; expected the best "
                 f"checkpoints of stages 1..{int(stage) - 1} (run the cascade with `experiment=xray2ct_cascade`)"
@@ -200,25 +219,38 @@ class XrayToCT(DiffusionModule):
             )
         self.previous = nn.ModuleList()
         self.previous_settings: list[dict[str, Any]] = []
-        for path in previous_stages:
-            previous_settings, previous_network = _load_stage(path)
-            if list(previous_settings["views"]) != list(views):
+        if restoring:
+            # The weights come with the checkpoint's state dict.
+            earlier = [(s, _frozen(s), "this checkpoint") for s in previous_settings or []]
+            if len(earlier) != int(stage) - 1:
                 raise MedvolError(
-                    f"`model.views` {list(views)} differ from the views {list(previous_settings['views'])} of stage "
-                    f"{previous_settings['stage']} ({path}); every stage sees the same radiographs"
+                    f"`model.previous_settings` holds {len(earlier)} earlier stage(s) for stage {stage}; expected "
+                    f"{int(stage) - 1}, as a stage's checkpoint records them"
                 )
-            ours, theirs = sampling_settings(dict(self.hparams)), sampling_settings(previous_settings)
+        else:
+            earlier = [(*_load_stage(path), path) for path in previous_stages]
+        for previous, previous_network, source in earlier:
+            if list(previous["views"]) != list(views):
+                raise MedvolError(
+                    f"`model.views` {list(views)} differ from the views {list(previous['views'])} of stage "
+                    f"{previous['stage']} ({source}); every stage sees the same radiographs"
+                )
+            ours, theirs = sampling_settings(dict(self.hparams)), sampling_settings(previous)
             differing = [key for key in SHARED_SAMPLING if ours[key] != theirs[key]]
             if differing:
                 key = differing[0]
                 raise MedvolError(
                     f"`model.{key}` is {ours[key]!r} at stage {stage} but {theirs[key]!r} at stage "
-                    f"{previous_settings['stage']} ({path}); every stage of a cascade samples its earlier stages with its "
+                    f"{previous['stage']} ({source}); every stage of a cascade samples its earlier stages with its "
                     "own schedule and sampling set, so set it alike for every stage"
                 )
             self.previous.append(previous_network)
-            self.previous_settings.append(previous_settings)
-        if init_from:
+            self.previous_settings.append(previous)
+        # Kept in the checkpoint (each without its own earlier stages' settings, which come before it here).
+        self.hparams["previous_settings"] = [
+            {key: value for key, value in previous.items() if key != "previous_settings"} for previous in self.previous_settings
+        ]
+        if init_from and not restoring:
             _, source = _load_stage(init_from)
             skipped = load_from_previous_stage(network, source)
             log.info("stage %s starts from %s (%d tensors not carried over)", stage, init_from, len(skipped))
@@ -228,6 +260,13 @@ class XrayToCT(DiffusionModule):
         self.attach_network(network)
         self.physics = ProjectionLoss(views, window, (-1.0, 1.0), mu_water)
         self.set_metrics(5, physics_loss=MeanMetric())
+
+    @classmethod
+    def restoring_settings(cls, hyper_parameters: dict[str, Any]) -> dict[str, Any]:
+        """The earlier stages from the checkpoint itself: their settings (their weights are in its state dict)."""
+        if hyper_parameters.get("previous_settings") is None:
+            return {}  # saved before stages recorded them: read from `previous_stages`
+        return {"previous_settings": hyper_parameters["previous_settings"]}
 
     # -- data --------------------------------------------------------------------------------------------------
 

@@ -27,9 +27,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch.utils.data import Dataset, default_collate
 
 from lightning_modules.base import MedvolModule, class_path
-from medvol.core.build import build
+from medvol.core.build import build, target_class
 from medvol.core.errors import MedvolError
-from medvol.run.checkpoint_check import check_checkpoint
+from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes, read_checkpoint
 from medvol.run.generation import (
     check_condition_files,
     check_input_channels,
@@ -270,10 +270,13 @@ def dataset_subjects(
 
 
 def load_module(run: DictConfig, ckpt_path: str, device: torch.device) -> MedvolModule:
-    """The run's model with the checkpoint's weights, in eval mode on `device`."""
-    module: MedvolModule = build(run.model)
-    check_checkpoint(ckpt_path, module)
-    checkpoint = torch.load(Path(ckpt_path).expanduser(), map_location="cpu", weights_only=False)
+    """The run's model with the checkpoint's weights, in eval mode on `device`; what the family restores from the
+    checkpoint itself (`MedvolModule.restoring_settings`: e.g. X-ray-to-CT's earlier stages) over the run's config."""
+    check_checkpoint_family(ckpt_path, run.model._target_)
+    _, checkpoint = read_checkpoint(ckpt_path)
+    family = target_class(run.model._target_)
+    module: MedvolModule = build(run.model, **family.restoring_settings(dict(checkpoint.get("hyper_parameters") or {})))
+    check_checkpoint_shapes(ckpt_path, module)
     module.on_load_checkpoint(checkpoint)
     module.load_state_dict(checkpoint["state_dict"])
     return module.to(device).eval()
