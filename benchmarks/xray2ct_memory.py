@@ -6,21 +6,22 @@ channels 64/128/256/256, attention at the two coarsest levels, 2 res blocks, 512
 dim 256, fused attention, activation checkpointing; stages 2-3 residual with x0-prediction;
 random weights): stage 1 trains on the whole 64^3 volume at batch 16, stages 2 and 3 on 64^3
 crops of 128^3 / 256^3 at batch 8 / 4 (`XrayToCT.training_step`: the crop cut, the degraded
-condition, the diffusion loss; then backward and an Adam step). A step that runs out of GPU
-memory is reported as such, and the other rows still run. Then `XrayToCT.generate` samples a whole CT through all three
-stages (stage 1 whole, stages 2 and 3 by Gaussian-blended 64^3 windows, `--steps` each): the
-code path of validation, test and predict.
+condition, the diffusion loss; then backward and an Adam step). Then `XrayToCT.generate`
+samples a whole CT through all three stages (stage 1 whole, stages 2 and 3 by Gaussian-blended
+64^3 windows, `--steps` each): the code path of validation, test and predict. A step that runs
+out of GPU memory is reported as such, and the other rows still run.
 
 On a GPU: bf16 autocast, peak `torch.cuda.max_memory_allocated`. On the CPU (fp32) the sizes
 are divided by `--reduce` (default 4: 16^3 -> 32^3 -> 64^3 volumes, 16^3 crops, 128 px views),
 the batches by `--batch-divisor` (default 8: 2 / 1 / 1), 2 sampling steps a stage, and the memory
 is the growth of the process's peak resident set over the training steps; each measurement runs
-in its own process. The CPU estimate of the preset's GPU memory: the activation bytes per trained
-voxel (the growth between stage 1 at batch b and 2b, over b crops' voxels; every stage trains the
-same network on the same crop, stages >= 2 with 4 more input channels) times the preset's voxels,
-plus 20 bytes per trained parameter (weights, gradients, Adam's two moments, the EMA copy). It is
-an estimate in fp32 activations (bf16 autocast keeps the convolutions' in half). `--modes` picks
-activation checkpointing off and/or on (CPU default: on, the preset's).
+in its own process. The CPU estimate of the preset's GPU memory (last column): the activation bytes
+autograd keeps per trained voxel (`--activations`, below; the resident set's growth at these sizes
+is mostly fixed costs) times the preset's trained voxels (64^3 x batch), plus 20 bytes per trained
+parameter (weights, gradients, Adam's two moments, the EMA copy). It counts fp32 activations (bf16
+autocast keeps the convolutions' in half), and leaves out the view encoder's and the frozen earlier
+stages' memory: a floor, not a ceiling. `--modes` picks activation checkpointing off and/or on (CPU
+default: on, the preset's).
 
 `--activations` counts instead the bytes the preset's stage >= 2 network keeps for its backward
 pass (every distinct storage saved by autograd, fp32, batch 1, 128 px views) at 16^3 and 32^3
@@ -203,13 +204,18 @@ def saved_mib(size: int, checkpointing: bool) -> float:
     return sum(kept.values()) / 2**20
 
 
+def saved_per_voxel(checkpointing: bool) -> tuple[float, float, float]:
+    """(MiB kept at 16^3, at 32^3, MiB per trained voxel: the slope between them)."""
+    small, large = saved_mib(16, checkpointing), saved_mib(32, checkpointing)
+    return small, large, (large - small) / (32**3 - 16**3)
+
+
 def activations() -> None:
     print("| activation checkpointing | kept at 16^3 | kept at 32^3 | per trained voxel | per 64^3 crop | "
           "stage 1 (b16) / 2 (b8) / 3 (b4) activations |")
     print("|---|---|---|---|---|---|")
     for checkpointing in (False, True):
-        small, large = saved_mib(16, checkpointing), saved_mib(32, checkpointing)
-        per_voxel = (large - small) / (32**3 - 16**3)
+        small, large, per_voxel = saved_per_voxel(checkpointing)
         crop = per_voxel * 64**3 / 1024
         stages = " / ".join(f"{crop * batch:.1f}" for _, batch in STAGES)
         print(f"| {'on' if checkpointing else 'off'} | {small:.0f} MiB | {large:.0f} MiB | {per_voxel * 1024:.2f} KiB | "
@@ -283,9 +289,10 @@ def main() -> None:
                 memory = row["peak_mib"] if not cpu else row["grown_mib"]
                 estimate = "measured"
                 if cpu:
+                    # The resident set's growth is mostly fixed costs at these sizes: the activations come from
+                    # what autograd keeps per trained voxel (`--activations`), times the preset's voxels.
                     if checkpointing not in per_voxel:
-                        double = measure(args, "train", stage, checkpointing, Path(folder), 2 * row["batch"])
-                        per_voxel[checkpointing] = (double["grown_mib"] - row["grown_mib"]) / row["trained_voxels"]
+                        per_voxel[checkpointing] = saved_per_voxel(checkpointing)[2]
                     fixed = 20 * row["parameters"] / 2**20
                     voxels = crop**3 * preset_batch
                     estimate = f"{(per_voxel[checkpointing] * voxels + fixed) / 1024:.1f} GiB (estimate)"
