@@ -19,7 +19,7 @@ from lightning_modules.base import MODEL_KEY, class_path
 from medvol.core.build import build
 from medvol.core.errors import MedvolError
 from medvol.run import training
-from medvol.run.checkpoint_check import check_checkpoint
+from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes
 from medvol.run.override_check import override_error
 from medvol.run.refusal import RunDirectoryBefore
 from medvol.run.run_check import check_run, check_trainer
@@ -224,6 +224,11 @@ def _saved(tmp_path: Path, name: str, drop: str = "", **changes) -> Path:
     checkpoint.pop(drop, None)
     torch.save(checkpoint, path := tmp_path / name)
     return path
+
+
+def check_checkpoint(ckpt_path: str, model: torch.nn.Module) -> None:
+    """Both checks, as a run makes them: the family before the model is built, then the shapes."""
+    check_checkpoint_shapes(ckpt_path, model, check_checkpoint_family(ckpt_path, class_path(model)))
 
 
 def test_each_checkpoint_that_cannot_resume_this_model_is_named(tmp_path):

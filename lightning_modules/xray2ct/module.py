@@ -191,7 +191,12 @@ class XrayToCT(DiffusionModule):
         restoring = previous_settings is not None
         if restoring:
             previous_settings = [_container(s) for s in _container(previous_settings)]
-        if not restoring and len(previous_stages) != int(stage) - 1:
+            if len(previous_settings) != int(stage) - 1:
+                raise MedvolError(
+                    f"`model.previous_settings` holds {len(previous_settings)} earlier stage(s) for stage {stage}; "
+                    f"expected {int(stage) - 1}, as a stage's checkpoint records them"
+                )
+        elif len(previous_stages) != int(stage) - 1:
             raise MedvolError(
                 f"`model.previous_stages` lists {len(previous_stages)} checkpoint(s) for stage {stage}; expected the best "
                 f"checkpoints of stages 1..{int(stage) - 1} (run the cascade with `experiment=xray2ct_cascade`)"
@@ -222,11 +227,6 @@ class XrayToCT(DiffusionModule):
         if restoring:
             # The weights come with the checkpoint's state dict.
             earlier = [(s, _frozen(s), "this checkpoint") for s in previous_settings or []]
-            if len(earlier) != int(stage) - 1:
-                raise MedvolError(
-                    f"`model.previous_settings` holds {len(earlier)} earlier stage(s) for stage {stage}; expected "
-                    f"{int(stage) - 1}, as a stage's checkpoint records them"
-                )
         else:
             earlier = [(*_load_stage(path), path) for path in previous_stages]
         for previous, previous_network, source in earlier:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lightning_modules.base import MODEL_KEY, class_path
+from lightning_modules.base import MODEL_KEY
 from medvol.core.build import target_class
 from medvol.core.errors import MedvolError
 
@@ -64,22 +64,22 @@ def _same_shapes(path: Path, checkpoint: dict[str, Any], module: torch.nn.Module
         raise MedvolError(f"`ckpt_path`: {path} lacks weights the model needs (first: {missing[0]}); expected {EXPECTED}")
 
 
-def check_checkpoint_family(ckpt_path: str | None, model_target: str) -> None:
-    """Raise `MedvolError` unless `ckpt_path` (if given) is a readable checkpoint of the class `model_target` names."""
+def check_checkpoint_family(ckpt_path: str | None, model_target: str) -> dict[str, Any] | None:
+    """Raise `MedvolError` unless `ckpt_path` (if given) is a readable checkpoint of the class `model_target` names;
+    return the checkpoint read (tensors memory-mapped), so a caller that needs it reads it once."""
+    if not ckpt_path:
+        return None
+    cls = target_class(model_target)
+    path, checkpoint = read_checkpoint(ckpt_path)
+    _same_family(path, checkpoint, f"{cls.__module__}.{cls.__qualname__}")
+    return checkpoint
+
+
+def check_checkpoint_shapes(
+    ckpt_path: str | None, module: torch.nn.Module, checkpoint: dict[str, Any] | None = None
+) -> None:
+    """Raise `MedvolError` unless every weight of `ckpt_path` (if given) fits `module` and none it needs is missing
+    (`checkpoint`: the file as `check_checkpoint_family` read it, else it is read here)."""
     if ckpt_path:
-        cls = target_class(model_target)
-        _same_family(*read_checkpoint(ckpt_path), f"{cls.__module__}.{cls.__qualname__}")
-
-
-def check_checkpoint_shapes(ckpt_path: str | None, module: torch.nn.Module) -> None:
-    """Raise `MedvolError` unless every weight of `ckpt_path` (if given) fits `module` and none it needs is missing."""
-    if ckpt_path:
-        _same_shapes(*read_checkpoint(ckpt_path), module)
-
-
-def check_checkpoint(ckpt_path: str | None, module: torch.nn.Module) -> None:
-    """Both checks for a model already built: `ckpt_path` is a checkpoint of `module`'s class, with its shapes."""
-    if ckpt_path:
-        path, checkpoint = read_checkpoint(ckpt_path)
-        _same_family(path, checkpoint, class_path(module))
-        _same_shapes(path, checkpoint, module)
+        path = Path(str(ckpt_path)).expanduser()
+        _same_shapes(*((path, checkpoint) if checkpoint is not None else read_checkpoint(ckpt_path)), module)

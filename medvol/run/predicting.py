@@ -29,7 +29,7 @@ from torch.utils.data import Dataset, default_collate
 from lightning_modules.base import MedvolModule, class_path
 from medvol.core.build import build, target_class
 from medvol.core.errors import MedvolError
-from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes, read_checkpoint
+from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes
 from medvol.run.generation import (
     check_condition_files,
     check_input_channels,
@@ -272,11 +272,11 @@ def dataset_subjects(
 def load_module(run: DictConfig, ckpt_path: str, device: torch.device) -> MedvolModule:
     """The run's model with the checkpoint's weights, in eval mode on `device`; what the family restores from the
     checkpoint itself (`MedvolModule.restoring_settings`: e.g. X-ray-to-CT's earlier stages) over the run's config."""
-    check_checkpoint_family(ckpt_path, run.model._target_)
-    _, checkpoint = read_checkpoint(ckpt_path)
+    checkpoint = check_checkpoint_family(ckpt_path, run.model._target_)
+    assert checkpoint is not None
     family = target_class(run.model._target_)
     module: MedvolModule = build(run.model, **family.restoring_settings(dict(checkpoint.get("hyper_parameters") or {})))
-    check_checkpoint_shapes(ckpt_path, module)
+    check_checkpoint_shapes(ckpt_path, module, checkpoint)
     module.on_load_checkpoint(checkpoint)
     module.load_state_dict(checkpoint["state_dict"])
     return module.to(device).eval()
