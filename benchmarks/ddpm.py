@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_modules.diffusion.module import ConditionalDiffusion  # noqa: E402
+from lightning_modules.diffusion.fast_ddpm import ConditionalDiffusion  # noqa: E402
 
 
 def network_factory(channels: list[int], attention: list[bool], groups: int, head_channels: int):

@@ -645,45 +645,45 @@ MUTATIONS = [
         ("tests/test_ddpm.py::test_validation_and_sampling_use_the_ema_weights",),
         "validation, test and sampling use the trained weights, not their EMA",
     ),
-    # Issue 18: the Fast-DDPM module (lightning_modules/diffusion/module.py).
+    # Issue 18: the Fast-DDPM module (lightning_modules/diffusion/fast_ddpm.py).
     Mutation(
-        "fast-ddpm-condition-last", "lightning_modules/diffusion/module.py",
+        "fast-ddpm-condition-last", "lightning_modules/diffusion/fast_ddpm.py",
         "torch.cat([cond.to(x_t.dtype), x_t], dim=1)", "torch.cat([x_t, cond.to(x_t.dtype)], dim=1)",
         ("tests/test_ddpm.py::test_translation_on_synthetic_pairs_t1_to_t2_and_concatenates_the_condition_first",),
         "the condition concatenated after x_t (MONAI's order), not before it (the reference's)",
     ),
     Mutation(
-        "fast-ddpm-denoising-clean-condition", "lightning_modules/diffusion/module.py",
+        "fast-ddpm-denoising-clean-condition", "lightning_modules/diffusion/fast_ddpm.py",
         "return image.float() + self.hparams.noise_std * self.noise_like(image, noise)", "return image.float()",
         ("tests/test_ddpm.py::test_denoising_and_super_resolution_conditions_are_the_image_degraded_by_hand",),
         "task=denoising conditions on the clean image",
     ),
     Mutation(
-        "fast-ddpm-super-resolution-max-pool", "lightning_modules/diffusion/module.py",
+        "fast-ddpm-super-resolution-max-pool", "lightning_modules/diffusion/fast_ddpm.py",
         "low = F.avg_pool3d(image.float(), kernel_size=factor)", "low = F.max_pool3d(image.float(), kernel_size=factor)",
         ("tests/test_ddpm.py::test_denoising_and_super_resolution_conditions_are_the_image_degraded_by_hand",),
         "task=super_resolution downsamples by the block maximum, not the block mean",
     ),
     Mutation(
-        "fast-ddpm-psnr-of-the-condition", "lightning_modules/diffusion/module.py",
+        "fast-ddpm-psnr-of-the-condition", "lightning_modules/diffusion/fast_ddpm.py",
         'metrics[f"{prefix}psnr"].update(sample, x0)', 'metrics[f"{prefix}psnr"].update(cond, x0)',
         ("tests/test_ddpm.py::test_validation_psnr_is_that_of_the_sample_against_the_target_by_hand",),
         "val/psnr scores the condition, not the sample",
     ),
     Mutation(
-        "fast-ddpm-validation-global-noise", "lightning_modules/diffusion/module.py",
+        "fast-ddpm-validation-global-noise", "lightning_modules/diffusion/fast_ddpm.py",
         "sample = self.sample(self.noise_like(x0, noise),", "sample = self.sample(self.noise_like(x0),",
         ("tests/test_ddpm.py::test_validation_and_sampling_use_the_ema_weights",),
         "validation starts from the global RNG's noise, not the subject's stream",
     ),
     Mutation(
-        "fast-ddpm-streams-by-position", "lightning_modules/diffusion/module.py",
+        "fast-ddpm-streams-by-position", "lightning_modules/diffusion/fast_ddpm.py",
         "names = subject_names(batch, batch_idx,", "names = subject_names({}, batch_idx,",
         ("tests/test_ddpm.py::test_validation_and_sampling_use_the_ema_weights",),
         "sampling noise follows the batch position, not the subject",
     ),
     Mutation(
-        "fast-ddpm-trains-the-ema", "lightning_modules/diffusion/module.py",
+        "fast-ddpm-trains-the-ema", "lightning_modules/diffusion/fast_ddpm.py",
         "loss = self.diffusion_loss(self.network, x0,", "loss = self.diffusion_loss(self.sampling_network, x0,",
         ("tests/test_ddpm.py::test_training_draws_only_from_the_set_in_antithetic_pairs",),
         "the training loss is computed with the EMA copy, not the trained network",

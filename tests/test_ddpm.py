@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from monai.networks.nets import DiffusionModelUNet
 
 from datamodules.sources.phantom import phantom_affine
-from lightning_modules.diffusion.module import ConditionalDiffusion
+from lightning_modules.diffusion.fast_ddpm import ConditionalDiffusion
 from lightning_modules.diffusion.samplers import sample_ddim
 from lightning_modules.diffusion.subject_noise import SubjectNoise
 from medvol.core.build import build

@@ -14,7 +14,7 @@ from monai.data.utils import compute_importance_map
 from torch import nn
 
 from lightning_modules.diffusion.diffusion_module import Conditioning
-from lightning_modules.diffusion.module import ConditionalDiffusion
+from lightning_modules.diffusion.fast_ddpm import ConditionalDiffusion
 from lightning_modules.diffusion.prediction import to_x0_and_epsilon
 from lightning_modules.diffusion.samplers import sample_ddim
 from lightning_modules.diffusion.subject_noise import SubjectNoise
