@@ -19,7 +19,7 @@ from monai.data import CacheDataset, ThreadDataLoader
 
 from datamodules.pipeline import volume_datamodule
 from datamodules.pipeline.cache_budget import MEMORY_OVERHEAD, parse_budget
-from datamodules.pipeline.disk_cache import DiskCache
+from datamodules.pipeline.disk_cache import DiskCache, code_version
 from datamodules.sources.brats import BratsDataModule
 from datamodules.sources.csv_table import CsvDataModule
 from datamodules.sources.example_data import write_brats, write_mace_csv, write_nifti_folder
@@ -194,6 +194,21 @@ def test_a_cache_folder_whose_fingerprint_differs_is_refused_not_read(volumes, t
     record.write_text(json.dumps({**json.loads(record.read_text()), "settings": "edited by hand"}))
     with pytest.raises(MedvolError, match="holds items made from other settings"):
         _datamodule(volumes, cache="disk", cache_dir=str(tmp_path / "cache")).setup()
+
+
+def test_the_code_fingerprint_changes_with_the_data_code_and_not_with_other_code(tmp_path):
+    for name in ("datamodules/pipeline/transforms.py", "medvol/volumes/intensity.py", "lightning_modules/net.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("SCALE = 1\n")
+    copies = [tmp_path / f"copy{k}" for k in range(4)]
+    for copy in copies:
+        shutil.copytree(tmp_path, copy, ignore=shutil.ignore_patterns("copy*"))
+    (copies[1] / "datamodules/pipeline/transforms.py").write_text("SCALE = 2\n")
+    (copies[2] / "medvol/volumes/intensity.py").write_text("SCALE = 2\n")
+    (copies[3] / "lightning_modules/net.py").write_text("SCALE = 2\n")
+    base, transforms, intensity, network = (code_version(copy)["code"] for copy in copies)
+    assert transforms != base and intensity != base
+    assert network == base
 
 
 def test_a_full_disk_leaves_no_item_file_and_a_truncated_item_is_made_again(volumes, tmp_path, monkeypatch):

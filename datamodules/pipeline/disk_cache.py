@@ -43,9 +43,8 @@ def digest(content: Any) -> str:
 
 
 @functools.cache
-def code_version() -> dict[str, str]:
-    """A hash of medvol's data code and the versions of the libraries it uses: cached items depend on both."""
-    root = Path(__file__).resolve().parents[2]
+def code_version(root: Path = Path(__file__).resolve().parents[2]) -> dict[str, str]:
+    """A hash of the data code under `root` and the versions of its libraries: cached items depend on both."""
     sources = hashlib.sha1()
     for folder in CODE_FOLDERS:
         for path in sorted((root / folder).rglob("*.py")):
