@@ -16,7 +16,7 @@ from medvol.core.errors import MedvolError
 from medvol.run.override_check import override_error
 from medvol.run.refusal import RunDirectoryBefore
 from medvol.run.resolvers import run_dir_of_checkpoint
-from medvol.run.training import run
+from medvol.run.training import run, sweep_objective
 from medvol.run.world import global_rank
 
 log = logging.getLogger("medvol")
@@ -54,8 +54,7 @@ def main(cfg: DictConfig) -> float | None:
     except Exception as err:
         _to_log_file_only(log.makeRecord(log.name, logging.ERROR, __file__, 0, "run ended by %r", (err,), sys.exc_info()))
         raise
-    metric = cfg.get("optimized_metric")
-    return metrics.get(metric) if metric else None
+    return sweep_objective(metrics, cfg.get("optimized_metric"), str(cfg.get("optimized_mode", "max")))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,9 @@ class StepCheckpoint(ModelCheckpoint):
 
     def _fall_back(self) -> None:
         self._falling_back = True
+        # A file name that shows the configured metric would read `scorenan`: it shows the one that ranks it.
+        if self.filename and self.monitor:
+            self.filename = self.filename.replace("{" + self.monitor, "{" + self.fallback_monitor)
         self.monitor, self.mode = self.fallback_monitor, self.fallback_mode
         self.kth_value = torch.tensor(torch.inf if self.mode == "min" else -torch.inf)
 

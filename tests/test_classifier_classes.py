@@ -19,7 +19,7 @@ from datamodules.pipeline.split import make_split
 from datamodules.sources.phantom import lesion_class
 from lightning_modules.discriminative.classifier import set_auroc
 from medvol.core.build import build
-from medvol.run.training import run
+from medvol.run.training import run, sweep_objective
 from tests.conftest import compose_cfg
 
 
@@ -77,6 +77,10 @@ def test_a_one_class_validation_set_is_nan_with_a_warning_and_checkpoints_fall_b
     # 8 phantoms: the validation set is one subject, so one class.
     metrics = run(tiny_cfg("model=classifier", "trainer.max_epochs=3", "logger=csv"))
     assert math.isnan(metrics["val/auroc"]) and math.isfinite(metrics["val/loss"])
+    # A sweep gets the worst value for the metric's mode, never NaN.
+    assert sweep_objective(metrics, "val/auroc", "max") == -math.inf
+    assert sweep_objective(metrics, "val/auroc", "min") == math.inf
+    assert sweep_objective(metrics, "val/loss", "min") == metrics["val/loss"]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     single = [m for m in warnings if m.startswith("the val set holds a single class (class 0: ")]
     assert len(single) == 1 and " subjects): val/auroc is undefined" in single[0], warnings
@@ -89,3 +93,7 @@ def test_a_one_class_validation_set_is_nan_with_a_warning_and_checkpoints_fall_b
     state = next(v for k, v in checkpoint["callbacks"].items() if k.startswith("StepCheckpoint"))
     assert state["falling_back"] and f"epoch{best:03d}" in Path(state["best_model_path"]).name
     assert float(state["best_model_score"]) == pytest.approx(losses[best], rel=1e-5)
+    # The file names show the score that ranks them, not `scorenan`.
+    names = sorted(p.name for p in (tmp_path / "checkpoints").glob("epoch*.ckpt"))
+    assert names and all("nan" not in name for name in names), names
+    assert f"score{losses[best]:.4f}" in Path(state["best_model_path"]).name

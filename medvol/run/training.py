@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import pytorch_lightning as pl
@@ -75,6 +76,21 @@ def check_config(cfg: DictConfig) -> World:
     check_launch(world)
     check_checkpoint_family(cfg.get("ckpt_path"), str(cfg.model._target_))
     return world
+
+
+def sweep_objective(metrics: dict[str, float], metric: str | None, mode: str = "max") -> float | None:
+    """What a Hydra sweeper receives: `metric`'s value, or the worst value for `mode` where it is undefined.
+
+    A sweeper given NaN fails the trial (Optuna) or ranks it at random; an undefined metric (the AUROC
+    of a one-class validation set) is the worst result a trial can have.
+    """
+    if not metric or metric not in metrics:
+        return None
+    value = float(metrics[metric])
+    if not math.isnan(value):
+        return value
+    log.warning("`%s` is undefined (NaN) for this run: the sweeper receives %s", metric, "-inf" if mode == "max" else "inf")
+    return -math.inf if mode == "max" else math.inf
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
