@@ -36,6 +36,37 @@ def random_slices(volume: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return volume.gather(2, gather).squeeze(2)
 
 
+def check_settings(disc_loss_type: str, perceptual_weight: float, perceptual_model_path: str | None) -> None:
+    """Raise `MedvolError` for a loss type medvol does not know or a perceptual loss without its network."""
+    if disc_loss_type not in _LOSS_TYPES:
+        raise MedvolError(f"`model.disc_loss_type`: got {disc_loss_type!r}; expected one of {sorted(_LOSS_TYPES)}")
+    if perceptual_weight > 0 and not perceptual_model_path:
+        raise MedvolError(
+            f"`model.perceptual_weight` is {perceptual_weight} but `model.perceptual_model_path` is not set; "
+            "give a local TorchScript feature network or set perceptual_weight=0"
+        )
+
+
+def build_discriminators(in_channels: int, channels: int, layers: int) -> tuple[PatchDiscriminator, PatchDiscriminator]:
+    """The 2D slice (image) and the 3D patch (video) discriminators of medicaldiffusion's VQ-GAN."""
+    return tuple(
+        PatchDiscriminator(spatial_dims=dims, channels=channels, in_channels=in_channels, num_layers_d=layers)
+        for dims in (2, 3)
+    )
+
+
+def evaluation_metrics(ssim_kernel_size: int) -> MetricCollection:
+    """Validation and test metrics; metric objects sync sums and counts across ranks, so unequal shares weigh right."""
+    return MetricCollection(
+        {
+            "psnr": PeakSignalNoiseRatio(data_range=2.0, reduction="elementwise_mean", dim=(1, 2, 3, 4)),
+            "ssim": StructuralSimilarityIndexMeasure(data_range=2.0, kernel_size=ssim_kernel_size),
+            "recon_loss": MeanMetric(),
+            "perplexity": MeanMetric(),
+        }
+    )
+
+
 class GANStep(NamedTuple):
     """One training batch's losses.
 
@@ -117,26 +148,15 @@ class VQGAN(MedvolModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(logger=False)
+        check_settings(disc_loss_type, perceptual_weight, perceptual_model_path)
         self.automatic_optimization = False
-        if disc_loss_type not in _LOSS_TYPES:
-            raise MedvolError(f"`model.disc_loss_type`: got {disc_loss_type!r}; expected one of {sorted(_LOSS_TYPES)}")
-        if perceptual_weight > 0 and not perceptual_model_path:
-            raise MedvolError(
-                f"`model.perceptual_weight` is {perceptual_weight} but `model.perceptual_model_path` is not set; "
-                "give a local TorchScript feature network or set perceptual_weight=0"
-            )
         self.downsample = tuple(int(d) for d in downsample)
         self.encoder = Encoder3d(in_channels, n_hiddens, self.downsample, embedding_dim)
         self.decoder = Decoder3d(in_channels, n_hiddens, self.downsample, embedding_dim)
         self.codebook = EMACodebook(
             n_codes, embedding_dim, codebook_decay, commitment_weight, restart_threshold, random_restart
         )
-        self.image_discriminator = PatchDiscriminator(
-            spatial_dims=2, channels=disc_channels, in_channels=in_channels, num_layers_d=disc_layers
-        )
-        self.video_discriminator = PatchDiscriminator(
-            spatial_dims=3, channels=disc_channels, in_channels=in_channels, num_layers_d=disc_layers
-        )
+        self.image_discriminator, self.video_discriminator = build_discriminators(in_channels, disc_channels, disc_layers)
         self.adversarial = AdversarialLoss(_LOSS_TYPES[disc_loss_type])
         self.perceptual = SlicePerceptualLoss(perceptual_model_path) if perceptual_model_path else None
         self.optimizer_factory = optimizer or (lambda params: torch.optim.Adam(params, lr=3e-4, betas=(0.5, 0.9)))
@@ -148,15 +168,7 @@ class VQGAN(MedvolModule):
         self._memory_format = torch.contiguous_format
         # Running (sample-weighted sum, samples) of each training term over the current epoch.
         self._train_sums: dict[str, tuple[torch.Tensor, int]] = {}
-        # Metric objects sync sums and counts across ranks, so ranks with unequal shares weigh correctly.
-        evaluation = MetricCollection(
-            {
-                "psnr": PeakSignalNoiseRatio(data_range=2.0, reduction="elementwise_mean", dim=(1, 2, 3, 4)),
-                "ssim": StructuralSimilarityIndexMeasure(data_range=2.0, kernel_size=ssim_kernel_size),
-                "recon_loss": MeanMetric(),
-                "perplexity": MeanMetric(),
-            }
-        )
+        evaluation = evaluation_metrics(ssim_kernel_size)
         self.val_metrics = evaluation.clone(prefix="val/")
         self.test_metrics = evaluation.clone(prefix="test/")
 
