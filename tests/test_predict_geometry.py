@@ -13,7 +13,9 @@ from scipy import ndimage
 
 from datamodules.sources.nifti import NiftiDataModule
 from medvol.core.errors import MedvolError
-from medvol.run.predicting import file_dataset, input_geometry, predict
+from medvol.run.predict_config import input_geometry
+from medvol.run.predict_inputs import file_dataset
+from medvol.run.predicting import predict
 from medvol.volumes.source_grid import to_source_grid
 from tests.conftest import compose_cfg
 from tests.test_predict import predict_cfg, saved_run

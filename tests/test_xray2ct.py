@@ -16,7 +16,7 @@ from datamodules.sources.example_data import write_xray_ct
 from lightning_modules.xray2ct.module import XrayToCT
 from medvol.core.build import build
 from medvol.core.errors import MedvolError
-from medvol.run import predicting
+from medvol.run import predict_config
 from medvol.run.predicting import predict
 from medvol.run.radiographs import model_views, view_geometry
 from medvol.run.training import run
@@ -193,7 +193,7 @@ def test_a_ct_from_radiographs_alone_is_the_test_time_ct_of_the_same_views(casca
     module = XrayToCT.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=False).eval()
     assert sorted(p.name for p in out.iterdir()) == ["phantom-5-0000_ct.nii.gz", "phantom-5-0001_ct.nii.gz"]
     # The views predict.py reads from the files, in the model's range and order, are the dataset's.
-    read = model_views(folder, view_geometry(predicting.run_config(str(checkpoint))))
+    read = model_views(folder, view_geometry(predict_config.run_config(str(checkpoint))))
     for item in dataset:
         torch.testing.assert_close(read[item["subject"]], item["xray"], atol=1e-5, rtol=0)
         written = nib.load(str(out / f"{item['subject']}_ct.nii.gz"))

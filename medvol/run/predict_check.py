@@ -1,0 +1,95 @@
+"""predict.py's checks in one place: the command's values, the model's kind and the inputs' headers are checked
+before the first file is written, each refusal one line naming the key and what was expected."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from lightning_modules.base import MedvolModule, class_path
+from medvol.core.errors import MedvolError
+from medvol.run.generation import check_input_channels, check_refinable
+from medvol.run.predict_config import window_size
+from medvol.run.predict_inputs import Inputs
+from medvol.volumes.sliding_window import BLEND_MODES
+
+SPLITS = ("train", "val", "test")
+DEFAULT_OVERLAP = 0.25
+
+
+def check_predict(cfg: DictConfig, run: DictConfig) -> float:
+    """Refuse a bad `mode`, `overlap`, `split`, `num_samples` or a command naming no input; return the overlap:
+    the model's own validation overlap where it has one (segmentation), so predict.py sees what test=true saw."""
+    if cfg.mode not in BLEND_MODES:
+        raise MedvolError(f"`mode` is {cfg.mode!r}; expected one of {list(BLEND_MODES)}")
+    overlap = float(cfg.overlap if cfg.overlap is not None else run.model.get("overlap", DEFAULT_OVERLAP))
+    if not 0.0 <= overlap < 1.0:
+        raise MedvolError(f"`overlap` must be in [0, 1), got {overlap}")
+    if cfg.split is not None and cfg.split not in SPLITS:
+        raise MedvolError(f"`split` is {cfg.split!r}; expected one of {list(SPLITS)} or null")
+    num_samples = cfg.get("num_samples", 1)
+    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
+        raise MedvolError(f"`num_samples` is {num_samples!r}; expected a whole number >= 1")
+    if cfg.input is None and cfg.split is None and not cfg.get("dataset"):
+        raise MedvolError(
+            "`input` is not set; expected a NIfTI file, a folder of them, `split=test` for the run's test split, "
+            "or a dataset (`dataset=nifti dataset.root=DIR`)"
+        )
+    return overlap
+
+
+def pick_device(name: str) -> torch.device:
+    """The device `device=` names: auto (the first GPU, else the CPU), cpu, cuda or cuda:N."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise MedvolError(f"`device`: {name!r} was asked for, but no CUDA device is visible; use device=cpu or auto")
+    if not (name == "cpu" or name.startswith("cuda")):
+        raise MedvolError(f"`device` is {name!r}; expected auto, cpu, cuda or cuda:N")
+    return torch.device(name)
+
+
+def check_samples(module: MedvolModule, num_samples: int) -> None:
+    """Several samples only from a generative model (one that names the batch keys it generates from)."""
+    if num_samples > 1 and not module.generation_inputs():
+        raise MedvolError(
+            f"`num_samples`={num_samples}: {class_path(module)} is not generative (its outputs are not samples); "
+            "use num_samples=1"
+        )
+
+
+def check_radiograph_input(source: Path, num_samples: int) -> None:
+    """A model that generates a CT from radiographs reads a folder of them, once per subject."""
+    if not source.is_dir():
+        raise MedvolError(
+            f"`input`: {source} is not a folder; the model generates a CT from radiographs, expected a folder of "
+            "<subject>_ap.nii.gz and <subject>_lateral.nii.gz files"
+        )
+    if num_samples > 1:
+        raise MedvolError(f"`num_samples`={num_samples}: a CT from radiographs is written once per subject; use num_samples=1")
+
+
+def check_inputs(inputs: Inputs, run: DictConfig, module: MedvolModule, geometry: Mapping[str, Any]) -> bool:
+    """Every input's header against the model (channels; a coarse scan for a model that refines resolution),
+    before the first file is written; return whether the outputs go on the model's grid (refined)."""
+    generation = module.generation_inputs()
+    image_channels = len(run.dataset.image_modalities) if run.dataset.get("image_modalities") is not None else None
+    expected = {**({"image": image_channels} if image_channels and not inputs.condition_only else {}), **generation}
+    check_input_channels(inputs.records, expected, inputs.where)
+    refine = inputs.condition_only and module.refines_resolution
+    if refine:
+        for key in generation:
+            check_refinable(inputs.records, key, geometry, inputs.where)
+    return refine
+
+
+def window_roi(cfg: DictConfig, run: DictConfig) -> list[int]:
+    """The sliding window: `roi=[D,H,W]`, or the run's training patch or volume size."""
+    roi = list(cfg.roi) if cfg.roi is not None else window_size(run)
+    if len(roi) != 3 or min(int(r) for r in roi) < 1:
+        raise MedvolError(f"`roi` is {roi}; expected three positive window sizes [D, H, W] or null")
+    return roi

@@ -1,0 +1,133 @@
+"""predict.py's first stage: the run's config recovered from its checkpoint and merged with the command's.
+
+The model family and its preprocessing come from the checkpoint's run (`<run>/.hydra/config.yaml`, or a
+cascade stage's `config.yaml`); `model.*` and `dataset.*` given to `predict.py` are merged on top, and
+the inputs are resampled to the geometry the model was trained at (`input_geometry`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from medvol.core.errors import MedvolError
+from medvol.run.resolvers import run_dir_of_checkpoint
+
+# The keys of a dataset config that name the model's channels.
+MODALITY_KEYS = ("image_modalities", "cond_modalities")
+
+
+def run_config(ckpt_path: str) -> DictConfig:
+    """The composed config of the run a checkpoint belongs to, with `paths.output_dir` pointed at that run."""
+    path = Path(ckpt_path).expanduser()
+    if not path.is_file():
+        raise MedvolError(f"`ckpt_path`: no file at {path}; expected a .ckpt file of a medvol run, e.g. <run>/checkpoints/last.ckpt")
+    run_dir = run_dir_of_checkpoint(str(path))
+    if run_dir is None and path.name == "best.ckpt" and re.fullmatch(r"stage\d+", path.parent.name):
+        run_dir = path.parent.parent
+    if run_dir is None or not (run_dir / ".hydra" / "config.yaml").is_file():
+        raise MedvolError(
+            f"`ckpt_path`: {path} is not in a medvol run directory (no <run>/.hydra/config.yaml next to its "
+            "checkpoints/ folder); expected a checkpoint written by train.py"
+        )
+    # A cascade stage's checkpoint (`<run>/stage<k>/best.ckpt` or `.../stage<k>/checkpoints/`) runs with that stage's config.
+    stage_dir = next(
+        (p for p in (path.parent, path.parent.parent) if re.fullmatch(r"stage\d+", p.name) and (p / "config.yaml").is_file()),
+        None,
+    )
+    cfg = OmegaConf.load((stage_dir / "config.yaml") if stage_dir is not None else run_dir / ".hydra" / "config.yaml")
+    assert isinstance(cfg, DictConfig)
+    with open_dict(cfg):
+        # `${hydra:runtime.output_dir}` means nothing outside that run's Hydra job: the run is where split.json is.
+        cfg.paths.output_dir = str(run_dir)
+    return cfg
+
+
+def recovered_run(cfg: DictConfig) -> DictConfig:
+    """The checkpoint's run config with the command's `model.*` merged on top and the model's settings resolved."""
+    run = merged(run_config(str(cfg.ckpt_path)), {"model": cfg.get("model") or {}})
+    # The model's channel counts interpolate the run's dataset: resolve them before a dataset override.
+    with open_dict(run):
+        run.model = OmegaConf.create(OmegaConf.to_container(run.model, resolve=True))
+    return run
+
+
+def merged(base: DictConfig, override: Any) -> DictConfig:
+    """`base` with the keys of `override` merged on top; an `override` naming another `_target_` replaces it."""
+    if not override:
+        return base
+    if override.get("_target_") not in (None, base.get("_target_")):
+        return override
+    result = OmegaConf.merge(base, override)
+    assert isinstance(result, DictConfig)
+    return result
+
+
+def command_overrides(prefix: str) -> DictConfig:
+    """The `prefix...=value` overrides of this command line (inside a Hydra app; empty otherwise)."""
+    if not HydraConfig.initialized():
+        return OmegaConf.create({})
+    dotlist = [o.lstrip("+") for o in HydraConfig.get().overrides.task if o.lstrip("+").startswith(prefix)]
+    return OmegaConf.from_dotlist(dotlist)
+
+
+def with_run_transforms(run_dataset: DictConfig, chosen: DictConfig) -> DictConfig:
+    """A dataset chosen with `dataset=NAME`, preprocessed as the run was: the run's `transforms`, then the
+    command's own `dataset.transforms.*` overrides (the group file's defaults would silently differ). A
+    dataset of the run's own kind also keeps the run's modalities (the model's channels: a T1 -> T2 model's
+    [t2] and [t1], not the group file's) unless the command sets them."""
+    own = command_overrides("dataset.").get("dataset") or {}
+    if run_dataset.get("_target_") == chosen.get("_target_"):
+        for key in MODALITY_KEYS:
+            if run_dataset.get(key) is not None and key in chosen and key not in own:
+                with open_dict(chosen):
+                    chosen[key] = run_dataset[key]
+    if run_dataset.get("transforms") is None or chosen.get("transforms") is None:
+        return chosen
+    transforms = OmegaConf.merge(run_dataset.transforms, own.get("transforms") or {})
+    with open_dict(chosen):
+        chosen.transforms = transforms
+    return chosen
+
+
+def window_size(cfg: DictConfig) -> list[int]:
+    """The training patch or volume size of a run: the sliding window for whole volumes."""
+    dataset, model = cfg.dataset, cfg.model
+    transforms = dataset.get("transforms") or {}
+    for size in (model.get("patch_size"), transforms.get("random_crop"), dataset.get("patch_size"), transforms.get("spatial_size")):
+        if size:
+            return [int(s) for s in size]
+    if dataset.get("size"):
+        return [int(dataset.size)] * 3
+    raise MedvolError("`roi`: the run's config names no patch or volume size; set `roi=[D,H,W]`")
+
+
+def input_geometry(spacing: Any, record: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The `dataset.transforms` geometry inputs are resampled to: the spacing (and orientation) the model was
+    trained at, as its checkpoint records it, or `spacing=[...]`; `spacing=native` keeps each input's own."""
+    record = record or {}
+    geometry = {"orientation": record["orientation"]} if "orientation" in record else {}
+    if spacing is None:
+        return {**geometry, "spacing": record["spacing"]} if record.get("spacing") else geometry
+    if spacing == "native":
+        return {**geometry, "spacing": None}
+    values = [spacing] * 3 if isinstance(spacing, (int, float)) else list(spacing) if OmegaConf.is_list(spacing) else None
+    if values is None or len(values) != 3 or not all(isinstance(v, (int, float)) and v > 0 for v in values):
+        raise MedvolError(f"`spacing` is {spacing}; expected null (the model's training spacing), native, a voxel size in mm or three")
+    return {**geometry, "spacing": [float(v) for v in values]}
+
+
+def with_geometry(run: DictConfig, geometry: Mapping[str, Any]) -> DictConfig:
+    """The run's config with its dataset's transforms resampling to `geometry` (datasets without transforms,
+    such as the synthetic phantoms, are generated on their own grid)."""
+    if not geometry or run.dataset.get("transforms") is None:
+        return run
+    run = run.copy()
+    with open_dict(run):
+        run.dataset.transforms = OmegaConf.merge(run.dataset.transforms, dict(geometry))
+    return run

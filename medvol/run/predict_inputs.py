@@ -1,0 +1,174 @@
+"""predict.py's second stage: the inputs found (files, a folder, a dataset's split) and their outputs guarded.
+
+Inputs are NIfTI files (one file per subject, its channels the model's) or a dataset: the run's own
+with `split=test`, or another chosen with `dataset=...`. They are preprocessed with the run's
+transforms on whole volumes. Outputs never land inside an input folder, and a file input's never on
+the file itself (`PredictionWriter(protected=...)`).
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+from torch.utils.data import Dataset, default_collate
+
+from medvol.core.build import build
+from medvol.core.errors import MedvolError
+from medvol.run.generation import check_condition_files, lacks_targets, modality_field, without_targets
+from medvol.run.predict_config import merged, with_run_transforms
+
+NIFTI_SUFFIXES = (".nii", ".nii.gz")
+# The dataset class that reads input files given by path; the run's own transforms preprocess them.
+FILE_DATASET = "datamodules.sources.nifti.NiftiDataModule"
+# Training-only settings dropped for prediction: every voxel of a subject is predicted.
+WHOLE_VOLUME = {"spatial_size": None, "random_crop": None, "flip_prob": 0.0, "affine_prob": 0.0}
+
+
+def is_nifti(path: Path) -> bool:
+    return path.is_file() and path.name.endswith(NIFTI_SUFFIXES)
+
+
+def subject_of(path: Path) -> str:
+    """The subject id of an input file: its name without .nii/.nii.gz."""
+    return path.name.removesuffix(".gz").removesuffix(".nii")
+
+
+def input_files(path: Path) -> list[Path]:
+    """The NIfTI files `input` names: the file itself, or every .nii/.nii.gz directly in the folder."""
+    if is_nifti(path):
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if is_nifti(p))
+        if files:
+            return files
+        raise MedvolError(f"`input`: {path} holds no .nii or .nii.gz files; expected a NIfTI file or a folder of them")
+    raise MedvolError(f"`input`: no NIfTI file or folder at {path}; expected a .nii/.nii.gz file or a folder of them")
+
+
+def check_output_dir(output_dir: Path, input_folders: list[Path]) -> None:
+    """Refuse an output folder inside an input folder (`input=DIR`, a dataset's root): predictions must never
+    land among (or on) the inputs. A file input is guarded file by file instead (`PredictionWriter(protected=...)`)."""
+    out = output_dir.expanduser().resolve()
+    for folder in input_folders:
+        folder = folder.expanduser().resolve()
+        if out == folder or folder in out.parents:
+            raise MedvolError(
+                f"`output_dir`: {output_dir} is inside the input folder {folder}; choose a folder outside it, "
+                "so no input is ever overwritten"
+            )
+
+
+@dataclass
+class Inputs:
+    """The subjects to predict: their dataset, its config, their records (files per batch key), whether
+    they are condition-only (a generative model's inputs without its target), where they came from."""
+
+    dataset: Dataset
+    config: DictConfig
+    records: list[dict[str, Any]]
+    condition_only: bool = False
+    # The config key that named them (in error lines), and the input files no output may replace.
+    where: str = "dataset.root"
+    protected: list[Path] = field(default_factory=list)
+
+
+def file_dataset(
+    files: list[Path], run: DictConfig, override: Any, listing: Path, geometry: Mapping[str, Any], key: str = "image"
+) -> Inputs:
+    """A dataset over input files (one subject each), preprocessed with the run's transforms on whole volumes,
+    resampled to `geometry`; the files are the `image` of each subject, or a generative model's `cond`."""
+    with listing.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["subject", key])
+        writer.writerows([subject_of(f), str(f.resolve())] for f in files)
+    own = run.dataset.get("transforms")
+    transforms = OmegaConf.to_container(own, resolve=True) if own is not None else {}
+    assert isinstance(transforms, dict)
+    config = OmegaConf.create({
+        "_target_": FILE_DATASET, "list_file": str(listing), "image_modalities": [key] if key == "image" else [],
+        "cond_modalities": [key] if key == "cond" else [],
+        "transforms": {**transforms, **geometry, **WHOLE_VOLUME}, "num_workers": 0, "split_file": None,
+    })
+    config = merged(config, override)
+    datamodule = build(config)
+    records = datamodule.subjects()
+    return Inputs(datamodule.build_dataset(records, "test"), config, records, condition_only=key != "image")
+
+
+def dataset_subjects(
+    run: DictConfig, override: Any, split: str | None, keep_crop: bool, generation: Mapping[str, int]
+) -> Inputs:
+    """Subjects of the run's dataset (or of the `dataset` given): one split as the run's split.json assigns
+    them, or with `split` null every subject. For a generative model (`generation` names its condition
+    keys), subjects without the target files are predicted from their conditions alone."""
+    config = merged(run.dataset, override)
+    with open_dict(config):
+        config.cache = "none"
+        config.num_workers = 0
+        if split is None:
+            config.split_file = None
+        if not keep_crop and config.get("transforms") is not None:
+            config.transforms = {**OmegaConf.to_container(config.transforms, resolve=True), **WHOLE_VOLUME}
+    # In the run's config, so `${paths.output_dir}` and `${seed}` resolve against the run.
+    whole = run.copy()
+    with open_dict(whole):
+        whole.dataset = config
+    resolved = whole.dataset
+    datamodule = build(resolved)
+    listed = datamodule.subjects()
+    # No subject listed at all may mean a folder of condition files only: the check below says which are missing.
+    condition_only = bool(generation) and (not listed or lacks_targets(listed))
+    if condition_only:
+        # Every subject listed with its target files or its conditions needs all its condition files.
+        check_condition_files(listed, resolved, generation)
+        resolved = without_targets(resolved, generation)
+        datamodule = build(resolved)
+    if hasattr(datamodule, "preflight"):
+        datamodule.preflight()
+    if split is None:
+        records = datamodule.subjects()
+        return Inputs(datamodule.build_dataset(records, "test"), resolved, records, condition_only)
+    datamodule.setup("test")
+    if split not in datamodule.datasets:
+        raise MedvolError(f"`split`: the dataset has no {split!r} split; expected one of {sorted(datamodule.datasets)}")
+    by_id = {str(r["subject"]): r for r in datamodule.subjects()}
+    records = [by_id[s] for s in datamodule.split[split]]
+    return Inputs(datamodule.datasets[split], resolved, records, condition_only)
+
+
+def batches(dataset: Dataset) -> Iterator[dict[str, Any]]:
+    """One subject per batch, collated as the test loader would."""
+    for index in range(len(dataset)):  # type: ignore[arg-type]
+        yield default_collate([dataset[index]])
+
+
+def find_inputs(
+    cfg: DictConfig, run: DictConfig, generation: Mapping[str, int], scratch: Path, geometry: Mapping[str, Any]
+) -> Inputs:
+    """The subjects `input` (a file or a folder) or the dataset names, the output folder checked against theirs."""
+    output_dir = Path(str(cfg.output_dir)).expanduser()
+    override = cfg.get("dataset")
+    if override is not None and override.get("_target_"):
+        override = with_run_transforms(run.dataset, override)
+    if cfg.input is None:
+        split = str(cfg.split) if cfg.split is not None else None
+        inputs = dataset_subjects(run, override, split, bool(cfg.keep_crop), generation)
+        check_output_dir(output_dir, [Path(str(inputs.config.root))] if inputs.config.get("root") else [])
+        return inputs
+    source = Path(str(cfg.input)).expanduser()
+    if source.is_dir():
+        check_output_dir(output_dir, [source])
+    files = input_files(source)
+    # A generative model's input files are its condition (a T1 for a T1 -> T2 model).
+    key = next(iter(generation)) if generation else "image"
+    if generation:
+        modality_field(key)
+    inputs = file_dataset(files, run, override, scratch / "inputs.csv", geometry, key)
+    # A file's outputs may go next to it (`<subject>_<name>.nii.gz`); the writer refuses to replace an input.
+    inputs.where, inputs.protected = "input", files
+    return inputs
