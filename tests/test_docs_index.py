@@ -1,0 +1,71 @@
+"""The guides can be found: every `docs/*.md` is linked from the index `docs/README.md`, the front page
+links that index, and no relative link in README.md or docs/*.md names a file that does not exist.
+
+Links are Markdown's inline `[text](target)`; code (fenced blocks and `inline` spans) is not read, since
+a command there may hold brackets. Only the standard library is used.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+INDEX = DOCS / "README.md"
+FRONT_PAGE = ROOT / "README.md"
+PAGES = [FRONT_PAGE, *sorted(DOCS.glob("*.md"))]
+
+FENCED_CODE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
+INLINE_CODE = re.compile(r"`[^`\n]*`")
+# [text](target "optional title"); an image's ![alt](target) matches too.
+INLINE_LINK = re.compile(r"\[[^\]\n]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def link_targets(page: Path) -> list[str]:
+    """The targets of a page's inline links, outside code, as written."""
+    prose = INLINE_CODE.sub("", FENCED_CODE.sub("", page.read_text(encoding="utf-8")))
+    return INLINE_LINK.findall(prose)
+
+
+def local_files(page: Path) -> list[tuple[str, Path]]:
+    """(target as written, file it names) for each link to a file of this repository: no scheme, no bare anchor."""
+    files = []
+    for target in link_targets(page):
+        parts = urlsplit(target)
+        if parts.scheme or parts.netloc or not parts.path:
+            continue
+        files.append((target, (page.parent / unquote(parts.path)).resolve()))
+    return files
+
+
+def test_every_guide_is_linked_from_the_docs_index():
+    guides = {path.resolve() for path in DOCS.glob("*.md")} - {INDEX.resolve()}
+    linked = {path for _, path in local_files(INDEX)}
+    missing = sorted(path.name for path in guides - linked)
+    assert not missing, f"docs/README.md links no line to {missing}: add one line per guide"
+
+
+def test_the_front_page_links_the_docs_index():
+    linked = {path for _, path in local_files(FRONT_PAGE)}
+    assert INDEX.resolve() in linked, "README.md does not link docs/README.md, the index of the guides"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
+def test_every_relative_link_names_a_file_that_exists(page):
+    broken = [target for target, path in local_files(page) if not path.exists()]
+    assert not broken, f"{page.relative_to(ROOT)} links to files that do not exist: {broken}"
+
+
+def test_links_are_read_from_prose_and_not_from_code(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "See [a](a.md#part), [site](https://example.org) and [top](#top), ![img](pics/b.png \"B\").\n"
+        "```bash\npython x.py [c](c.md)\n```\nand `[d](d.md)` in a span.\n",
+        encoding="utf-8",
+    )
+    folder = tmp_path.resolve()
+    assert local_files(page) == [("a.md#part", folder / "a.md"), ("pics/b.png", folder / "pics" / "b.png")]
