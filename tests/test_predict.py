@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import nibabel as nib
@@ -239,6 +240,29 @@ def test_command_line_transform_overrides_apply_to_a_dataset_chosen_by_name(trai
     # Without overrides the run's own preprocessing (the test=true file); with one, that key changes.
     np.testing.assert_allclose(plain, nib.load(str(tested)).get_fdata(), atol=1e-3)
     assert np.abs(changed - plain).max() > 1.0
+
+
+def test_predict_writes_a_log_beside_its_outputs_with_the_library_warnings_the_console_drops(
+    trained_run, tmp_path, monkeypatch
+):
+    scans = write_lps_scans(tmp_path / "new", 1)
+    real_write = PredictionWriter.write
+
+    def write_after_a_library_warning(self, *args, **kwargs):
+        # As a library would warn from its own file: the console filter drops warnings from site-packages.
+        warnings.warn_explicit("resampling chatter", UserWarning, "/x/site-packages/library/module.py", 7)
+        return real_write(self, *args, **kwargs)
+
+    monkeypatch.setattr(PredictionWriter, "write", write_after_a_library_warning)
+    ckpt = f"ckpt_path={trained_run}/checkpoints/last.ckpt"
+    predict(predict_cfg(ckpt, f"input={scans / 'case00' / 'image.nii.gz'}", f"output_dir={tmp_path / 'out'}"))
+    text = (tmp_path / "out" / "predict.log").read_text()
+    assert "site-packages/library/module.py:7: UserWarning: resampling chatter" in text
+    assert "predicted 1 subject -> " in text and "last.ckpt on 1 subject(s) from input" in text
+    # A refused command leaves no log (nor any other file) behind.
+    with pytest.raises(MedvolError, match="roi"):
+        predict(predict_cfg(ckpt, f"input={scans / 'case00' / 'image.nii.gz'}", f"output_dir={tmp_path / 'refused'}", "roi=[8,8]"))
+    assert not (tmp_path / "refused").exists()
 
 
 def test_bad_input_is_refused_with_the_key_named(trained_run, tmp_path):

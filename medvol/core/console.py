@@ -1,4 +1,4 @@
-"""A quiet console and a complete train.log.
+"""A quiet console and complete log files (train.log, predict.log).
 
 Lightning gives its loggers a handler of their own when imported before Hydra configures
 logging, so their lines never reached `train.log`; here they go through Hydra's handlers like
@@ -8,7 +8,10 @@ lines, library warnings from site-packages) that `train.log` still records.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -49,6 +52,36 @@ def quiet_console() -> None:
     for handler in logging.getLogger().handlers:
         if not isinstance(handler, logging.FileHandler) and not any(isinstance(f, ConsoleFilter) for f in handler.filters):
             handler.addFilter(ConsoleFilter())
+
+
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+
+
+class _LogFile(logging.FileHandler):
+    """A log file made with its folder at the first record: a command that logs nothing leaves no file behind."""
+
+    def _open(self):  # type: ignore[no-untyped-def]
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        return super()._open()
+
+
+@contextlib.contextmanager
+def log_file(path: Path) -> Iterator[None]:
+    """Every log record and Python warning, library ones included, also appended to `path` while inside: the
+    console drops library warnings (`ConsoleFilter`), the file keeps them."""
+    handler = _LogFile(path, mode="a", delay=True)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(min(level, logging.INFO))
+    logging.captureWarnings(True)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        handler.close()
 
 
 def flow_item(key: str, value: Any) -> str:

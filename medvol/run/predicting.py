@@ -11,6 +11,7 @@ code that writes `test=true` outputs: the source grid and units, the source head
 
 from __future__ import annotations
 
+import logging
 import math
 import tempfile
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from lightning_modules.base import MedvolModule
 from medvol.core.build import build, target_class
+from medvol.core.console import log_file
 from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes
 from medvol.run.generation import intensity_record, on_model_grid, sampled_outputs, with_target_units
 from medvol.run.predict_check import (
@@ -38,6 +40,11 @@ from medvol.run.predict_inputs import Inputs, batches, check_output_dir, find_in
 from medvol.run.radiographs import ct_from_radiographs
 from medvol.volumes.prediction_writer import PredictionWriter
 from medvol.volumes.sliding_window import SlidingWindow
+
+log = logging.getLogger("medvol")
+# Beside the outputs, as train.py writes train.log in its run: what the console showed (predict.py logs to
+# stdout) plus the library warnings the console drops.
+LOG_FILE = "predict.log"
 
 
 def predict(cfg: DictConfig) -> dict[str, float]:
@@ -60,10 +67,12 @@ def predict(cfg: DictConfig) -> dict[str, float]:
             window_roi(cfg, run), overlap=overlap, mode=str(cfg.mode), batch_size=int(cfg.sw_batch_size), device=device,
         )
         writer = PredictionWriter(output_dir, protected=inputs.protected)
-        count = predict_subjects(module, inputs, window, writer, num_samples, refine, ["codes"] if cfg.codes else [])
-    writer.write_metrics()
-    writer.write_predictions()
-    print(summary_line(writer.rows, count, output_dir))
+        with log_file(output_dir / LOG_FILE):
+            log.info("predict: %s on %d subject(s) from %s", cfg.ckpt_path, len(inputs.dataset), inputs.where)
+            count = predict_subjects(module, inputs, window, writer, num_samples, refine, ["codes"] if cfg.codes else [])
+            writer.write_metrics()
+            writer.write_predictions()
+            log.info(summary_line(writer.rows, count, output_dir))
     return mean_metrics(writer.rows)
 
 
@@ -99,8 +108,9 @@ def from_radiographs(
     """A CT for each subject of a folder of radiographs (`medvol.run.radiographs`)."""
     check_radiograph_input(source, num_samples)
     check_output_dir(output_dir, [source])
-    count = ct_from_radiographs(module, run, source, output_dir, device)
-    print(summary_line([], count, output_dir))
+    with log_file(output_dir / LOG_FILE):
+        count = ct_from_radiographs(module, run, source, output_dir, device)
+        log.info(summary_line([], count, output_dir))
     return {}
 
 
