@@ -40,11 +40,11 @@ def build_model(overrides: list[str]) -> torch.nn.Module:
     from hydra import compose, initialize_config_dir
 
     import medvol.run.resolvers  # noqa: F401 - resolvers used by the configs
-    from medvol.core.build import build
+    from medvol.core.build import build_model
 
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="gpu_vqgan"):
         cfg = compose(config_name="train", overrides=["experiment=ctpa_vqgan", "model.in_channels=1", *overrides])
-    return build(cfg.model)
+    return build_model(cfg.model)
 
 
 def measure(args: argparse.Namespace) -> dict[str, float | str]:

@@ -131,13 +131,13 @@ def hand_worker(args: argparse.Namespace, out: Path) -> None:
     from hydra import compose, initialize_config_dir
 
     import medvol.run.resolvers  # noqa: F401 - resolvers used by the configs
-    from medvol.core.build import build
+    from medvol.core.build import build_model
 
     torch.set_num_threads(1)
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="overhead"):
         cfg = compose(config_name="train", overrides=["hardware=cpu", *model_overrides(args)])
     torch.manual_seed(0)
-    model = build(cfg.model).train()
+    model = build_model(cfg.model).train()
     opt_ae, opt_disc = model.configure_optimizers()
     generator = torch.Generator().manual_seed(0)
     volumes = [{"image": torch.rand(1, args.size, args.size, args.size, generator=generator) * 2 - 1}

@@ -34,13 +34,13 @@ def main() -> None:
 
     import medvol.run.resolvers  # noqa: F401 - resolvers used by the configs
     from benchmarks.overhead import gan_step
-    from medvol.core.build import build
+    from medvol.core.build import build_model
 
     torch.set_num_threads(1)
     with initialize_config_dir(version_base="1.3", config_dir=str(root / "conf"), job_name="vqgan_step_time"):
         cfg = compose(config_name="train", overrides=["experiment=ctpa_vqgan", "model.in_channels=1", *overrides])
     torch.manual_seed(0)
-    model = build(cfg.model).train()
+    model = build_model(cfg.model).train()
     opt_ae, opt_disc = model.configure_optimizers()
     x = torch.rand(1, 1, args.size, args.size, args.size) * 2 - 1
     durations = []

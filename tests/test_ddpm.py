@@ -18,7 +18,7 @@ from datamodules.sources.phantom import phantom_affine
 from lightning_modules.diffusion.fast_ddpm import ConditionalDiffusion
 from lightning_modules.diffusion.samplers import sample_ddim
 from lightning_modules.diffusion.subject_noise import SubjectNoise
-from medvol.core.build import build
+from medvol.core.build import build, build_model
 from medvol.core.errors import MedvolError
 from medvol.run.training import run
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
@@ -47,7 +47,7 @@ def synthetic_batch(module, size: int = 16, batch: int = 2) -> dict:
 
 @pytest.fixture
 def module(tmp_path):
-    return build(compose_cfg(tmp_path, TINY_DDPM).model)
+    return build_model(compose_cfg(tmp_path, TINY_DDPM).model)
 
 
 def test_translation_on_synthetic_pairs_t1_to_t2_and_concatenates_the_condition_first(tmp_path, module):
@@ -214,7 +214,7 @@ def test_checkpoint_with_other_channel_counts_is_refused(tmp_path):
 def test_bf16_mixed_training_step_keeps_fp32_tables(tmp_path):
     metrics = run(compose_cfg(tmp_path, [*TINY_DDPM, "trainer.precision=bf16-mixed", "trainer.fast_dev_run=true"]))
     assert all(np.isfinite(v) for v in metrics.values())
-    module = build(compose_cfg(tmp_path, TINY_DDPM).model).to(torch.bfloat16)
+    module = build_model(compose_cfg(tmp_path, TINY_DDPM).model).to(torch.bfloat16)
     assert module.schedule.alphas_cumprod.dtype == torch.float32
 
 

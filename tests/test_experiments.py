@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import nibabel as nib
 import pytest
+from omegaconf import OmegaConf
 
 from datamodules.sources.phantom import make_phantom, phantom_affine
 from medvol.run.training import run
@@ -84,3 +85,31 @@ def test_fast_ddpm_ct_denoising_trains_on_a_ct_folder(tmp_path):
         compose_cfg(tmp_path / "run", ["experiment=fast_ddpm_ct_denoising", f"dataset.root={data}", *TINY_FILES_DDPM], tiny=False)
     )
     assert "val/psnr" in metrics
+
+
+MODELS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_model_file_touches_only_model_and_the_root_reads_its_monitor(tmp_path, name):
+    text = (CONF_DIR / "model" / f"{name}.yaml").read_text()
+    assert "@package" not in text, f"conf/model/{name}.yaml sets keys outside `model`"
+    plain = compose_cfg(tmp_path, [], tiny=False)
+    cfg = compose_cfg(tmp_path, [f"model={name}"], tiny=False)
+    # Every root key and every dataset key but those that follow the model is what it is without the model.
+    follow = ("hydra", "model", "optimized_metric", "optimized_mode", "fallback_metric", "fallback_mode", "dataset")
+
+    def rest(c):
+        raw = OmegaConf.to_container(c, resolve=False)  # interpolations as written: the monitor's path, not value
+        return {k: v for k, v in raw.items() if k not in follow}, {k: v for k, v in raw["dataset"].items() if k != "stratify_by"}
+
+    assert rest(cfg) == rest(plain)
+    assert (cfg.optimized_metric, cfg.optimized_mode) == (cfg.model.monitor, cfg.model.monitor_mode)
+    assert cfg.callbacks.model_checkpoint.monitor == cfg.model.monitor
+
+
+def test_the_classifier_ranks_by_auroc_with_the_loss_as_fallback_and_stratifies_by_class(tmp_path):
+    cfg = compose_cfg(tmp_path, ["model=classifier"], tiny=False)
+    assert (cfg.optimized_metric, cfg.fallback_metric, cfg.fallback_mode) == ("val/auroc", "val/loss", "min")
+    assert cfg.dataset.stratify_by == "class_label"
+    assert compose_cfg(tmp_path, ["model=survival"], tiny=False).dataset.stratify_by is None

@@ -6,11 +6,13 @@ imported (a misspelt class path, a package that is not installed) becomes one.
 
 from __future__ import annotations
 
+import copy
 import importlib
 from typing import Any
 
 import hydra
 from hydra.errors import InstantiationException
+from omegaconf import open_dict
 
 from medvol.core.errors import MedvolError
 
@@ -42,6 +44,20 @@ def build(node: Any, **kwargs: Any) -> Any:
         if missing is not None:
             raise MedvolError(f"`_target_: {target}` needs a package that is not installed ({missing})") from None
         raise
+
+
+# Keys of a model config that tell the run how to judge and split for the model (the root config's
+# `optimized_metric`, `fallback_metric` and `dataset.stratify_by` read them), not constructor arguments.
+RUN_KEYS = ("monitor", "monitor_mode", "fallback_monitor", "fallback_mode", "stratify_by")
+
+
+def build_model(node: Any, **kwargs: Any) -> Any:
+    """`build` for a model config: its run keys (`RUN_KEYS`) are left out of the constructor's arguments."""
+    node = copy.deepcopy(node)
+    with open_dict(node):
+        for key in RUN_KEYS:
+            node.pop(key, None)
+    return build(node, **kwargs)
 
 
 def target_class(target: str) -> Any:

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lightning_modules.base import MedvolModule
-from medvol.core.build import build, target_class
+from medvol.core.build import build_model, target_class
 from medvol.core.console import log_file
 from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes
 from medvol.run.generation import intensity_record, on_model_grid, sampled_outputs, with_target_units
@@ -120,7 +120,7 @@ def load_module(run: DictConfig, ckpt_path: str, device: torch.device) -> Medvol
     checkpoint = check_checkpoint_family(ckpt_path, run.model._target_)
     assert checkpoint is not None
     family = target_class(run.model._target_)
-    module: MedvolModule = build(run.model, **family.restoring_settings(dict(checkpoint.get("hyper_parameters") or {})))
+    module: MedvolModule = build_model(run.model, **family.restoring_settings(dict(checkpoint.get("hyper_parameters") or {})))
     check_checkpoint_shapes(ckpt_path, module, checkpoint)
     module.on_load_checkpoint(checkpoint)
     module.load_state_dict(checkpoint["state_dict"])

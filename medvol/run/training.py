@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_modules.base import MedvolModule
 from medvol.core.atomic_checkpoint import checkpoint_io_plugins
-from medvol.core.build import build
+from medvol.core.build import build, build_model
 from medvol.core.console import print_config_tree
 from medvol.core.errors import MedvolError
 from medvol.core.process_group import release_at_exit, run_started
@@ -125,7 +125,7 @@ def _run(cfg: DictConfig, world: World) -> dict[str, float]:
     if hasattr(datamodule, "preflight"):
         datamodule.preflight()
     model_cfg, lr_lines = scale_learning_rates(cfg.model, str(cfg.get("lr_scaling", "none")), world.size)
-    module: MedvolModule = build(model_cfg)
+    module: MedvolModule = build_model(model_cfg)
     check_checkpoint_shapes(cfg.get("ckpt_path"), module)
 
     # Not a config group entry: every run records its data's fingerprint for predict.py.
