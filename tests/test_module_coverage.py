@@ -36,10 +36,6 @@ NOT_YET_COVERED = {
     "lightning_modules.discriminative.survival",
     "lightning_modules.perceptual",
     "lightning_modules.vqgan.vq_autoencoder",
-    "medvol.core.csv_logger",
-    "medvol.core.step",
-    "medvol.core.sync_batchnorm",
-    "medvol.run.rank",
 }
 
 
