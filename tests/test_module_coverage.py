@@ -29,11 +29,6 @@ NOT_YET_COVERED = {
     "callbacks.rng_state",
     "callbacks.run_summary",
     "callbacks.step_checkpoint",
-    "lightning_modules.discriminative.backbone",
-    "lightning_modules.discriminative.covariates",
-    "lightning_modules.discriminative.fusion_net",
-    "lightning_modules.discriminative.outcome_module",
-    "lightning_modules.discriminative.survival",
     "lightning_modules.perceptual",
     "lightning_modules.vqgan.vq_autoencoder",
 }
