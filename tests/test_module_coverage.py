@@ -29,8 +29,6 @@ NOT_YET_COVERED = {
     "callbacks.rng_state",
     "callbacks.run_summary",
     "callbacks.step_checkpoint",
-    "lightning_modules.perceptual",
-    "lightning_modules.vqgan.vq_autoencoder",
 }
 
 
