@@ -17,18 +17,17 @@ PACKAGES = ("medvol", "lightning_modules", "datamodules", "callbacks")
 # Modules no test imports yet; other work in progress covers them. Remove a name once a test imports it
 # (the test below fails while a covered module is still listed, so this set only shrinks).
 NOT_YET_COVERED = {
+    # The X-ray-to-CT cascade's run helpers and its view encoder: covered by the cascade's work in progress.
     "medvol.run.cascade",
     "medvol.run.generation",
-    "medvol.run.fingerprint",
     "lightning_modules.xray2ct.view_encoder",
+    # What a run records in its checkpoints of the training data it saw (read by predict.py).
+    "medvol.run.fingerprint",
+    # Segmentation's networks and patch sampling, reached today only through whole segmentation runs.
     "lightning_modules.segmentation.networks",
     "lightning_modules.segmentation.patch_sampling",
+    # The data doctor's checks of a dataset folder.
     "datamodules.pipeline.check",
-    # Being covered on this branch, one test file each.
-    "callbacks.model_summary",
-    "callbacks.rng_state",
-    "callbacks.run_summary",
-    "callbacks.step_checkpoint",
 }
 
 

@@ -24,7 +24,7 @@ class Samples(Dataset):
 
 
 class TinyRegression(pl.LightningModule):
-    """y = w x, trained with SGD; logs `val/loss` and whatever `val_metrics` (epoch -> dict) gives."""
+    """y = w x, trained with SGD; logs `val/loss`, `test/loss` and whatever `val_metrics` (epoch -> dict) gives."""
 
     def __init__(self, val_metrics: Any = None) -> None:
         super().__init__()
@@ -41,6 +41,10 @@ class TinyRegression(pl.LightningModule):
         self.log("val/loss", loss, batch_size=len(batch["image"]))
         for name, value in (self.val_metrics(self.current_epoch) if self.val_metrics else {}).items():
             self.log(name, value, batch_size=len(batch["image"]))
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss = torch.nn.functional.mse_loss(self.net(batch["image"]), batch["target"])
+        self.log("test/loss", loss, batch_size=len(batch["image"]))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
