@@ -80,10 +80,12 @@ def test_test_rows_hold_each_subjects_log_risk_time_and_event():
     ]
 
 
-def test_prediction_rows_of_subjects_without_follow_up_hold_the_risk_alone():
+def test_prediction_rows_hold_the_follow_up_only_where_the_batch_has_it():
     module, _ = survival_model()
     rows = module.prediction_rows({"image": torch.tensor([0.25]), "subject": ["new"]}, "predict")
     assert rows == [{"subject": "new", "risk": 0.25, "split": "predict"}]
+    rows = module.prediction_rows(batch([0.25], [3.0], [1.0], ["known"]), "predict")
+    assert rows == [{"subject": "known", "risk": 0.25, "time": 3.0, "event": 1, "split": "predict"}]
 
 
 def test_a_training_split_without_events_and_unknown_ties_are_refused():
