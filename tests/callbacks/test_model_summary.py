@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from torch import nn
 
-from callbacks.model_summary import BlockSummary, block_rows
+from callbacks.model_summary import BlockSummary, _count, block_rows
 
 
 class Blocks(nn.Module):
@@ -38,7 +38,7 @@ def test_a_frozen_block_and_buffers_add_their_columns_and_totals(capsys):
     table = printed_table(capsys, Blocks(freeze=True))
     assert "Blocks: parameters per block" in table
     header = next(line for line in table.splitlines() if "block" in line and "type" in line)
-    assert header.split("┃")[1:-1] and [cell.strip() for cell in header.split("┃")[1:-1]] == [
+    assert [cell.strip() for cell in header.split("┃")[1:-1]] == [
         "block", "type", "parameters", "trainable", "buffers"]
     # 3,005 in the head plus 16 and 8: 3.0 K parameters, 24 trainable, 9 buffer values.
     total = next(line for line in table.splitlines() if "total" in line)
@@ -57,7 +57,5 @@ def test_other_ranks_print_nothing(capsys):
 
 
 @pytest.mark.parametrize(("count", "shown"), [(999, "999"), (1_000, "1.0 K"), (2_345_678, "2.3 M"), (7_100_000_000, "7.1 G")])
-def test_counts_are_shown_with_one_decimal_and_a_unit(capsys, count, shown):
-    from callbacks.model_summary import _count
-
+def test_counts_are_shown_with_one_decimal_and_a_unit(count, shown):
     assert _count(count) == shown
