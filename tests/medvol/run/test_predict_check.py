@@ -1,0 +1,58 @@
+"""predict.py's checks on their own: each refusal names its key, the overlap and window fall back as documented."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from medvol.core.errors import MedvolError
+from medvol.run.predict_check import check_predict, pick_device, window_roi
+
+RUN = OmegaConf.create({"model": {"overlap": 0.5, "patch_size": [8, 8, 8]}, "dataset": {"size": 16}})
+
+
+def command(**values):
+    base = {"mode": "gaussian", "overlap": None, "split": None, "num_samples": 1, "input": "scan.nii.gz", "roi": None}
+    return OmegaConf.create({**base, **values})
+
+
+def test_the_overlap_is_the_models_own_unless_given_and_else_a_quarter():
+    assert check_predict(command(), RUN) == 0.5
+    assert check_predict(command(overlap=0.1), RUN) == 0.1
+    assert check_predict(command(), OmegaConf.create({"model": {}})) == 0.25
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"mode": "linear"}, "`mode` is 'linear'"),
+        ({"overlap": 1.0}, "`overlap` must be in [0, 1)"),
+        ({"split": "holdout"}, "`split` is 'holdout'"),
+        ({"num_samples": 0}, "`num_samples` is 0"),
+        ({"num_samples": True}, "`num_samples` is True"),
+        ({"input": None}, "`input` is not set"),
+    ],
+)
+def test_each_bad_value_is_one_line_naming_its_key(values, message):
+    with pytest.raises(MedvolError) as caught:
+        check_predict(command(**values), RUN)
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+def test_the_window_is_the_training_patch_unless_roi_is_given_and_three_positive_sizes():
+    assert window_roi(command(), RUN) == [8, 8, 8]
+    assert window_roi(command(roi=[4, 6, 8]), RUN) == [4, 6, 8]
+    for roi in ([8, 8], [8, 0, 8]):
+        with pytest.raises(MedvolError, match="`roi` is"):
+            window_roi(command(roi=roi), RUN)
+
+
+def test_a_device_is_named_as_torch_names_it_and_cuda_without_a_gpu_is_refused():
+    assert pick_device("cpu") == torch.device("cpu")
+    with pytest.raises(MedvolError, match="`device` is 'tpu'"):
+        pick_device("tpu")
+    if not torch.cuda.is_available():
+        assert pick_device("auto") == torch.device("cpu")
+        with pytest.raises(MedvolError, match="no CUDA device is visible"):
+            pick_device("cuda:0")
