@@ -256,7 +256,7 @@ class NiftiDataModule(VolumeDataModule):
         problems = list(problems) + duplicate_subjects(records, self.source())
         problems = list(dict.fromkeys(problems))
         for record in records:
-            problems += check_record(record, self.label_values, full, image_names=self.channel_names())
+            problems += check_record(record, self.label_values, full, image_names=self.channel_names(), series=self.series)
             problems += self.record_problems(record)
         return problems, len(records)
 

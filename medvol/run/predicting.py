@@ -44,7 +44,8 @@ from medvol.run.generation import (
 )
 from medvol.run.radiographs import ct_from_radiographs
 from medvol.run.resolvers import run_dir_of_checkpoint
-from medvol.volumes.prediction_writer import PredictionWriter
+from medvol.volumes.dicom_io import is_dicom_series, series_folders, series_geometry
+from medvol.volumes.prediction_writer import PredictionWriter, check_output_format
 from medvol.volumes.sliding_window import BLEND_MODES, SlidingWindow
 
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
@@ -144,14 +145,18 @@ def window_size(cfg: DictConfig) -> list[int]:
 
 
 def input_files(path: Path) -> list[Path]:
-    """The NIfTI files `input` names: the file itself, or every .nii/.nii.gz directly in the folder."""
+    """The inputs `input` names: the NIfTI file itself, every .nii/.nii.gz directly in the folder, or DICOM
+    series folders (the folder itself, or its subfolders: one subject each, named by its folder)."""
     if is_nifti(path):
         return [path]
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if is_nifti(p))
+        files = sorted(p for p in path.iterdir() if is_nifti(p)) or series_folders(path)
         if files:
             return files
-        raise MedvolError(f"`input`: {path} holds no .nii or .nii.gz files; expected a NIfTI file or a folder of them")
+        raise MedvolError(
+            f"`input`: {path} holds no .nii or .nii.gz files and no DICOM series; expected a NIfTI file, a folder "
+            "of them, a DICOM series folder or a folder of series folders"
+        )
     raise MedvolError(f"`input`: no NIfTI file or folder at {path}; expected a .nii/.nii.gz file or a folder of them")
 
 
@@ -206,7 +211,8 @@ class Inputs:
 
 
 def file_dataset(
-    files: list[Path], run: DictConfig, override: Any, listing: Path, geometry: Mapping[str, Any], key: str = "image"
+    files: list[Path], run: DictConfig, override: Any, listing: Path, geometry: Mapping[str, Any], key: str = "image",
+    series: str | None = None,
 ) -> Inputs:
     """A dataset over input files (one subject each), preprocessed with the run's transforms on whole volumes,
     resampled to `geometry`; the files are the `image` of each subject, or a generative model's `cond`."""
@@ -220,7 +226,7 @@ def file_dataset(
     config = OmegaConf.create({
         "_target_": FILE_DATASET, "list_file": str(listing), "image_modalities": [key] if key == "image" else [],
         "cond_modalities": [key] if key == "cond" else [],
-        "transforms": {**transforms, **geometry, **WHOLE_VOLUME}, "num_workers": 0, "split_file": None,
+        "transforms": {**transforms, **geometry, **WHOLE_VOLUME}, "num_workers": 0, "split_file": None, "series": series,
     })
     config = merged(config, override)
     datamodule = build(config)
@@ -330,6 +336,7 @@ def predict(cfg: DictConfig) -> dict[str, float]:
             "or a dataset (`dataset=nifti dataset.root=DIR`)"
         )
 
+    output_format = check_output_format(str(cfg.get("output_format", "nifti")))
     output_dir = Path(str(cfg.output_dir)).expanduser()
     device = pick_device(str(cfg.device))
     module = load_module(run, str(cfg.ckpt_path), device)
@@ -370,7 +377,10 @@ def predict(cfg: DictConfig) -> dict[str, float]:
             key = next(iter(generation)) if generation else "image"
             if generation:
                 modality_field(key)
-            inputs = file_dataset(protected, run, override, Path(scratch) / "inputs.csv", geometry, key)
+            # Several series in a folder, gaps, mixed slices: refused for every input before the first is read.
+            for folder in (f for f in protected if f.is_dir()):
+                series_geometry(folder, cfg.get("series"))
+            inputs = file_dataset(protected, run, override, Path(scratch) / "inputs.csv", geometry, key, cfg.get("series"))
         else:
             where = "dataset.root"
             split = str(cfg.split) if cfg.split is not None else None
@@ -379,6 +389,8 @@ def predict(cfg: DictConfig) -> dict[str, float]:
         # Every input's header is checked before the first file is written.
         expected = {**({"image": image_channels} if image_channels and not inputs.condition_only else {}), **generation}
         check_input_channels(inputs.records, expected, where)
+        if output_format == "dicom":
+            refuse_nifti_sources(inputs.records)
         refine = inputs.condition_only and module.refines_resolution
         if refine:
             for key in generation:
@@ -391,7 +403,7 @@ def predict(cfg: DictConfig) -> dict[str, float]:
             roi, overlap=overlap, mode=str(cfg.mode),
             batch_size=int(cfg.sw_batch_size), device=device,
         )
-        writer = PredictionWriter(output_dir, protected=protected)
+        writer = PredictionWriter(output_dir, protected=protected, output_format=output_format)
         extras = ["codes"] if cfg.codes else []
         count = 0
         with Progress(
@@ -416,6 +428,17 @@ def predict(cfg: DictConfig) -> dict[str, float]:
     writer.write_predictions()
     print(summary_line(writer.rows, count, output_dir))
     return mean_metrics(writer.rows)
+
+
+def refuse_nifti_sources(records: list[dict[str, Any]]) -> None:
+    """`output_format=dicom` writes outputs for DICOM series only: refused before any work if a subject is NIfTI."""
+    for record in records:
+        first = next(iter(record.get("image") or record.get("cond") or []), None)
+        if first is not None and not is_dicom_series(first):
+            raise MedvolError(
+                f"`output_format`: dicom, but subject {record['subject']} comes from {first}, not a DICOM series; "
+                "use output_format=nifti or both"
+            )
 
 
 def mean_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:

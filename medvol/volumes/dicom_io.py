@@ -97,6 +97,16 @@ def is_dicom_series(path: str | Path) -> bool:
     return bool(dicom_files(Path(path)))
 
 
+def series_folders(path: str | Path) -> list[Path]:
+    """`path` itself when it is a series folder, else its subfolders that are (one subject each)."""
+    path = Path(path)
+    if is_dicom_series(path):
+        return [path]
+    if not path.is_dir():
+        return []
+    return sorted(p for p in path.iterdir() if p.is_dir() and is_dicom_series(p))
+
+
 def _image_slices(folder: Path) -> list[Slice]:
     slices = []
     for path in dicom_files(folder):
