@@ -76,7 +76,8 @@ def write_series(
         position = np.asarray(origin, float) + k * step * normal
         ds = _slice(stored[:, :, k], position, orientation, spacing, uid, description, intercept, slope,
                     int(rng.integers(1, 10_000)), ["ORIGINAL", "PRIMARY", "AXIAL"])
-        path = folder / f"IM{rank:04d}_{rng.integers(1e6):06d}.dcm"
+        # Random names (the order means nothing), distinct per series so two series can share a folder.
+        path = folder / f"IM{rank:04d}_{rng.integers(1e6):06d}_{uid[-6:]}.dcm"
         ds.save_as(path, enforce_file_format=True)
         files.append(path)
     return {"uid": uid, "origin": np.asarray(origin, float), "normal": normal, "files": files}

@@ -45,14 +45,15 @@ def as_nifti(folder: Path, path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def dicom_run(tmp_path_factory) -> Path:
-    """A tiny VQ-GAN trained on series folders (`{subject}/image/`), tested with test=true output_format=both."""
+    """A tiny VQ-GAN trained on series folders (`{subject}/image/`, matched by the default `{subject}/{modality}.nii.gz`),
+    tested with test=true output_format=both."""
     base = tmp_path_factory.mktemp("dicom")
     for i in range(8):
         write_phantom_series(base / "scans" / f"case{i:02d}" / "image", i)
     run_dir = base / "run"
     common = [o for o in TINY_COMMON if not o.startswith("dataset.")]
     cfg = compose_cfg(run_dir, [
-        *common, *TINY_MODEL["vqgan"], "dataset=nifti", f"dataset.root={base / 'scans'}", "dataset.pattern='{subject}/{modality}'",
+        *common, *TINY_MODEL["vqgan"], "dataset=nifti", f"dataset.root={base / 'scans'}",
         "dataset.transforms.spatial_size=[16,16,16]", "dataset.batch_size=2", "dataset.num_workers=0", "test=true",
         "output_format=both", "logger=none", "callbacks.volume_slices=null",
     ], tiny=False)

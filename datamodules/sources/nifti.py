@@ -64,17 +64,30 @@ def pattern_regex(pattern: str) -> re.Pattern[str]:
     return re.compile("".join(parts) + "$")
 
 
+def series_pattern(pattern: str) -> str | None:
+    """The pattern a DICOM series folder matches where `pattern` names a NIfTI file: without .nii.gz/.nii."""
+    for suffix in (".nii.gz", ".nii"):
+        if pattern.endswith(suffix):
+            return pattern.removesuffix(suffix)
+    return None
+
+
 def match_files(root: Path, pattern: str) -> dict[str, list[Path]]:
-    """Subject id -> files under `root` that match `pattern` (more than one file means a duplicate)."""
+    """Subject id -> files under `root` that match `pattern` (more than one file means a duplicate).
+
+    A DICOM series folder stands where a NIfTI file would: it matches `pattern` itself (`{subject}/{modality}`)
+    or, for a pattern of NIfTI files, its name without .nii.gz (`{subject}/t1/` for `{subject}/t1.nii.gz`).
+    """
     if "{subject}" not in pattern:
         raise MedvolError(f"file pattern {pattern!r} has no `{{subject}}` part, so files cannot be told apart by subject")
-    regex = pattern_regex(pattern)
     found: dict[str, list[Path]] = {}
-    for path in sorted(root.glob(pattern.replace("{subject}", "*"))):
-        match = regex.match(path.relative_to(root).as_posix())
-        # A DICOM series is a folder; it stands where a NIfTI file would.
-        if match and (path.is_file() or is_dicom_series(path)):
-            found.setdefault(match.group("subject"), []).append(path)
+    folders = series_pattern(pattern)
+    for candidate in [pattern, *([folders] if folders else [])]:
+        regex = pattern_regex(candidate)
+        for path in sorted(root.glob(candidate.replace("{subject}", "*"))):
+            match = regex.match(path.relative_to(root).as_posix())
+            if match and ((path.is_file() and candidate == pattern) or is_dicom_series(path)):
+                found.setdefault(match.group("subject"), []).append(path)
     return found
 
 
