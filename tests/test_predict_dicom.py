@@ -18,7 +18,8 @@ from datamodules.sources.nifti import NiftiDataModule
 from datamodules.sources.phantom import make_phantom
 from medvol.core.errors import MedvolError
 from medvol.run.predicting import predict
-from medvol.volumes.dicom_io import read_series
+from medvol.run.training import run
+from medvol.volumes.dicom_io import is_dicom_file, read_series
 from medvol.volumes.prediction_writer import PredictionWriter
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
 from tests.dicom_series import PATIENT, oblique_orientation, write_series
@@ -46,7 +47,7 @@ def as_nifti(folder: Path, path: Path) -> Path:
 @pytest.fixture(scope="module")
 def dicom_run(tmp_path_factory) -> Path:
     """A tiny VQ-GAN trained on series folders (`{subject}/image/`, matched by the default `{subject}/{modality}.nii.gz`),
-    tested with test=true output_format=both."""
+    tested with test=true output_format=both, logged to TensorBoard."""
     base = tmp_path_factory.mktemp("dicom")
     for i in range(8):
         write_phantom_series(base / "scans" / f"case{i:02d}" / "image", i)
@@ -55,7 +56,7 @@ def dicom_run(tmp_path_factory) -> Path:
     cfg = compose_cfg(run_dir, [
         *common, *TINY_MODEL["vqgan"], "dataset=nifti", f"dataset.root={base / 'scans'}",
         "dataset.transforms.spatial_size=[16,16,16]", "dataset.batch_size=2", "dataset.num_workers=0", "test=true",
-        "output_format=both", "logger=none", "callbacks.volume_slices=null",
+        "output_format=both", "callbacks.volume_slices=null",
     ], tiny=False)
     return saved_run(run_dir, cfg)
 
@@ -100,12 +101,15 @@ def test_derived_series_carry_the_source_study_and_patient_module_and_nothing_of
     assert (first.StudyInstanceUID, first.FrameOfReferenceUID) == (original.StudyInstanceUID, original.FrameOfReferenceUID)
     assert {k: str(first.get(k)) for k in PATIENT} == PATIENT
     assert not any(element.tag.is_private for element in first)
-    made = [p for p in (out, dicom_run) for p in p.rglob("*")]
+    # Every file medvol made but the DICOM outputs (which carry the patient module): logs, TensorBoard events,
+    # summary.json, split.json, configs, checkpoints, NIfTI and CSV outputs.
+    made = [p for folder in (out, dicom_run) for p in folder.rglob("*")]
+    contents = [p.read_bytes() for p in made if p.is_file() and not is_dicom_file(p)]
+    assert any(p.name.startswith("events.out.tfevents") for p in made) and (dicom_run / "summary.json").is_file()
     printed = capsys.readouterr()
-    texts = [p.read_text(errors="ignore") for p in made if p.is_file() and p.suffix in (".csv", ".json", ".log", ".yaml")]
     for value in PATIENT.values():
         assert not any(value in p.name for p in made)
-        assert not any(value in text for text in texts) and value not in printed.out + printed.err
+        assert not any(value.encode() in content for content in contents) and value not in printed.out + printed.err
     assert json.loads((dicom_run / "split.json").read_text())
 
 
@@ -153,3 +157,11 @@ def test_a_mask_is_written_as_dicom_seg_on_the_source_slices(tmp_path: Path):
     # Empty frames are left out: only slices where a segment has a voxel are stored.
     assert written.NumberOfFrames == int(((values > 300).any(axis=(1, 2))).sum() + ((values > 700).any(axis=(1, 2))).sum())
     assert str(written.SeriesInstanceUID) != str(pydicom.dcmread(names[0]).SeriesInstanceUID)
+    assert {k: str(written.get(k)) for k in PATIENT} == PATIENT and "PatientAge" not in written
+
+
+def test_test_true_with_dicom_output_on_data_without_series_is_refused_before_training(tmp_path: Path):
+    cfg = compose_cfg(tmp_path / "run", ["test=true", "output_format=dicom", "logger=none", "callbacks.volume_slices=null"])
+    with pytest.raises(MedvolError, match="`output_format`: dicom, but subject .* comes from no file"):
+        run(cfg)
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -44,7 +44,7 @@ from medvol.run.generation import (
 )
 from medvol.run.radiographs import ct_from_radiographs
 from medvol.run.resolvers import run_dir_of_checkpoint
-from medvol.volumes.dicom_io import is_dicom_series, series_folders, series_geometry
+from medvol.volumes.dicom_io import refuse_non_series_subjects, series_folders, series_geometry
 from medvol.volumes.prediction_writer import PredictionWriter, check_output_format
 from medvol.volumes.sliding_window import BLEND_MODES, SlidingWindow
 
@@ -390,7 +390,7 @@ def predict(cfg: DictConfig) -> dict[str, float]:
         expected = {**({"image": image_channels} if image_channels and not inputs.condition_only else {}), **generation}
         check_input_channels(inputs.records, expected, where)
         if output_format == "dicom":
-            refuse_nifti_sources(inputs.records)
+            refuse_non_series_subjects(inputs.records)
         refine = inputs.condition_only and module.refines_resolution
         if refine:
             for key in generation:
@@ -428,17 +428,6 @@ def predict(cfg: DictConfig) -> dict[str, float]:
     writer.write_predictions()
     print(summary_line(writer.rows, count, output_dir))
     return mean_metrics(writer.rows)
-
-
-def refuse_nifti_sources(records: list[dict[str, Any]]) -> None:
-    """`output_format=dicom` writes outputs for DICOM series only: refused before any work if a subject is NIfTI."""
-    for record in records:
-        first = next(iter(record.get("image") or record.get("cond") or []), None)
-        if first is not None and not is_dicom_series(first):
-            raise MedvolError(
-                f"`output_format`: dicom, but subject {record['subject']} comes from {first}, not a DICOM series; "
-                "use output_format=nifti or both"
-            )
 
 
 def mean_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:

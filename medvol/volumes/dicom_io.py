@@ -18,9 +18,10 @@ Messages name folders, series UIDs and descriptions, never a patient attribute.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pydicom
@@ -105,6 +106,16 @@ def series_folders(path: str | Path) -> list[Path]:
     if not path.is_dir():
         return []
     return sorted(p for p in path.iterdir() if p.is_dir() and is_dicom_series(p))
+
+
+def refuse_non_series_subjects(records: Sequence[Mapping[str, Any]]) -> None:
+    """`output_format=dicom` writes outputs for subjects read from DICOM series only: refused before any work
+    for a subject whose first image (or condition) is a NIfTI file or no file (synthetic data)."""
+    for record in records:
+        first = next(iter(record.get("image") or record.get("cond") or []), None)
+        if first is None or not is_dicom_series(first):
+            source = f"comes from {first}, not a DICOM series" if first else "comes from no file"
+            raise MedvolError(f"`output_format`: dicom, but subject {record.get('subject')} {source}; use output_format=nifti or both")
 
 
 def _image_slices(folder: Path) -> list[Slice]:
