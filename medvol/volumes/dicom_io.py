@@ -94,8 +94,9 @@ def dicom_files(folder: Path) -> list[Path]:
 
 
 def is_dicom_series(path: str | Path) -> bool:
-    """Whether `path` is a folder holding DICOM files (a series folder)."""
-    return bool(dicom_files(Path(path)))
+    """Whether `path` is a folder holding DICOM files (a series folder); stops at the first one found."""
+    path = Path(path)
+    return path.is_dir() and any(p.is_file() and is_dicom_file(p) for p in path.iterdir())
 
 
 def series_folders(path: str | Path) -> list[Path]:

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import highdicom as hd
 import numpy as np
-import pydicom
 from pydicom.dataset import Dataset, FileDataset, FileMetaDataset
 from pydicom.sr.codedict import codes
 from pydicom.uid import ExplicitVRLittleEndian, generate_uid
@@ -61,7 +60,8 @@ def write_segmentation(
             f"{geometry.shape}; a DICOM-SEG must lie on the source slices (patch outputs cannot be written as DICOM)"
         )
     frames = np.stack([np.isin(mask, values) for values in segments.values()], axis=-1).transpose(2, 1, 0, 3)
-    sources = [pydicom.dcmread(item.path) for item in geometry.slices]
+    # The headers suffice: a SEG references its source slices, it does not copy their pixels.
+    sources = [item.header for item in geometry.slices]
     algorithm = hd.AlgorithmIdentificationSequence(name="medvol", version="0.1.0", family=codes.cid7162.ArtificialIntelligence)
     descriptions = [
         hd.seg.SegmentDescription(
