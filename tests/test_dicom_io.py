@@ -200,3 +200,15 @@ def test_the_geometry_needs_no_pixels(tmp_path: Path):
     geometry = series_geometry(tmp_path / "s")
     assert geometry.shape == (3, 4, 2)
     np.testing.assert_allclose(np.diag(geometry.affine)[:3], [-0.25, -0.5, 4.0])
+
+
+def test_a_series_and_a_4d_nifti_stack_as_channels(tmp_path: Path):
+    write_series(tmp_path / "s", ramp(4, 5, 3))
+    shape, affine = volume_grid(tmp_path / "s")
+    two = np.stack([np.full(shape, 1.0), np.full(shape, 2.0)], -1).astype(np.float32)
+    nib.save(nib.Nifti1Image(two, affine), str(tmp_path / "two.nii.gz"))
+    loaded = LoadVolumed(["image"], image_only=True, ensure_channel_first=True)(
+        {"image": [str(tmp_path / "s"), str(tmp_path / "two.nii.gz")]})["image"]
+    assert loaded.shape == (3, 5, 4, 3)
+    np.testing.assert_allclose(loaded[0].numpy(), read_series(tmp_path / "s")[0])
+    assert float(loaded[1].mean()) == 1.0 and float(loaded[2].mean()) == 2.0
