@@ -21,10 +21,13 @@ class NiftiPredictionWriter(pl.Callback):
     Args:
         output_dir: folder for the files (the run's `predictions/`).
         skip: names of `volumes` entries not to write (the input and label are already on disk).
+        output_format: nifti, dicom or both (DICOM-SEG and derived series for subjects read from DICOM series).
     """
 
-    def __init__(self, output_dir: str, skip: tuple[str, ...] | list[str] = ("input", "label")) -> None:
-        self.writer = PredictionWriter(output_dir, skip)
+    def __init__(
+        self, output_dir: str, skip: tuple[str, ...] | list[str] = ("input", "label"), output_format: str = "nifti"
+    ) -> None:
+        self.writer = PredictionWriter(output_dir, skip, output_format=output_format)
 
     def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.writer.rows = []

@@ -21,6 +21,7 @@ import nibabel as nib
 import numpy as np
 
 from medvol.core.errors import MedvolError
+from medvol.volumes.dicom_io import SeriesGeometry, is_dicom_series, read_series, series_geometry
 
 LABEL_KEY = "label"
 
@@ -81,6 +82,27 @@ def _read_header(path: Path) -> tuple[_Header | None, str | None]:
     return header, None
 
 
+@dataclass
+class _SeriesImage:
+    """A DICOM series as the voxel checks read it: `dataobj` reads its values (rescaled) on demand."""
+
+    geometry: SeriesGeometry
+
+    @property
+    def dataobj(self) -> np.ndarray:
+        return read_series(self.geometry.folder, self.geometry.uid)[0]
+
+
+def _read_series_header(path: Path, series: str | None) -> tuple[_Header | None, list[str]]:
+    """The grid of a series folder (headers only) and its findings: a refusal, or localizers among the slices."""
+    try:
+        geometry = series_geometry(path, series)
+    except MedvolError as err:
+        return None, [f"DICOM series: {str(err).removeprefix(f'{path}: ')}"]
+    findings = [f"{len(geometry.dropped)} localizer image(s) among the slices (dropped when read)"] if geometry.dropped else []
+    return _Header(geometry.shape, geometry.affine, _SeriesImage(geometry)), findings
+
+
 def _full_read_fails(path: Path) -> bool:
     try:
         if path.name.endswith(".gz"):
@@ -94,7 +116,8 @@ def _full_read_fails(path: Path) -> bool:
 
 
 def check_record(
-    record: dict[str, Any], label_values: Sequence[int] | None, full: bool, image_names: Sequence[str] = ()
+    record: dict[str, Any], label_values: Sequence[int] | None, full: bool, image_names: Sequence[str] = (),
+    series: str | None = None,
 ) -> list[Problem]:
     """The problems of one subject's files (`record["files"]`: name -> path or None).
 
@@ -103,6 +126,7 @@ def check_record(
         label_values: the allowed label values (full mode), or None for any.
         full: read every voxel (NaN/Inf, constant volumes, label values) as well as the headers.
         image_names: names of the image channels (constant-volume check); others are treated as labels.
+        series: the series to read from DICOM folders holding several (UID or description).
     """
     subject = str(record["subject"])
     problems: list[Problem] = []
@@ -113,6 +137,12 @@ def check_record(
             problems.append(Problem(subject, f"<{name}>", f"missing {kind} {name!r}: no file found for this subject"))
             continue
         path = Path(path)
+        if is_dicom_series(path):
+            header, findings = _read_series_header(path, series)
+            problems += [Problem(subject, str(path), finding) for finding in findings]
+            if header is not None:
+                headers[name] = header
+            continue
         if not path.is_file():
             problems.append(Problem(subject, str(path), f"missing file ({name}): no such file"))
             continue

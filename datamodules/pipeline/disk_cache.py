@@ -53,10 +53,16 @@ def code_version(root: Path = Path(__file__).resolve().parents[2]) -> dict[str, 
     return {"code": sources.hexdigest(), **{name: importlib.metadata.version(name) for name in LIBRARIES}}
 
 
+def _expanded(paths: Iterable[str]) -> list[str]:
+    """The paths, each folder replaced by the files directly in it."""
+    return [str(p) for path in paths for p in (sorted(Path(path).iterdir()) if Path(path).is_dir() else [path])]
+
+
 def file_stats(paths: Iterable[str]) -> list[list[Any]]:
-    """[path, size, modification time in ns] of each file (None, None for a missing one)."""
+    """[path, size, modification time in ns] of each file (None, None for a missing one); a folder (a DICOM
+    series) stands for the files in it (a changed slice need not change the folder's own time)."""
     stats = []
-    for path in paths:
+    for path in _expanded(paths):
         try:
             stat = os.stat(path)
             stats.append([str(path), stat.st_size, stat.st_mtime_ns])

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 from monai.transforms import (
     EnsureTyped,
-    LoadImaged,
     MapTransform,
     Orientationd,
     RandAffined,
@@ -29,6 +28,7 @@ from monai.utils import convert_to_dst_type, convert_to_tensor
 
 from medvol.core.errors import MedvolError
 from medvol.volumes.intensity import INTENSITY_RANGE_KEY, intensity_keys, scale_to_range
+from medvol.volumes.volume_reader import LoadVolumed
 
 INTENSITY_MODES = ("percentile", "window", "none")
 
@@ -178,8 +178,9 @@ def deterministic_transforms(
     label_key: str | None,
     label_transform: Callable[[dict[Hashable, Any]], dict[Hashable, Any]] | None = None,
     before_intensity: Sequence[Callable] = (),
+    series: str | None = None,
 ) -> list[Callable]:
-    """Load -> channel-first -> orientation -> spacing -> (label mapping) -> intensity -> crop/pad -> plain tensors.
+    """Load (NIfTI files or DICOM series folders) -> channel-first -> orientation -> spacing -> (label mapping) -> intensity -> crop/pad -> plain tensors.
 
     Args:
         settings: the validated `dataset.transforms`.
@@ -187,12 +188,13 @@ def deterministic_transforms(
         label_key: key of the label map file, or None.
         label_transform: maps raw label values (e.g. BraTS 4 -> 3, or regions).
         before_intensity: extra steps that need raw values (e.g. DRRs from Hounsfield units).
+        series: the DICOM series (UID or description) to read from folders holding several.
     """
     image_keys = list(image_keys)
     all_keys = image_keys + ([label_key] if label_key else [])
     modes = ["bilinear"] * len(image_keys) + (["nearest"] if label_key else [])
     chain: list[Callable] = [
-        LoadImaged(all_keys, reader="NibabelReader", image_only=True, ensure_channel_first=True, dtype=np.float32),
+        LoadVolumed(all_keys, series, image_only=True, ensure_channel_first=True, dtype=np.float32),
     ]
     if settings.orientation:
         chain.append(Orientationd(all_keys, axcodes=settings.orientation, labels=None))

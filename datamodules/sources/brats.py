@@ -18,6 +18,7 @@ from monai.utils import convert_to_dst_type, convert_to_tensor
 from datamodules.pipeline.check import LABEL_KEY
 from datamodules.sources.nifti import NiftiDataModule
 from medvol.core.errors import MedvolError
+from medvol.volumes.dicom_io import is_dicom_series
 
 MODALITIES = ("t1", "t1ce", "t2", "flair")
 SUFFIXES = {
@@ -31,13 +32,15 @@ REGIONS = {"WT": (1, 2, 3), "TC": (1, 3), "ET": (3,)}
 
 def detect_year(root: Path) -> int:
     """2023 if any file has a 2023 suffix, else 2021 if any has a 2021 one (any modality: a folder may hold
-    only the condition modalities of a translation model)."""
+    only the condition modalities of a translation model); a DICOM series folder named with the suffix counts."""
     for year in (2023, 2021):
         if any(next(root.glob(f"**/*{suffix}.nii.gz"), None) for suffix in SUFFIXES[year].values()):
             return year
+        if any(is_dicom_series(p) for suffix in SUFFIXES[year].values() for p in root.glob(f"**/*{suffix}")):
+            return year
     raise MedvolError(
         f"`dataset.root`: {root} holds no BraTS files; expected case folders with *_t1.nii.gz ... *_seg.nii.gz "
-        "(2021) or *-t1n.nii.gz ... *-seg.nii.gz (2023)"
+        "(2021) or *-t1n.nii.gz ... *-seg.nii.gz (2023), or DICOM series folders named so without .nii.gz"
     )
 
 

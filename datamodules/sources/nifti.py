@@ -15,7 +15,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import nibabel as nib
 import numpy as np
 import torch
 from monai.data.utils import worker_init_fn
@@ -39,16 +38,18 @@ from datamodules.pipeline.transforms import (
 )
 from datamodules.pipeline.volume_datamodule import Record, VolumeDataModule, fingerprint_sample
 from medvol.core.errors import MedvolError
+from medvol.volumes.dicom_io import is_dicom_series
 from medvol.volumes.intensity import intensity_keys
 from medvol.volumes.source_grid import oriented_spacing
+from medvol.volumes.volume_reader import SERIES_KEY, volume_grid
 
 # The keys a file-based dataset puts in its batch dicts (others in a record are bookkeeping).
 # `source_affine` (4x4 float64), `source_shape` (3 ints) and `source_file` (path) describe the voxel grid of
-# the first image file as stored, so outputs can be mapped back onto it (`medvol.volumes.source_grid`); the
+# the first image file as stored (`source_series`: the SeriesInstanceUID of a DICOM series, else ''), so outputs can be mapped back onto it (`medvol.volumes.source_grid`); the
 # `*intensity_*` keys say how the intensities were scaled, so outputs go back into the scan's units.
 BATCH_KEYS = (
     "image", "cond", "label", "time", "event", "covariates", "class_label", "subject", "affine",
-    "source_affine", "source_shape", "source_file",
+    "source_affine", "source_shape", "source_file", "source_series",
     "intensity_low", "intensity_high", "cond_intensity_low", "cond_intensity_high", "intensity_range",
 )
 
@@ -63,21 +64,35 @@ def pattern_regex(pattern: str) -> re.Pattern[str]:
     return re.compile("".join(parts) + "$")
 
 
+def series_pattern(pattern: str) -> str | None:
+    """The pattern a DICOM series folder matches where `pattern` names a NIfTI file: without .nii.gz/.nii."""
+    for suffix in (".nii.gz", ".nii"):
+        if pattern.endswith(suffix):
+            return pattern.removesuffix(suffix)
+    return None
+
+
 def match_files(root: Path, pattern: str) -> dict[str, list[Path]]:
-    """Subject id -> files under `root` that match `pattern` (more than one file means a duplicate)."""
+    """Subject id -> files under `root` that match `pattern` (more than one file means a duplicate).
+
+    A DICOM series folder stands where a NIfTI file would: it matches `pattern` itself (`{subject}/{modality}`)
+    or, for a pattern of NIfTI files, its name without .nii.gz (`{subject}/t1/` for `{subject}/t1.nii.gz`).
+    """
     if "{subject}" not in pattern:
         raise MedvolError(f"file pattern {pattern!r} has no `{{subject}}` part, so files cannot be told apart by subject")
-    regex = pattern_regex(pattern)
     found: dict[str, list[Path]] = {}
-    for path in sorted(root.glob(pattern.replace("{subject}", "*"))):
-        match = regex.match(path.relative_to(root).as_posix())
-        if match and path.is_file():
-            found.setdefault(match.group("subject"), []).append(path)
+    folders = series_pattern(pattern)
+    for candidate in [pattern, *([folders] if folders else [])]:
+        regex = pattern_regex(candidate)
+        for path in sorted(root.glob(candidate.replace("{subject}", "*"))):
+            match = regex.match(path.relative_to(root).as_posix())
+            if match and ((path.is_file() and candidate == pattern) or is_dicom_series(path)):
+                found.setdefault(match.group("subject"), []).append(path)
     return found
 
 
 class StoreSourceGridd(MapTransform):
-    """Record the grid of `key` as loaded from disk: `source_affine`, `source_shape` and `source_file`.
+    """Record the grid of `key` as loaded from disk: `source_affine`, `source_shape`, `source_file`, `source_series`.
 
     Runs right after loading, before reorientation, resampling and crop/pad change the grid.
     """
@@ -92,6 +107,7 @@ class StoreSourceGridd(MapTransform):
         d["source_shape"] = torch.tensor(volume.shape[1:4], dtype=torch.int64)
         filename = volume.meta.get("filename_or_obj", "")
         d["source_file"] = str(filename[0] if isinstance(filename, (list, tuple)) else filename)
+        d["source_series"] = str(volume.meta.get(SERIES_KEY, ""))
         return d
 
 
@@ -110,6 +126,7 @@ class NiftiDataModule(VolumeDataModule):
         cond_modalities: channel names stacked into `cond` (e.g. the source of a translation).
         label_values: label values the data doctor accepts; null: any integers.
         transforms: `dataset.transforms` settings (see `TransformSettings`).
+        series: for DICOM series folders holding several series, the one to read (UID or description).
         **kwargs: split, loader and cache settings of `VolumeDataModule`.
     """
 
@@ -124,9 +141,11 @@ class NiftiDataModule(VolumeDataModule):
         cond_modalities: Sequence[str] = (),
         label_values: Sequence[int] | None = None,
         transforms: Mapping[str, Any] | None = None,
+        series: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.series = series
         self.root = Path(root).expanduser() if root else None
         self.list_file = Path(list_file).expanduser() if list_file else None
         self.pattern = pattern
@@ -250,7 +269,7 @@ class NiftiDataModule(VolumeDataModule):
         problems = list(problems) + duplicate_subjects(records, self.source())
         problems = list(dict.fromkeys(problems))
         for record in records:
-            problems += check_record(record, self.label_values, full, image_names=self.channel_names())
+            problems += check_record(record, self.label_values, full, image_names=self.channel_names(), series=self.series)
             problems += self.record_problems(record)
         return problems, len(records)
 
@@ -280,7 +299,7 @@ class NiftiDataModule(VolumeDataModule):
         orientation = self.settings.orientation
         spacing = self.settings.spacing
         if spacing is None:
-            spacings = [oriented_spacing(nib.load(record["image"][0]).affine, orientation) for record in records]
+            spacings = [oriented_spacing(volume_grid(record["image"][0], self.series)[1], orientation) for record in records]
             spacing = np.median(np.asarray(spacings), axis=0).tolist()
         return {
             "spacing": [float(s) for s in spacing], "orientation": orientation,
@@ -295,7 +314,7 @@ class NiftiDataModule(VolumeDataModule):
         if settings.intensity == "window":
             low, high = [settings.window[0]] * channels, [settings.window[1]] * channels
         else:
-            chain = Compose(deterministic_transforms(TransformSettings(**{**asdict(settings), "spatial_size": None}), ["image"], None))
+            chain = Compose(deterministic_transforms(TransformSettings(**{**asdict(settings), "spatial_size": None}), ["image"], None, series=self.series))
             low_key, high_key = intensity_keys("image")
             items = [chain({"image": record["image"]}) for record in fingerprint_sample(records)]
             low = np.median([item[low_key].tolist() for item in items], axis=0).tolist()
@@ -324,7 +343,7 @@ class NiftiDataModule(VolumeDataModule):
 
     def deterministic(self, stage: str) -> list[Callable]:
         chain = deterministic_transforms(
-            self.settings, self.image_keys(), self.label_key, self.label_transform(), self.extra_deterministic()
+            self.settings, self.image_keys(), self.label_key, self.label_transform(), self.extra_deterministic(), self.series
         )
         # After loading (the first step), before anything changes the grid.
         chain.insert(1, StoreSourceGridd(self.image_keys()[0]))
@@ -348,12 +367,14 @@ class NiftiDataModule(VolumeDataModule):
         """Voxels of the cached item: `spatial_size`, or the first image's grid resampled to `spacing` (header only)."""
         if self.settings.spatial_size:
             return int(np.prod(self.settings.spatial_size))
-        header = nib.load(record["image"][0]).header
-        shape = np.asarray(header.get_data_shape()[:3], dtype=float)
+        shape, affine = volume_grid(record["image"][0], self.series)
+        shape = np.asarray(shape[:3], dtype=float)
         if self.settings.spacing:
-            shape = shape * np.asarray(header.get_zooms()[:3]) / np.asarray(self.settings.spacing)
+            zooms = np.sqrt((affine[:3, :3] ** 2).sum(axis=0))
+            shape = shape * zooms / np.asarray(self.settings.spacing)
         return int(np.prod(np.maximum(np.round(shape), 1)))
 
     def cache_key(self) -> dict[str, Any]:
         """What else, besides the transform settings, changes the cached items."""
-        return {"image": self.image_modalities, "cond": self.cond_modalities, "label": self.label_key}
+        return {"image": self.image_modalities, "cond": self.cond_modalities, "label": self.label_key,
+                **({"series": self.series} if self.series else {})}

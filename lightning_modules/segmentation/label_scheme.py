@@ -64,6 +64,17 @@ class LabelScheme:
         """Names of the scored channels: the regions, or the foreground classes."""
         return list(self.regions) if self.regions else self.class_names
 
+    @property
+    def segments(self) -> dict[str, list[int]]:
+        """Name -> the `label_map` values it covers (a DICOM-SEG segment): a class its own value, a region its own
+        and those of the regions nested inside it."""
+        if not self.is_regions:
+            return {name: [k] for k, name in enumerate(self.class_names, start=1)}
+        return {
+            name: sorted(value for inner, value in self.region_values.items() if set(self.regions[inner]) <= set(members))
+            for name, members in self.regions.items()
+        }
+
     def _region_values(self) -> dict[str, int]:
         """The label value each region adds to the regions nested inside it."""
         values: dict[str, int] = {}

@@ -173,6 +173,7 @@ class Segmenter(MedvolModule):
                 "seg": self.scheme.label_map(masks).to(image.device),
                 "label": self.scheme.label_map(target_masks).to(image.device),
             },
+            "segments": self.scheme.segments,
             "subject_metrics": per_subject,
         }
 
@@ -206,7 +207,7 @@ class Segmenter(MedvolModule):
         """Masks of whole volumes window by window; Dice and HD95 per subject where the batch has a label."""
         image = batch[self.hparams.image_key]
         masks = self.postprocess(window(self.net, image))
-        outputs: dict[str, Any] = {"volumes": {"input": image, "seg": self.scheme.label_map(masks)}}
+        outputs: dict[str, Any] = {"volumes": {"input": image, "seg": self.scheme.label_map(masks)}, "segments": self.scheme.segments}
         if batch.get("label") is not None:
             target = self.scheme.target(batch["label"])
             target_masks = target if self.scheme.is_regions else self.scheme.one_hot(target)

@@ -10,6 +10,7 @@ are not in the condition's units take the training targets' typical scaling from
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import nibabel as nib
@@ -21,6 +22,7 @@ from lightning_modules.base import MedvolModule
 from medvol.core.errors import MedvolError
 from medvol.volumes.intensity import INTENSITY_RANGE_KEY, intensity_keys
 from medvol.volumes.source_grid import oriented_spacing
+from medvol.volumes.volume_reader import volume_grid
 
 # The dataset config field that lists the modalities of each generation input (batch key).
 MODALITY_FIELDS = {"cond": "cond_modalities"}
@@ -80,7 +82,10 @@ def check_condition_files(records: Sequence[Mapping[str, Any]], config: DictConf
 
 
 def file_channels(path: str) -> int:
-    """Channels of one NIfTI file, from its header: the product of the axes past the third (1 for 3D)."""
+    """Channels of one NIfTI file, from its header: the product of the axes past the third (1 for 3D); a DICOM
+    series folder is one channel."""
+    if Path(path).is_dir():
+        return 1
     return int(np.prod(nib.load(path).shape[3:], dtype=np.int64))
 
 
@@ -120,7 +125,7 @@ def check_refinable(
         )
     for record in records:
         first = str(record[key][0])
-        own = oriented_spacing(nib.load(first).affine, geometry.get("orientation"))
+        own = oriented_spacing(volume_grid(first)[1], geometry.get("orientation"))
         if all(s <= t * (1 + SPACING_TOLERANCE) for s, t in zip(own, spacing, strict=True)):
             raise MedvolError(
                 f"`{where}`: {first} has {'x'.join(f'{s:g}' for s in own)} mm voxels, already at or finer than the "

@@ -15,6 +15,7 @@ from medvol.core.errors import MedvolError
 from medvol.run.generation import check_input_channels, check_refinable
 from medvol.run.predict_config import window_size
 from medvol.run.predict_inputs import Inputs
+from medvol.volumes.dicom_io import refuse_non_series_subjects
 from medvol.volumes.sliding_window import BLEND_MODES
 
 SPLITS = ("train", "val", "test")
@@ -73,13 +74,18 @@ def check_radiograph_input(source: Path, num_samples: int) -> None:
         raise MedvolError(f"`num_samples`={num_samples}: a CT from radiographs is written once per subject; use num_samples=1")
 
 
-def check_inputs(inputs: Inputs, run: DictConfig, module: MedvolModule, geometry: Mapping[str, Any]) -> bool:
-    """Every input's header against the model (channels; a coarse scan for a model that refines resolution),
-    before the first file is written; return whether the outputs go on the model's grid (refined)."""
+def check_inputs(
+    inputs: Inputs, run: DictConfig, module: MedvolModule, geometry: Mapping[str, Any], output_format: str = "nifti"
+) -> bool:
+    """Every input's header against the model (channels; a coarse scan for a model that refines resolution; DICOM
+    series for DICOM outputs), before the first file is written; return whether the outputs go on the model's
+    grid (refined)."""
     generation = module.generation_inputs()
     image_channels = len(run.dataset.image_modalities) if run.dataset.get("image_modalities") is not None else None
     expected = {**({"image": image_channels} if image_channels and not inputs.condition_only else {}), **generation}
     check_input_channels(inputs.records, expected, inputs.where)
+    if output_format == "dicom":
+        refuse_non_series_subjects(inputs.records)
     refine = inputs.condition_only and module.refines_resolution
     if refine:
         for key in generation:

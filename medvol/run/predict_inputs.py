@@ -21,6 +21,7 @@ from medvol.core.build import build
 from medvol.core.errors import MedvolError
 from medvol.run.generation import check_condition_files, lacks_targets, modality_field, without_targets
 from medvol.run.predict_config import merged, with_run_transforms
+from medvol.volumes.dicom_io import series_folders, series_geometry
 
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
 # The dataset class that reads input files given by path; the run's own transforms preprocess them.
@@ -39,14 +40,18 @@ def subject_of(path: Path) -> str:
 
 
 def input_files(path: Path) -> list[Path]:
-    """The NIfTI files `input` names: the file itself, or every .nii/.nii.gz directly in the folder."""
+    """The inputs `input` names: the NIfTI file itself, every .nii/.nii.gz directly in the folder, or DICOM
+    series folders (the folder itself, or its subfolders: one subject each, named by its folder)."""
     if is_nifti(path):
         return [path]
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if is_nifti(p))
+        files = sorted(p for p in path.iterdir() if is_nifti(p)) or series_folders(path)
         if files:
             return files
-        raise MedvolError(f"`input`: {path} holds no .nii or .nii.gz files; expected a NIfTI file or a folder of them")
+        raise MedvolError(
+            f"`input`: {path} holds no .nii or .nii.gz files and no DICOM series; expected a NIfTI file, a folder "
+            "of them, a DICOM series folder or a folder of series folders"
+        )
     raise MedvolError(f"`input`: no NIfTI file or folder at {path}; expected a .nii/.nii.gz file or a folder of them")
 
 
@@ -78,7 +83,8 @@ class Inputs:
 
 
 def file_dataset(
-    files: list[Path], run: DictConfig, override: Any, listing: Path, geometry: Mapping[str, Any], key: str = "image"
+    files: list[Path], run: DictConfig, override: Any, listing: Path, geometry: Mapping[str, Any], key: str = "image",
+    series: str | None = None,
 ) -> Inputs:
     """A dataset over input files (one subject each), preprocessed with the run's transforms on whole volumes,
     resampled to `geometry`; the files are the `image` of each subject, or a generative model's `cond`."""
@@ -93,6 +99,7 @@ def file_dataset(
         "_target_": FILE_DATASET, "list_file": str(listing), "image_modalities": [key] if key == "image" else [],
         "cond_modalities": [key] if key == "cond" else [],
         "transforms": {**transforms, **geometry, **WHOLE_VOLUME}, "num_workers": 0, "split_file": None,
+        "series": series,
     })
     config = merged(config, override)
     datamodule = build(config)
@@ -168,7 +175,10 @@ def find_inputs(
     key = next(iter(generation)) if generation else "image"
     if generation:
         modality_field(key)
-    inputs = file_dataset(files, run, override, scratch / "inputs.csv", geometry, key)
+    # Several series in a folder, gaps, mixed slices: refused for every input before the first is read.
+    for folder in (f for f in files if f.is_dir()):
+        series_geometry(folder, cfg.get("series"))
+    inputs = file_dataset(files, run, override, scratch / "inputs.csv", geometry, key, cfg.get("series"))
     # A file's outputs may go next to it (`<subject>_<name>.nii.gz`); the writer refuses to replace an input.
     inputs.where, inputs.protected = "input", files
     return inputs

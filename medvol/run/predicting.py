@@ -38,7 +38,7 @@ from medvol.run.predict_check import (
 from medvol.run.predict_config import input_geometry, recovered_run, with_geometry
 from medvol.run.predict_inputs import Inputs, batches, check_output_dir, find_inputs
 from medvol.run.radiographs import ct_from_radiographs
-from medvol.volumes.prediction_writer import PredictionWriter
+from medvol.volumes.prediction_writer import PredictionWriter, check_output_format
 from medvol.volumes.sliding_window import SlidingWindow
 
 log = logging.getLogger("medvol")
@@ -51,6 +51,7 @@ def predict(cfg: DictConfig) -> dict[str, float]:
     """Predict every subject the config names and write the outputs; return the mean per-subject metrics."""
     run = recovered_run(cfg)
     overlap = check_predict(cfg, run)
+    output_format = check_output_format(str(cfg.get("output_format", "nifti")))
     output_dir = Path(str(cfg.output_dir)).expanduser()
     device = pick_device(str(cfg.device))
     module = load_module(run, str(cfg.ckpt_path), device)
@@ -62,11 +63,11 @@ def predict(cfg: DictConfig) -> dict[str, float]:
     run = with_geometry(run, geometry)
     with tempfile.TemporaryDirectory() as scratch:
         inputs = find_inputs(cfg, run, module.generation_inputs(), Path(scratch), geometry)
-        refine = check_inputs(inputs, run, module, geometry)
+        refine = check_inputs(inputs, run, module, geometry, output_format)
         window = SlidingWindow.of(
             window_roi(cfg, run), overlap=overlap, mode=str(cfg.mode), batch_size=int(cfg.sw_batch_size), device=device,
         )
-        writer = PredictionWriter(output_dir, protected=inputs.protected)
+        writer = PredictionWriter(output_dir, protected=inputs.protected, output_format=output_format)
         with log_file(output_dir / LOG_FILE):
             log.info("predict: %s on %d subject(s) from %s", cfg.ckpt_path, len(inputs.dataset), inputs.where)
             count = predict_subjects(module, inputs, window, writer, num_samples, refine, ["codes"] if cfg.codes else [])

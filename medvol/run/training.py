@@ -33,6 +33,7 @@ from medvol.run.world import (
     requeued_checkpoint,
     starts_own_ranks,
 )
+from medvol.volumes.dicom_io import refuse_non_series_subjects
 
 log = logging.getLogger("medvol")
 
@@ -124,6 +125,8 @@ def _run(cfg: DictConfig, world: World) -> dict[str, float]:
     datamodule: pl.LightningDataModule = build(cfg.dataset)
     if hasattr(datamodule, "preflight"):
         datamodule.preflight()
+    if cfg.get("test") and cfg.get("output_format") == "dicom" and hasattr(datamodule, "subjects"):
+        refuse_non_series_subjects(datamodule.subjects())
     model_cfg, lr_lines = scale_learning_rates(cfg.model, str(cfg.get("lr_scaling", "none")), world.size)
     module: MedvolModule = build_model(model_cfg)
     check_checkpoint_shapes(cfg.get("ckpt_path"), module)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +13,35 @@ import numpy as np
 import torch
 
 from medvol.core.errors import MedvolError
+from medvol.volumes.dicom_io import series_geometry
+from medvol.volumes.dicom_write import write_derived_series, write_segmentation
 from medvol.volumes.intensity import INTENSITY_RANGE_KEY, intensity_keys, scale_from_range, scale_spread
 from medvol.volumes.nifti_io import save_volume
 from medvol.volumes.source_grid import to_source_grid
 
 SOURCE_KEYS = ("source_affine", "source_shape")
+OUTPUT_FORMATS = ("nifti", "dicom", "both")
+
+
+def check_output_format(value: str) -> str:
+    """`output_format` as given, or a refusal naming the choices."""
+    if value not in OUTPUT_FORMATS:
+        raise MedvolError(f"`output_format` is {value!r}; expected one of {list(OUTPUT_FORMATS)}")
+    return value
+
+
+@dataclass
+class PlannedVolume:
+    """One output volume on its way to disk: where, what, on which grid, and the DICOM series it came from."""
+
+    path: Path
+    volume: torch.Tensor
+    affine: Any
+    header: Any
+    name: str
+    source_series: str = ""
+    source_folder: str = ""
+    segments: dict[str, list[int]] | None = None
 
 
 def to_source_units(
@@ -70,17 +95,25 @@ class PredictionWriter:
     output (name -> (B, ...) tensor, e.g. a VQ-GAN's codes) is saved as `<subject>_<name>.npy`; a
     `"rows"` output (per-subject dicts: risks, class probabilities) goes to `predictions.csv`.
 
+    With `output_format` dicom or both, the volumes of subjects read from a DICOM series (a batch's
+    `source_series`) are also written for a PACS (`medvol.volumes.dicom_write`): label maps as
+    `<subject>_<name>.dcm`, a DICOM-SEG with one segment per class or region (a model's `"segments"` output,
+    name -> label values; else one per value found), images as a derived series in `<subject>_<name>/`.
+
     Args:
         output_dir: folder for the files.
         skip: names of `volumes` entries not to write (the input and label are already on disk).
         protected: input files no output may replace (`predict.py`'s inputs): a batch that would write onto one
             is refused before any of its files is written.
+        output_format: nifti, dicom (only for subjects read from DICOM series) or both.
     """
 
     def __init__(
-        self, output_dir: str | Path, skip: Iterable[str] = ("input", "label"), protected: Iterable[str | Path] = ()
+        self, output_dir: str | Path, skip: Iterable[str] = ("input", "label"), protected: Iterable[str | Path] = (),
+        output_format: str = "nifti",
     ) -> None:
         self.output_dir = Path(output_dir)
+        self.output_format = check_output_format(output_format)
         self.skip = set(skip)
         self.protected = {Path(p).expanduser().resolve() for p in protected}
         self.rows: list[dict[str, Any]] = []
@@ -96,8 +129,10 @@ class PredictionWriter:
                    for name, array in (outputs.get("arrays") or {}).items() for i, stem in enumerate(stems)]
         volumes = self._volumes(outputs, batch, [str(s) for s in subjects]) \
             if "volumes" in outputs and batch.get("affine") is not None else []
-        for path in [p for p, _ in planned] + [p for p, *_ in volumes]:
+        for path in [p for p, _ in planned] + [v.path for v in volumes]:
             self._refuse_replacing_an_input(path)
+        if self.output_format == "dicom":
+            self._refuse_without_a_series(volumes)
         self.prediction_rows.extend(outputs.get("rows") or [])
         metrics = outputs.get("subject_metrics") or {}
         if metrics:
@@ -106,7 +141,35 @@ class PredictionWriter:
                 for i, subject in enumerate(subjects)
             )
         written = [self._write_array(array, path) for path, array in planned]
-        return written + [save_volume(volume, path, affine, header=header) for path, volume, affine, header in volumes]
+        if self.output_format != "dicom":
+            written += [save_volume(v.volume, v.path, v.affine, header=v.header) for v in volumes]
+        if self.output_format != "nifti":
+            written += [path for v in volumes if v.source_series for path in self._write_dicom(v)]
+        return written
+
+    @staticmethod
+    def _refuse_without_a_series(volumes: list[PlannedVolume]) -> None:
+        for planned in volumes:
+            if not planned.source_series:
+                raise MedvolError(
+                    f"`output_format`: dicom, but {planned.path.name} comes from no DICOM series (a NIfTI input, or a patch); "
+                    "DICOM outputs need a DICOM source series: use output_format=nifti or both"
+                )
+
+    def _write_dicom(self, planned: PlannedVolume) -> list[Path]:
+        """The DICOM-SEG (a label map) or derived series (an image) of one output, beside its NIfTI name."""
+        geometry = series_geometry(planned.source_folder, planned.source_series)
+        stem = planned.path.name.removesuffix(".nii.gz")
+        volume = planned.volume.numpy()
+        volume = volume[0] if volume.ndim == 4 and volume.shape[0] == 1 else volume
+        if not torch.is_floating_point(planned.volume):
+            segments = planned.segments or {f"label {v}": [int(v)] for v in sorted(set(volume.flat)) if v != 0}
+            target = self.output_dir / f"{stem}.dcm"
+            self._refuse_replacing_an_input(target)
+            return [write_segmentation(volume, geometry, target, segments, f"medvol {planned.name}")]
+        if volume.ndim != 3:
+            raise MedvolError(f"`output_format`: {stem} has {volume.shape[0]} channels; a derived DICOM series holds one")
+        return write_derived_series(volume, geometry, self.output_dir / stem, f"medvol {planned.name}")
 
     def _refuse_replacing_an_input(self, path: Path) -> None:
         if path.expanduser().resolve() in self.protected:
@@ -120,12 +183,13 @@ class PredictionWriter:
         np.save(path, array.detach().cpu().numpy())
         return path
 
-    def _volumes(self, outputs: Mapping[str, Any], batch: Mapping[str, Any], subjects: list[str]) -> list[tuple[Path, Any, Any, Any]]:
-        """(path, volume, affine, header) of every volume to write, on the source grid and in source units."""
+    def _volumes(self, outputs: Mapping[str, Any], batch: Mapping[str, Any], subjects: list[str]) -> list[PlannedVolume]:
+        """Every volume to write, on the source grid and in source units."""
         affines, origins = batch["affine"], batch.get("patch_origin")
         on_source = origins is None and all(batch.get(k) is not None for k in SOURCE_KEYS)
         sources = batch.get("source_file")
         label_values = batch.get("label_values")
+        series = batch.get("source_series")
         units = outputs.get("units") or {}
         spreads = set(outputs.get("spreads") or ())
         planned = []
@@ -145,7 +209,9 @@ class PredictionWriter:
                     volume = to_source_units(
                         volume.float(), batch, i, units.get(name, "image"), outputs.get("window"), spread=name in spreads
                     )
-                affine, header = affines[i], None
+                affine, header, segments = affines[i], None, outputs.get("segments")
+                if is_label and label_values is not None and segments:
+                    segments = {n: [int(lookup[v]) for v in values] for n, values in segments.items()}
                 if on_source:
                     grid = (batch["source_affine"][i], batch["source_shape"][i])
                     # Cropped-away voxels: background for labels, the darkest output value for intensities.
@@ -154,7 +220,12 @@ class PredictionWriter:
                     affine = batch["source_affine"][i]
                     source_file = sources[i] if sources is not None else ""
                     header = source_file if source_file and Path(source_file).is_file() else None
-                planned.append((self.output_dir / f"{stem}_{name}.nii.gz", volume, affine, header))
+                source_series = str(series[i]) if on_source and series is not None else ""
+                source_folder = str(sources[i]) if source_series and sources is not None else ""
+                planned.append(PlannedVolume(
+                    self.output_dir / f"{stem}_{name}.nii.gz", volume, affine, header, name, source_series, source_folder,
+                    dict(segments) if is_label and segments else None,
+                ))
         return planned
 
     def write_metrics(self, rows: list[dict[str, Any]] | None = None) -> Path | None:
