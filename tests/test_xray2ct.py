@@ -191,7 +191,7 @@ def test_a_ct_from_radiographs_alone_is_the_test_time_ct_of_the_same_views(casca
     datamodule = build(OmegaConf.merge(cfg.dataset, {"seed": 5, "num_subjects": 2, "split_file": None}))
     dataset = datamodule.build_dataset(datamodule.subjects(), "test")
     module = XrayToCT.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=False).eval()
-    assert sorted(p.name for p in out.iterdir()) == ["phantom-5-0000_ct.nii.gz", "phantom-5-0001_ct.nii.gz"]
+    assert sorted(p.name for p in out.iterdir()) == ["phantom-5-0000_ct.nii.gz", "phantom-5-0001_ct.nii.gz", "predict.log"]
     # The views predict.py reads from the files, in the model's range and order, are the dataset's.
     read = model_views(folder, view_geometry(predict_config.run_config(str(checkpoint))))
     for item in dataset:

@@ -19,6 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.text import Text
 
+from medvol.core.errors import MedvolError
+
 LIBRARY_LOGGERS = ("pytorch_lightning", "lightning_fabric", "lightning", "lightning.pytorch", "lightning.fabric")
 QUIET_ON_CONSOLE = (
     "💡 Tip",
@@ -68,16 +70,29 @@ class _LogFile(logging.FileHandler):
 @contextlib.contextmanager
 def log_file(path: Path) -> Iterator[None]:
     """Every log record and Python warning, library ones included, also appended to `path` while inside: the
-    console drops library warnings (`ConsoleFilter`), the file keeps them."""
+    console drops library warnings (`ConsoleFilter`), the file keeps them. A command refused inside (a
+    `MedvolError`) takes back the file and folder it made: a refusal leaves nothing behind."""
+    made = [p for p in (path, path.parent) if not p.exists()]
     handler = _LogFile(path, mode="a", delay=True)
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     root = logging.getLogger()
     level = root.level
     root.addHandler(handler)
     root.setLevel(min(level, logging.INFO))
+    # Off, then on: whoever replaced `warnings.showwarning` since the last capture (a test harness's recorder)
+    # would keep the warnings, as `captureWarnings(True)` alone does nothing when it believes it is on.
+    logging.captureWarnings(False)
     logging.captureWarnings(True)
     try:
         yield
+    except MedvolError:
+        handler.close()
+        for made_path in made:
+            if made_path.is_file():
+                made_path.unlink()
+            elif made_path.is_dir() and not any(made_path.iterdir()):
+                made_path.rmdir()
+        raise
     finally:
         root.removeHandler(handler)
         root.setLevel(level)
