@@ -124,10 +124,10 @@ def test_test_time_ct_is_written_in_hounsfield_units_on_the_subject_grid(tmp_pat
     assert image.shape == (8, 8, 8)
     assert np.allclose(np.diag(image.affine)[:3], 24.0)
     data = np.asarray(image.dataobj)
-    assert data.min() >= -1000.0 - 1e-3 and data.max() <= 1000.0 + 1e-3
+    assert data.min() >= -1024.0 - 1e-3 and data.max() <= 3071.0 + 1e-3  # the preset's window holds bone and metal
     assert data.max() - data.min() > 50.0  # HU, not model units in [-1, 1]
     target = np.asarray(nib.load(str(files[0]).replace("_ct.", "_target.")).dataobj)
-    assert target.min() == pytest.approx(-1000.0, abs=1.0)  # air around the head
+    assert -1024.0 - 1e-3 <= target.min() <= -990.0  # air around the head (phantom noise dips below -1000)
 
 
 @pytest.mark.parametrize(
@@ -198,9 +198,32 @@ def test_a_ct_from_radiographs_alone_is_the_test_time_ct_of_the_same_views(casca
         torch.testing.assert_close(read[item["subject"]], item["xray"], atol=1e-5, rtol=0)
         written = nib.load(str(out / f"{item['subject']}_ct.nii.gz"))
         expected = module.generate(item["xray"][None], [16, 16, 16], [item["subject"]])["ct"][0, 0]
-        np.testing.assert_allclose(written.get_fdata(), expected.numpy() * 1000.0, atol=1e-2)
+        # The preset's window [-1024, 3071] HU mapped onto [-1, 1], undone by hand, unclamped.
+        np.testing.assert_allclose(written.get_fdata(), -1024.0 + (expected.numpy() + 1) * 2047.5, atol=2e-2)
         # Stage 2's grid: 16^3 voxels of 12 mm, RAS, centred on the origin as the training phantoms.
         np.testing.assert_allclose(written.affine, np.diag([12.0, 12.0, 12.0, 1.0]) + np.array([[0, 0, 0, -90]] * 3 + [[0, 0, 0, 0]]))
+
+
+def test_num_samples_from_radiographs_writes_the_seeded_draws_their_mean_and_std(cascade_run, tmp_path):
+    root, _ = cascade_run
+    folder = _radiographs_alone(tmp_path, subjects=1)
+    out = tmp_path / "out"
+    checkpoint = root / "stage2" / "best.ckpt"
+    predict(predict_cfg(f"ckpt_path={checkpoint}", f"input={folder}", f"output_dir={out}", "num_samples=3"))
+    names = ["ct_0", "ct_1", "ct_2", "ct_mean", "ct_std"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"phantom-5-0000_{n}.nii.gz" for n in names)
+    module = XrayToCT.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=False).eval()
+    views = model_views(folder, view_geometry(predicting.run_config(str(checkpoint))))["phantom-5-0000"][None]
+    # Draw k is seeded sample_seed + k; HU by the preset's window, undone by hand.
+    draws = np.stack([
+        -1024.0 + (module.generate(views, [16, 16, 16], ["phantom-5-0000"], seed=module.sample_seed + k)["ct"][0, 0].numpy() + 1) * 2047.5
+        for k in range(3)
+    ])
+    assert np.abs(draws[0] - draws[1]).max() > 1.0  # seeded draws differ
+    for k in range(3):
+        np.testing.assert_allclose(nib.load(str(out / f"phantom-5-0000_ct_{k}.nii.gz")).get_fdata(), draws[k], atol=2e-2)
+    np.testing.assert_allclose(nib.load(str(out / "phantom-5-0000_ct_mean.nii.gz")).get_fdata(), draws.mean(0), atol=2e-2)
+    np.testing.assert_allclose(nib.load(str(out / "phantom-5-0000_ct_std.nii.gz")).get_fdata(), draws.std(0, ddof=1), atol=2e-2)
 
 
 def test_a_moved_cascade_run_predicts_from_its_checkpoint_alone(cascade_run, tmp_path):

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import nibabel as nib
 import numpy as np
-import torch
 
 from datamodules.sources.phantom import lesion_class, make_phantom, phantom_affine
-from medvol.volumes.projection import radiographs, view_pixel_spacing, voxel_spacing
+from datamodules.sources.synthetic import phantom_radiographs
+from medvol.volumes.projection import view_pixel_spacing
 
 BRATS_SUFFIXES = {
     2021: {"t1": "_t1", "t1ce": "_t1ce", "t2": "_t2", "flair": "_flair", "seg": "_seg"},
@@ -103,12 +103,13 @@ def radiograph_affine(row_mm: float, column_mm: float) -> np.ndarray:
 
 def write_xray_ct(
     root: Path, subjects: int, size: int = 32, field_of_view: float = 192.0, xray_size: Sequence[int] = (32, 32),
-    window: Sequence[float] = (-1000.0, 1000.0), mu_water: float = 0.02, seed: int = 0,
+    mu_water: float = 0.02, seed: int = 0, xray_grid: int = 64,
 ) -> Path:
     """`root/<subject>_ct.nii.gz` (HU, RAS, centred) with `<subject>_ap.nii.gz` and `<subject>_lateral.nii.gz` beside it.
 
     The radiographs are what `dataset=synthetic dataset.views=[ap,lateral]` computes from the same
-    phantom (the CT clipped to `window`, projected with `medvol.volumes.projection.radiographs`),
+    phantom (`datamodules.sources.synthetic.phantom_radiographs`: the phantom at `xray_grid`^3 over the
+    field of view, whatever `size`, projected with `medvol.volumes.projection.radiographs`),
     stored as 1 - I/I0 in [0, 1), rows from head to feet, with their pixel spacing in the header.
     The phantom fills the `field_of_view` (mm), as the synthetic dataset's does at any size, so
     the views of a 16^3 and a 32^3 phantom cover the same body.
@@ -122,9 +123,7 @@ def write_xray_ct(
         ct = make_phantom(seed, i, shape).channels["ct"]
         subject = f"phantom-{seed}-{i:04d}"  # the name dataset=synthetic gives the same phantom
         write_volume(Path(root) / f"{subject}_ct.nii.gz", ct, affine)
-        hounsfield = torch.from_numpy(np.clip(ct, *window))[None]
-        views = radiographs(hounsfield, voxel_spacing(torch.from_numpy(affine))[None], ["ap", "lateral"], (rows, columns),
-                            mu_water, output_range=(0.0, 1.0))[0]
+        views = phantom_radiographs(seed, i, extent, ["ap", "lateral"], (rows, columns), mu_water, xray_grid, (0.0, 1.0))
         for name, view in zip(("ap", "lateral"), views, strict=True):
             pixels = radiograph_affine(*view_pixel_spacing(name, extent, (rows, columns)))
             write_volume(Path(root) / f"{subject}_{name}.nii.gz", view.numpy().astype(np.float32), pixels)

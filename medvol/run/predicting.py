@@ -347,10 +347,8 @@ def predict(cfg: DictConfig) -> dict[str, float]:
                 f"`input`: {source} is not a folder; the model generates a CT from radiographs, expected a folder of "
                 "<subject>_ap.nii.gz and <subject>_lateral.nii.gz files"
             )
-        if num_samples > 1:
-            raise MedvolError(f"`num_samples`={num_samples}: a CT from radiographs is written once per subject; use num_samples=1")
         check_output_dir(output_dir, [source])
-        count = ct_from_radiographs(module, run, source, output_dir, device)
+        count = ct_from_radiographs(module, run, source, output_dir, device, num_samples)
         print(summary_line([], count, output_dir))
         return {}
     geometry = input_geometry(cfg.get("spacing"), module.training_data)

@@ -8,7 +8,10 @@ must be those the model was trained with (from its run's dataset: the CT grid's 
 the view size); anything else is refused with one line before anything is written. Each subject's
 views go through the family's `generate_volumes` (the sampling code of `test=true`), and its CT is
 written in HU as `<subject>_ct.nii.gz` on the stage's grid: its size and spacing, RAS, centred on
-the origin as the training volumes were.
+the origin as the training volumes were. HU beyond the window is written as generated (no clamp).
+With `num_samples=N > 1`, N seeded draws `<subject>_ct_<k>.nii.gz` (draw 0 is the single-sample CT)
+and their voxel-wise `<subject>_ct_mean.nii.gz` and `<subject>_ct_std.nii.gz` (HU; the spread
+scaled without the window's offset), as `medvol.run.generation.sampled_outputs` gives them.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from omegaconf import DictConfig
 
 from lightning_modules.base import MedvolModule
 from medvol.core.errors import MedvolError
-from medvol.volumes.intensity import scale_from_range
+from medvol.run.generation import sampled_outputs
 from medvol.volumes.projection import view_pixel_spacing
 
 # A view's pixel spacing counts as the training one within this relative margin.
@@ -130,18 +133,27 @@ def model_views(folder: Path, geometry: ViewGeometry) -> dict[str, torch.Tensor]
     return views
 
 
+def in_hounsfield(volume: torch.Tensor, window: Sequence[float], output_range: Sequence[float], spread: bool) -> np.ndarray:
+    """Model units -> HU by the window's linear map, unclamped; a spread (std) takes the scale without the offset."""
+    scale = (float(window[1]) - float(window[0])) / (float(output_range[1]) - float(output_range[0]))
+    if spread:
+        return (volume.float().cpu() * scale).numpy().astype(np.float32)
+    return (float(window[0]) + (volume.float().cpu() - float(output_range[0])) * scale).numpy().astype(np.float32)
+
+
 def ct_from_radiographs(
-    module: MedvolModule, run: DictConfig, folder: Path, output_dir: Path, device: torch.device
+    module: MedvolModule, run: DictConfig, folder: Path, output_dir: Path, device: torch.device, num_samples: int = 1
 ) -> int:
-    """Write `<subject>_ct.nii.gz` (HU) for every subject in `folder`; every file is checked before the first write."""
+    """Write `<subject>_ct.nii.gz` (HU) for every subject in `folder`, or with `num_samples` > 1 the draws, their mean
+    and std; every file is checked before the first write."""
     geometry = view_geometry(run)
-    low, high = geometry.output_range
     views = model_views(folder, geometry)
     output_dir.mkdir(parents=True, exist_ok=True)
     for subject, radiographs in views.items():
         batch: dict[str, Any] = {"xray": radiographs[None].to(device), "subject": [subject]}
-        outputs = module.generate_volumes(batch)
-        window: Sequence[float] = outputs["window"]
-        hounsfield = scale_from_range(outputs["volumes"]["ct"][0, 0].float().cpu(), float(window[0]), float(window[1]), (low, high))
-        nib.save(nib.Nifti1Image(hounsfield.numpy().astype(np.float32), geometry.affine()), str(output_dir / f"{subject}_ct.nii.gz"))
+        outputs = sampled_outputs(module, batch, num_samples)
+        spreads = set(outputs.get("spreads") or [])
+        for name, volume in outputs["volumes"].items():
+            hounsfield = in_hounsfield(volume[0, 0], outputs["window"], geometry.output_range, name in spreads)
+            nib.save(nib.Nifti1Image(hounsfield, geometry.affine()), str(output_dir / f"{subject}_{name}.nii.gz"))
     return len(views)
