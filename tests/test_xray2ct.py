@@ -62,6 +62,10 @@ def test_cascade_runs_every_stage_in_one_command(cascade_run):
         assert (root / f"stage{stage}" / "tensorboard").is_dir()
         assert f"stage{stage}/val/psnr" in metrics
     assert "val/physics_loss" in metrics and np.isfinite(metrics["val/physics_loss"])
+    # Beside PSNR/SSIM over the cube, the body's (true CT above -500 HU) MAE in HU, PSNR and SSIM.
+    for name in ("body_mae_hu", "body_psnr", "body_ssim"):
+        assert np.isfinite(metrics[f"val/{name}"]) and metrics[f"val/{name}"] != 0.0, name
+    assert 1.0 < metrics["val/body_mae_hu"] < 4095.0
     stage2 = OmegaConf.load(root / "stage2" / "config.yaml")
     assert stage2.model.init_from == str(root / "stage1" / "best.ckpt")
     assert list(stage2.model.previous_stages) == [str(root / "stage1" / "best.ckpt")]

@@ -86,6 +86,24 @@ def test_every_stage_grid_of_a_phantom_gets_the_radiographs_of_the_patient_at_on
     np.testing.assert_allclose(small.numpy(), expected, atol=1e-5)
 
 
+class Constant(torch.nn.Module):
+    """A 'network' that predicts the same clean volume value everywhere (`prediction_type=sample`)."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__()
+        self.value = value
+
+    def forward(self, x_t, t, views, previous=None, coordinates=None):
+        return torch.full_like(x_t, self.value)
+
+
+def test_a_ct_generated_beyond_the_window_keeps_its_value():
+    module = XrayToCT(stage=1, size=4, prediction_type="sample", ema_decay=None, **TINY_XRAY)
+    module.network = Constant(1.5)  # 1.5 model units: 4095 / 2 HU above the window's top
+    ct = module.generate(_views(), [4, 4, 4], ["a", "b"])["ct"]
+    torch.testing.assert_close(ct, torch.full_like(ct, 1.5))
+
+
 def test_a_voxel_predicted_above_the_window_still_gets_a_gradient_from_the_physics_loss():
     loss = ProjectionLoss(["ap", "lateral"], (-1024.0, 3071.0))
     volume = torch.zeros(1, 1, 8, 8, 8)

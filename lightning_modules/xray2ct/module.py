@@ -165,9 +165,11 @@ def _load_stage(path: str) -> tuple[dict[str, Any], ViewConditionedDenoiser]:
     network = _frozen(hparams)
     try:
         network.load_state_dict(_stage_weights(checkpoint["state_dict"]))
-    except RuntimeError as error:
-        first = str(error).splitlines()[1].strip() if len(str(error).splitlines()) > 1 else str(error)
-        raise MedvolError(f"`model.previous_stages`: {path} does not hold stage {hparams['stage']}'s network ({first})") from None
+    except RuntimeError:
+        raise MedvolError(
+            f"`model.previous_stages`: {path} does not hold the network its settings describe (stage {hparams['stage']}: "
+            "neither EMA weights `ema.module.*` nor raw weights `network.*` fit); expected a finished stage's best.ckpt"
+        ) from None
     return hparams, network
 
 
