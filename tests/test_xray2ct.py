@@ -273,9 +273,10 @@ def test_bad_radiographs_are_one_clear_line_and_nothing_is_written(cascade_run, 
     if breakage == "missing":
         (folder / "phantom-5-0001_lateral.nii.gz").unlink()
     elif breakage == "size":
-        nib.save(nib.Nifti1Image(np.asarray(image.dataobj)[::2, ::2], np.diag([24.0, 24.0, 1.0, 1.0])), str(view))
+        # Every other pixel, the header's orientation kept and its pixels twice the size.
+        nib.save(nib.Nifti1Image(np.asarray(image.dataobj)[::2, ::2], image.affine @ np.diag([2.0, 2.0, 1.0, 1.0])), str(view))
     else:
-        nib.save(nib.Nifti1Image(np.asarray(image.dataobj), np.diag([6.0, 6.0, 1.0, 1.0])), str(view))
+        nib.save(nib.Nifti1Image(np.asarray(image.dataobj), image.affine @ np.diag([0.5, 0.5, 1.0, 1.0])), str(view))
     with pytest.raises(MedvolError, match=message):
         predict(predict_cfg(f"ckpt_path={root / 'stage2' / 'best.ckpt'}", f"input={folder}", f"output_dir={tmp_path / 'out'}"))
     assert not (tmp_path / "out").exists()

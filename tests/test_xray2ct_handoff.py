@@ -78,11 +78,11 @@ def test_every_stage_grid_of_a_phantom_gets_the_radiographs_of_the_patient_at_on
     small, large = views(16), views(24)
     torch.testing.assert_close(small, large, rtol=0, atol=0)
     # The reference: the phantom at 32^3 (6 mm voxels) projected by hand, rows from the head down (z descending),
-    # AP integrating along the first (x) axis's partner y, lateral along x.
+    # AP integrating along y, lateral along x.
     mu = 0.02 * np.clip(1 + make_phantom(0, 0, (32, 32, 32)).channels["ct"].astype(np.float64) / 1000, 0, None)
     ap = 1 - np.exp(-mu.sum(axis=1) * 6.0)  # (x, z)
     lateral = 1 - np.exp(-mu.sum(axis=0) * 6.0)  # (y, z)
-    expected = np.stack([ap[:, ::-1].T, lateral[:, ::-1].T]) * 2 - 1
+    expected = np.stack([ap[::-1, ::-1].T, lateral[::-1, ::-1].T]) * 2 - 1  # columns: patient's right, front first
     np.testing.assert_allclose(small.numpy(), expected, atol=1e-5)
 
 

@@ -44,7 +44,7 @@ def _hand_views(volume: torch.Tensor, spacing: tuple[float, float, float], low_h
     HU = low + (v + 1) / 2 (high - low), unclamped (a voxel beyond the window projects as predicted); mu = mu_water (1 + HU / 1000), no less than 0 (air); the AP view
     integrates along y (anterior-posterior), the lateral one along x (left-right), each times that axis's voxel
     size; a radiograph is 1 - exp(-integral), its rows run along z from the head (the highest z) down, its
-    columns along the remaining axis.
+    columns along the remaining axis from its high end down (radiological display).
     """
     hounsfield = low_hu + (volume[:, 0] + 1) / 2 * (high_hu - low_hu)
     mu = mu_water * torch.clamp(1 + hounsfield / 1000, min=0)
@@ -52,7 +52,7 @@ def _hand_views(volume: torch.Tensor, spacing: tuple[float, float, float], low_h
     images = []
     for integral in (mu.sum(dim=2) * spacing[1], mu.sum(dim=1) * spacing[0]):  # ap: (B, x, z); lateral: (B, y, z)
         rows = torch.stack([integral[:, :, depth - 1 - r] for r in range(depth)], dim=1)
-        images.append(1 - torch.exp(-rows))
+        images.append(1 - torch.exp(-rows.flip(-1)))  # columns from the axis's high end: patient's right, front
     return torch.stack(images, dim=1) * 2 - 1
 
 
