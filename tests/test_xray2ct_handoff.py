@@ -4,6 +4,7 @@ figures over the body in HU."""
 
 from __future__ import annotations
 
+import nibabel as nib
 import numpy as np
 import pytest
 import torch
@@ -15,6 +16,7 @@ from lightning_modules.xray2ct.body_metrics import BodyMAE, BodyPSNR, BodySSIM
 from lightning_modules.xray2ct.module import XrayToCT
 from lightning_modules.xray2ct.physics import ProjectionLoss
 from medvol.core.errors import MedvolError
+from medvol.volumes.prediction_writer import PredictionWriter
 from tests.test_windowed_sampling import TINY_XRAY, _live_xray_stage
 
 
@@ -97,11 +99,18 @@ class Constant(torch.nn.Module):
         return torch.full_like(x_t, self.value)
 
 
-def test_a_ct_generated_beyond_the_window_keeps_its_value():
-    module = XrayToCT(stage=1, size=4, prediction_type="sample", ema_decay=None, **TINY_XRAY)
-    module.network = Constant(1.5)  # 1.5 model units: 4095 / 2 HU above the window's top
-    ct = module.generate(_views(), [4, 4, 4], ["a", "b"])["ct"]
+def test_a_ct_generated_beyond_the_window_keeps_its_value_and_is_written_so(tmp_path):
+    module = XrayToCT(stage=1, size=16, prediction_type="sample", ema_decay=None, window=(-1000.0, 1000.0), **TINY_XRAY)
+    module.network = Constant(1.5)  # 1.5 model units: 500 HU above the window's top
+    module.log = lambda *args, **kwargs: None
+    ct = module.generate(_views(), [16, 16, 16], ["a", "b"])["ct"]
     torch.testing.assert_close(ct, torch.full_like(ct, 1.5))
+    # Through test=true's writer: 1.5 model units are 1000 + 0.5 * 1000 HU in the file.
+    batch = {"image": torch.zeros(2, 1, 16, 16, 16), "xray": _views(), "affine": torch.eye(4).expand(2, 4, 4),
+             "subject": ["a", "b"]}
+    outputs = module.test_step(batch, 0)
+    PredictionWriter(tmp_path).write(outputs, batch)
+    np.testing.assert_allclose(nib.load(str(tmp_path / "a_ct.nii.gz")).get_fdata(), 1500.0, atol=1e-3)
 
 
 def test_a_voxel_predicted_above_the_window_still_gets_a_gradient_from_the_physics_loss():

@@ -442,7 +442,7 @@ class XrayToCT(DiffusionModule):
         views = batch["xray"]
         subjects = subject_names(batch, 0, views.shape[0])
         ct = self.generate(views, as_size(self.hparams.size), subjects, self.sample_seed + int(draw))["ct"]
-        return {"volumes": {"ct": ct}, "window": tuple(self.hparams.window)}
+        return {"volumes": {"ct": ct}, "window": tuple(self.hparams.window), "unclamped": True}
 
     def _evaluate(self, batch: dict[str, Any], batch_idx: int, metrics: MetricCollection) -> dict[str, Any]:
         x0, views, affine = self._inputs(batch)
@@ -461,7 +461,8 @@ class XrayToCT(DiffusionModule):
         if self.previous_settings:
             volumes["previous"] = F.interpolate(generated[f"stage{len(self.previous)}"], size=x0.shape[2:], mode="nearest")
         volumes.update({"ct": ct, "target": x0.detach()})
-        return {"volumes": volumes, "difference": ("ct", "target"), "window": tuple(self.hparams.window)}
+        # HU beyond the window is written as generated (the writer's `unclamped`).
+        return {"volumes": volumes, "difference": ("ct", "target"), "window": tuple(self.hparams.window), "unclamped": True}
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         return self._evaluate(batch, batch_idx, self.val_metrics)
