@@ -301,10 +301,12 @@ def test_a_crop_trained_stage_beats_its_identity_baseline_on_the_cpu_preset(tmp_
     # The identity baseline: stage 1's CT of the same views, upsampled trilinearly (half-pixel centres).
     identity = torch.nn.functional.interpolate(generated["stage1"], size=(24, 24, 24), mode="trilinear", align_corners=False)
 
-    def psnr(guess: torch.Tensor, subject: dict) -> float:
-        # [-1, 1] model units: a peak-to-peak range of 2.
-        return float(10 * np.log10(4.0 / np.mean((guess[0].numpy() - subject["image"][0].numpy()) ** 2)))
+    def body_errors(guesses: torch.Tensor) -> np.ndarray:
+        # HU by the preset's window [-1000, 1000]; the body: the true CT above -500 HU, over every test subject.
+        truth = np.stack([s["image"][0].numpy() for s in subjects]) * 1000.0
+        return np.abs(guesses[:, 0].numpy() * 1000.0 - truth)[truth > -500.0]
 
-    stage_two = np.mean([psnr(g, s) for g, s in zip(generated["ct"], subjects, strict=True)])
-    baseline = np.mean([psnr(g, s) for g, s in zip(identity, subjects, strict=True)])
-    assert stage_two > baseline + 0.1, (stage_two, baseline)
+    # Judged where the patient is: the residual stage's corrections show in the body (the air around it is
+    # nearly all of the cube, where the identity baseline is already exact).
+    stage_two, baseline = body_errors(generated["ct"]).mean(), body_errors(identity).mean()
+    assert stage_two < baseline - 2.0, (stage_two, baseline)
