@@ -1,11 +1,13 @@
 """X-ray-to-CT on CPU: the whole cascade from one command, per-stage quality against a back-projection baseline.
 
 Runs `python train.py experiment=xray2ct_cascade test=true` (synthetic CT phantoms and their
-DRR views), then reads each stage's test PSNR/SSIM and physics loss, training speed and peak
-memory, and computes two baselines on the same test subjects at each stage's size: the mean of
-the two views' back-projections (`medvol.volumes.projection.back_project`), windowed like the CT,
-and, from stage 2, the stage's identity baseline: stage k-1's own output (generated as the test
-generates it, same noise) upsampled trilinearly to stage k's grid.
+DRR views), then reads each stage's test physics loss, training speed and peak memory, and on the
+same test subjects compares three CTs with the true one at each stage's size: the stage's own
+(generated from its best.ckpt as the test generates it), the mean of the two views'
+back-projections (`medvol.volumes.projection.back_project`), windowed like the CT, and, from
+stage 2, the identity baseline: stage k-1's own output (same noise) upsampled trilinearly to stage
+k's grid. PSNR/SSIM over the cube and, over the body (true CT > -500 HU), PSNR, SSIM and MAE in
+HU, all on one HU scale (`COMMON_WINDOW`), so runs with other CT windows compare.
 
     python benchmarks/xray2ct_cascade.py [--out DIR] [extra train.py overrides ...]
 """
@@ -18,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,49 +32,65 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import medvol.run.resolvers  # noqa: E402, F401 - the stage configs use medvol's resolvers
+from lightning_modules.xray2ct.body_metrics import BodyMAE, BodyPSNR, BodySSIM, to_hounsfield  # noqa: E402
 from lightning_modules.xray2ct.module import XrayToCT  # noqa: E402
 from medvol.core.build import build  # noqa: E402
 from medvol.volumes.intensity import scale_to_range  # noqa: E402
 from medvol.volumes.projection import back_project, voxel_spacing  # noqa: E402
 
+# Every figure is taken on one HU scale, whatever window a run mapped onto [-1, 1], so runs with other windows
+# compare: the 12-bit CT range (PSNR's peak and SSIM's data range are its width, 4095 HU).
+COMMON_WINDOW = (-1024.0, 3071.0)
 
-def baseline(stage_dir: Path) -> dict[str, float]:
-    """Back-projection PSNR/SSIM over the stage's test subjects, as the stage's own metrics are computed."""
-    cfg = OmegaConf.load(stage_dir / "config.yaml")
-    datamodule = build(cfg.dataset)
-    datamodule.setup("test")
-    dataset = datamodule.datasets["test"]
+
+def common_units(volume: torch.Tensor, window: tuple[float, float]) -> torch.Tensor:
+    """A volume in a run's model units -> HU (unclamped) -> [-1, 1] over `COMMON_WINDOW` (unclamped)."""
+    hounsfield = to_hounsfield(volume, window)
+    return (hounsfield - COMMON_WINDOW[0]) / (COMMON_WINDOW[1] - COMMON_WINDOW[0]) * 2 - 1
+
+
+def figures(guess: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
+    """PSNR/SSIM over the cube, and over the body (true CT > -500 HU) PSNR, SSIM and MAE in HU, per subject averaged
+    for the cube, over the body voxels of every subject for the body."""
+    body = {"mae": BodyMAE(COMMON_WINDOW), "body_psnr": BodyPSNR(COMMON_WINDOW), "body_ssim": BodySSIM(COMMON_WINDOW)}
     psnr, ssim = [], []
-    low, high = (float(v) for v in cfg.dataset.ct_window)
-    for i in range(len(dataset)):
-        item = dataset[i]
-        target = item["image"][None]
-        spacing = voxel_spacing(torch.as_tensor(item["affine"])[None])
-        hounsfield = back_project(item["xray"][None], spacing, list(cfg.dataset.views), target.shape[2:], cfg.dataset.mu_water)
-        guess = scale_to_range(hounsfield, low, high, (-1.0, 1.0))[:, None]
-        psnr.append(float(peak_signal_noise_ratio(guess, target, data_range=2.0)))
-        ssim.append(float(structural_similarity_index_measure(guess, target, data_range=2.0, kernel_size=5)))
-    return {"psnr": sum(psnr) / len(psnr), "ssim": sum(ssim) / len(ssim), "subjects": len(psnr)}
+    for g, t in zip(guess, target, strict=True):
+        psnr.append(float(peak_signal_noise_ratio(g[None], t[None], data_range=2.0)))
+        ssim.append(float(structural_similarity_index_measure(g[None], t[None], data_range=2.0, kernel_size=5)))
+        for metric in body.values():
+            metric.update(g[None], t[None])
+    return {"psnr": sum(psnr) / len(psnr), "ssim": sum(ssim) / len(ssim), **{k: float(m.compute()) for k, m in body.items()}}
 
 
-def upsampled_previous(stage_dir: Path) -> dict[str, float] | None:
-    """PSNR/SSIM of stage k-1's output upsampled to stage k's grid (the identity baseline of stage k >= 2)."""
+def test_batch(stage_dir: Path) -> tuple[dict, dict]:
+    """The stage's run config and its whole test split as one batch."""
     cfg = OmegaConf.load(stage_dir / "config.yaml")
-    if int(cfg.model.stage) < 2:
-        return None
     datamodule = build(cfg.dataset)
     datamodule.setup("test")
     dataset = datamodule.datasets["test"]
-    batch = default_collate([dataset[i] for i in range(len(dataset))])
+    return cfg, default_collate([dataset[i] for i in range(len(dataset))])
+
+
+def stage_figures(stage_dir: Path) -> dict[str, Any]:
+    """The stage's generated CT, the back-projection baseline and (stage >= 2) the identity baseline (stage k-1's own
+    output, generated as the test generates it, upsampled trilinearly), each against the test CTs."""
+    cfg, batch = test_batch(stage_dir)
+    window = tuple(float(v) for v in cfg.model.window)
+    target = common_units(batch["image"], window)
     module = XrayToCT.load_from_checkpoint(stage_dir / "best.ckpt", map_location="cpu", weights_only=False).eval()
-    target = batch["image"]
     generated = module.generate(batch["xray"], list(target.shape[2:]), [str(s) for s in batch["subject"]])
-    previous = generated[f"stage{int(cfg.model.stage) - 1}"]
-    guess = F.interpolate(previous, size=target.shape[2:], mode="trilinear", align_corners=False)
-    psnr = [float(peak_signal_noise_ratio(g[None], t[None], data_range=2.0)) for g, t in zip(guess, target, strict=True)]
-    ssim = [float(structural_similarity_index_measure(g[None], t[None], data_range=2.0, kernel_size=5))
-            for g, t in zip(guess, target, strict=True)]
-    return {"psnr": sum(psnr) / len(psnr), "ssim": sum(ssim) / len(ssim)}
+    spacing = voxel_spacing(batch["affine"])
+    hounsfield = back_project(batch["xray"], spacing, list(cfg.dataset.views), target.shape[2:], cfg.dataset.mu_water)
+    back = common_units(scale_to_range(hounsfield, *window, (-1.0, 1.0))[:, None], window)
+    identity = None
+    if int(cfg.model.stage) > 1:
+        previous = generated[f"stage{int(cfg.model.stage) - 1}"]
+        upsampled = F.interpolate(previous, size=target.shape[2:], mode="trilinear", align_corners=False)
+        identity = figures(common_units(upsampled, window), target)
+    # The physics loss of the true CT on the stage's grid: the floor a generated CT is measured against.
+    floor = float(module.physics(batch["image"], batch["xray"], batch["affine"]))
+    return {"model": figures(common_units(generated["ct"], window), target), "back": figures(back, target),
+            "identity": identity, "floor": floor}
 
 
 def main() -> None:
@@ -88,29 +107,30 @@ def main() -> None:
         subprocess.run(command, check=True, cwd=ROOT)
         print(f"command: {' '.join(['python train.py', *command[2:]])}")
         print(f"wall time, all stages with validation and test: {time.perf_counter() - start:.0f} s\n")
-    print("| stage | size | epochs | train samples/s | peak host memory | test PSNR | test SSIM | test physics loss "
-          "| back-projection PSNR | back-projection SSIM | upsampled previous stage PSNR | SSIM |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("Figures on one HU scale (PSNR peak and SSIM range 4095 HU); body: true CT > -500 HU; MAE in HU over the "
+          "body. Each cell: the stage's CT / back-projection / upsampled previous stage (identity).\n")
+    print("| stage | size | epochs | train samples/s | peak host memory | test physics loss (true CT's) | PSNR | SSIM "
+          "| body PSNR | body SSIM | body MAE (HU) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for stage_dir in sorted(out.glob("stage*")):
         summary = json.loads((stage_dir / "summary.json").read_text())
         metrics = summary.get("metrics", summary)
         cfg = OmegaConf.load(stage_dir / "config.yaml")
-        base = baseline(stage_dir)
-        identity = upsampled_previous(stage_dir)
-        previous = f"{identity['psnr']:.3f} | {identity['ssim']:.3f}" if identity else "- | -"
+        found = stage_figures(stage_dir)
 
-        def get(key: str, metrics: dict = metrics, summary: dict = summary) -> str:
-            value = metrics.get(key, summary.get(key))
-            return f"{value:.3f}" if isinstance(value, (int, float)) else "n/a"
+        def cells(key: str, digits: int, found: dict = found) -> str:
+            return " / ".join("-" if found[k] is None else f"{found[k][key]:.{digits}f}"
+                              for k in ("model", "back", "identity"))
 
+        physics = metrics.get("test/physics_loss")
         speed, memory = summary.get("samples_per_second"), summary.get("peak_host_memory_mb")
         crop = cfg.model.get("crop_size")
         crops = f" ({crop}^3 crops)" if int(cfg.model.stage) > 1 and crop and int(crop) < int(cfg.dataset.size) else ""
         print(
             f"| {stage_dir.name} | {cfg.dataset.size}^3{crops} | {cfg.trainer.max_epochs} | {speed} | {memory} MiB | "
-            f"{get('test/psnr')} | {get('test/ssim')} | {get('test/physics_loss')} | {base['psnr']:.3f} | {base['ssim']:.3f} | {previous} |"
+            f"{physics:.3f} ({found['floor']:.3f}) | {cells('psnr', 2)} | {cells('ssim', 3)} | {cells('body_psnr', 2)} | {cells('body_ssim', 3)} "
+            f"| {cells('mae', 0)} |"
         )
-
 
 if __name__ == "__main__":
     main()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 from torch import nn
 
 from lightning_modules.base import MedvolModule
+from medvol.core.errors import MedvolError
+from medvol.run.cascade import best_checkpoint
 from medvol.run.training import run
 from tests.conftest import TINY, compose_cfg
 
@@ -81,3 +84,27 @@ def test_stage_two_starts_from_the_best_epoch_of_stage_one_not_its_last(tmp_path
     assert summary["stage1"]["metrics"]["val/score"] == pytest.approx(SCORES[-1])
     stage2 = torch.load(tmp_path / "stage2" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert torch.equal(stage2["state_dict"]["started_from"], expected)
+
+
+def _stage_with_last(tmp_path, callbacks: dict) -> Any:
+    """A stage folder whose checkpoints/last.ckpt records `callbacks` (a checkpoint callback's state)."""
+    stage_dir = tmp_path / "stage1"
+    (stage_dir / "checkpoints").mkdir(parents=True)
+    torch.save({"state_dict": {"steps": torch.ones(1)}, "callbacks": callbacks}, stage_dir / "checkpoints" / "last.ckpt")
+    return stage_dir
+
+
+def test_a_missing_best_checkpoint_stops_the_cascade_with_a_line_naming_it(tmp_path):
+    missing = tmp_path / "stage1" / "checkpoints" / "epoch001-gone.ckpt"
+    stage_dir = _stage_with_last(tmp_path, {"StepCheckpoint": {"monitor": "val/score", "best_model_path": str(missing)}})
+    with pytest.raises(MedvolError, match=f"best checkpoint {missing} .*does not exist"):
+        best_checkpoint(stage_dir)
+    assert not (stage_dir / "best.ckpt").exists()
+
+
+def test_a_stage_without_a_monitored_metric_hands_on_its_last_checkpoint_and_says_so(tmp_path, caplog):
+    stage_dir = _stage_with_last(tmp_path, {})
+    with caplog.at_level(logging.INFO, logger="medvol"):
+        best, score = best_checkpoint(stage_dir)
+    assert score is None and "no best checkpoint" in caplog.text
+    assert torch.equal(torch.load(best, weights_only=False)["state_dict"]["steps"], torch.ones(1))

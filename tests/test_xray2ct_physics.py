@@ -95,12 +95,28 @@ def test_views_of_an_asymmetric_anisotropic_phantom_equal_numpy_line_integrals_a
         mu_water, output_range=(0.0, 1.0),
     )[0].double().numpy()
     mu = mu_water * np.clip(1.0 + hounsfield / 1000.0, 0.0, None)
-    # AP: rays along y (2.5 mm steps), columns along x; lateral: along x (1.5 mm), columns along y; rows run
-    # along z from the head (the last z) down.
+    # AP: rays along y (2.5 mm steps), columns along x from its high end (the patient's right) down; lateral: along
+    # x (1.5 mm), columns along y from its high end (anterior) down; rows run along z from the head (the last z) down.
     ap = 1.0 - np.exp(-mu.sum(axis=1) * 2.5)
     lateral = 1.0 - np.exp(-mu.sum(axis=0) * 1.5)
-    np.testing.assert_allclose(views[0], ap.T[::-1], atol=1e-5)
-    np.testing.assert_allclose(views[1], lateral.T[::-1], atol=1e-5)
+    np.testing.assert_allclose(views[0], ap.T[::-1, ::-1], atol=1e-5)
+    np.testing.assert_allclose(views[1], lateral.T[::-1, ::-1], atol=1e-5)
+
+
+def test_a_blob_at_the_patients_right_front_and_top_shows_where_a_radiologist_looks_for_it():
+    # RAS: x grows toward the patient's right, y toward the front, z toward the head. Air, with a bone blob in the
+    # right, anterior, upper corner.
+    hounsfield = torch.full((1, 16, 16, 16), -1000.0)
+    hounsfield[0, 11:15, 11:15, 11:15] = 1000.0
+    ap, lateral = radiographs(hounsfield, torch.tensor([[2.0, 2.0, 2.0]]), ["ap", "lateral"], (16, 16))[0]
+
+    def where(view: torch.Tensor) -> tuple[str, str]:
+        rows, columns = torch.nonzero(view > view.min() + 0.1, as_tuple=True)
+        return ("top" if rows.float().mean() < 8 else "bottom", "left" if columns.float().mean() < 8 else "right")
+
+    # AP, read facing the patient: their right on the viewer's left. Lateral, read from their left: face to the left.
+    assert where(ap) == ("top", "left")
+    assert where(lateral) == ("top", "left")
 
 
 def test_view_pixel_spacing_rows_run_along_z_and_columns_across_the_view():

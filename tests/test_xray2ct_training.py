@@ -9,12 +9,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 from torch import nn
 
 from lightning_modules.diffusion.subject_noise import SubjectNoise
 from lightning_modules.xray2ct.module import XrayToCT
-from medvol.core.errors import MedvolError
 from tests.test_windowed_sampling import TINY_XRAY, _live_xray_stage, _xray_stage_two
 
 
@@ -43,18 +41,18 @@ def _hand_views(volume: torch.Tensor, spacing: tuple[float, float, float], low_h
                 mu_water: float) -> torch.Tensor:
     """(B, 1, x, y, z) model units in [-1, 1] -> (B, 2, z, .) [ap, lateral] radiographs in [-1, 1].
 
-    HU = low + (v + 1) / 2 (high - low), v clipped to [-1, 1] (the dataset's window); mu = mu_water (1 + HU / 1000), no less than 0 (air); the AP view
+    HU = low + (v + 1) / 2 (high - low), unclamped (a voxel beyond the window projects as predicted); mu = mu_water (1 + HU / 1000), no less than 0 (air); the AP view
     integrates along y (anterior-posterior), the lateral one along x (left-right), each times that axis's voxel
     size; a radiograph is 1 - exp(-integral), its rows run along z from the head (the highest z) down, its
-    columns along the remaining axis.
+    columns along the remaining axis from its high end down (radiological display).
     """
-    hounsfield = low_hu + (volume[:, 0].clamp(-1, 1) + 1) / 2 * (high_hu - low_hu)
+    hounsfield = low_hu + (volume[:, 0] + 1) / 2 * (high_hu - low_hu)
     mu = mu_water * torch.clamp(1 + hounsfield / 1000, min=0)
     depth = mu.shape[-1]
     images = []
     for integral in (mu.sum(dim=2) * spacing[1], mu.sum(dim=1) * spacing[0]):  # ap: (B, x, z); lateral: (B, y, z)
         rows = torch.stack([integral[:, :, depth - 1 - r] for r in range(depth)], dim=1)
-        images.append(1 - torch.exp(-rows))
+        images.append(1 - torch.exp(-rows.flip(-1)))  # columns from the axis's high end: patient's right, front
     return torch.stack(images, dim=1) * 2 - 1
 
 
@@ -176,21 +174,6 @@ def test_an_untrained_residual_stage_is_its_identity_baseline_and_samples_stage_
         if residual:
             # Its output layer starts at zero: the residual is 0, the CT the upsampled stage 1 (without the
             # conditioning noise, which only the network's input gets).
-            torch.testing.assert_close(generated["ct"], upsampled.clamp(-1, 1), rtol=0, atol=1e-6)
+            torch.testing.assert_close(generated["ct"], upsampled, rtol=0, atol=1e-6)
         else:
             assert (generated["ct"] - upsampled).abs().mean() > 0.05
-
-
-def test_a_stage_whose_schedule_differs_from_an_earlier_stage_is_one_clear_line(tmp_path):
-    def stage(number: int, previous: list[str], **settings) -> XrayToCT:
-        return XrayToCT(stage=number, size=8 * number, previous_stages=previous, **{**TINY_XRAY, **settings})
-
-    first = tmp_path / "stage1.ckpt"
-    stage_one = stage(1, [], timesteps=[0, 250, 500, 999])
-    torch.save({"hyper_parameters": dict(stage_one.hparams), "state_dict": stage_one.state_dict()}, first)
-    with pytest.raises(MedvolError, match=r"`model.timesteps` is 5 at stage 2 but \[0, 250, 500, 999\] at stage 1 \(.*stage1.ckpt\)"):
-        stage(2, [str(first)], timesteps=5)
-    with pytest.raises(MedvolError, match=r"`model.sampling_timesteps` is \[0, 500\] at stage 2 but None at stage 1"):
-        stage(2, [str(first)], timesteps=[0, 250, 500, 999], sampling_timesteps=OmegaConf.create([0, 500]))
-    # The same set, a list in one stage's settings and a config list in the other's, is the same set.
-    assert stage(2, [str(first)], timesteps=OmegaConf.create([0, 250, 500, 999])).hparams.stage == 2

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import nibabel as nib
 import numpy as np
-import torch
 
 from datamodules.sources.phantom import lesion_class, make_phantom, phantom_affine
-from medvol.volumes.projection import radiographs, view_pixel_spacing, voxel_spacing
+from datamodules.sources.synthetic import phantom_radiographs
+from medvol.volumes.projection import VIEW_AXES, VIEW_FRAME, view_pixel_spacing
 
 BRATS_SUFFIXES = {
     2021: {"t1": "_t1", "t1ce": "_t1ce", "t2": "_t2", "flair": "_flair", "seg": "_seg"},
@@ -96,20 +96,33 @@ def write_mace_csv(root: Path, subjects: int, size: int | Sequence[int] = 32, se
     return table
 
 
-def radiograph_affine(row_mm: float, column_mm: float) -> np.ndarray:
-    """The affine of a 2D radiograph file: pixel spacing (rows, columns) in mm on the diagonal."""
-    return np.diag([row_mm, column_mm, 1.0, 1.0])
+def radiograph_affine(view: str, row_mm: float, column_mm: float, extent: Sequence[float]) -> np.ndarray:
+    """The RAS affine of a 2D `view` file in the projector's display convention (`VIEW_FRAME`): rows toward the feet,
+    columns toward the patient's left (AP) or back (lateral), the third axis along the beam (AP front to back,
+    lateral right to left); pixel (0, 0) at the head and the patient's right (AP) or front (lateral) of the field of
+    view `extent` (x, y, z mm), which is centred on the origin."""
+    affine = np.eye(4)
+    affine[:3, :3] = 0.0
+    (row_axis, row_sign), (column_axis, column_sign) = VIEW_FRAME[view]
+    affine[row_axis, 0], affine[column_axis, 1] = row_sign * row_mm, column_sign * column_mm
+    affine[VIEW_AXES[view], 2] = -1.0
+    affine[row_axis, 3] = -row_sign * (float(extent[row_axis]) - row_mm) / 2
+    affine[column_axis, 3] = -column_sign * (float(extent[column_axis]) - column_mm) / 2
+    return affine
 
 
 def write_xray_ct(
     root: Path, subjects: int, size: int = 32, field_of_view: float = 192.0, xray_size: Sequence[int] = (32, 32),
-    window: Sequence[float] = (-1000.0, 1000.0), mu_water: float = 0.02, seed: int = 0,
+    mu_water: float = 0.02, seed: int = 0, xray_grid: int = 64,
 ) -> Path:
     """`root/<subject>_ct.nii.gz` (HU, RAS, centred) with `<subject>_ap.nii.gz` and `<subject>_lateral.nii.gz` beside it.
 
     The radiographs are what `dataset=synthetic dataset.views=[ap,lateral]` computes from the same
-    phantom (the CT clipped to `window`, projected with `medvol.volumes.projection.radiographs`),
-    stored as 1 - I/I0 in [0, 1), rows from head to feet, with their pixel spacing in the header.
+    phantom (`datamodules.sources.synthetic.phantom_radiographs`: the phantom at `xray_grid`^3 over the
+    field of view, whatever `size`, projected with `medvol.volumes.projection.radiographs`),
+    stored as 1 - I/I0 in [0, 1) in the projector's display convention (rows from head to feet, AP
+    columns from the patient's right to left, lateral from front to back), with their pixel spacing
+    and that orientation in the header (a 2D RAS affine, `radiograph_affine`).
     The phantom fills the `field_of_view` (mm), as the synthetic dataset's does at any size, so
     the views of a 16^3 and a 32^3 phantom cover the same body.
     """
@@ -122,11 +135,9 @@ def write_xray_ct(
         ct = make_phantom(seed, i, shape).channels["ct"]
         subject = f"phantom-{seed}-{i:04d}"  # the name dataset=synthetic gives the same phantom
         write_volume(Path(root) / f"{subject}_ct.nii.gz", ct, affine)
-        hounsfield = torch.from_numpy(np.clip(ct, *window))[None]
-        views = radiographs(hounsfield, voxel_spacing(torch.from_numpy(affine))[None], ["ap", "lateral"], (rows, columns),
-                            mu_water, output_range=(0.0, 1.0))[0]
+        views = phantom_radiographs(seed, i, extent, ["ap", "lateral"], (rows, columns), mu_water, xray_grid, (0.0, 1.0))
         for name, view in zip(("ap", "lateral"), views, strict=True):
-            pixels = radiograph_affine(*view_pixel_spacing(name, extent, (rows, columns)))
+            pixels = radiograph_affine(name, *view_pixel_spacing(name, extent, (rows, columns)), extent)
             write_volume(Path(root) / f"{subject}_{name}.nii.gz", view.numpy().astype(np.float32), pixels)
     return Path(root)
 

@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 from datamodules.pipeline.volume_datamodule import Record, VolumeDataModule, fingerprint_sample
 from datamodules.sources.phantom import MODALITIES, lesion_class, make_phantom, phantom_affine
 from medvol.core.errors import MedvolError
-from medvol.volumes.projection import VIEW_AXES, radiographs, voxel_spacing
+from medvol.volumes.projection import VIEW_AXES, radiographs
 
 # The MR percentile mapped to 1 when `mr_scale` is null.
 MR_PERCENTILE = 99.5
@@ -35,6 +35,17 @@ def _to_unit_range(
     return (unit * 2 - 1).astype(np.float32)
 
 
+def phantom_radiographs(
+    seed: int, index: int, field_of_view: Sequence[float], views: Sequence[str], size: Sequence[int],
+    mu_water: float = 0.02, grid: int = 64, output_range: Sequence[float] = (-1.0, 1.0),
+) -> torch.Tensor:
+    """(V, H, W) DRRs of phantom `index` sampled at `grid`^3 voxels over `field_of_view` (x, y, z) mm: the subject's
+    radiographs, the same whatever grid a model reconstructs the phantom on (the phantom is analytic)."""
+    ct = make_phantom(seed, index, (int(grid),) * 3).channels["ct"]
+    spacing = torch.tensor([[float(f) / int(grid) for f in field_of_view]], dtype=torch.float32)
+    return radiographs(torch.from_numpy(ct)[None], spacing, views, size, mu_water, output_range)[0]
+
+
 class PhantomItem(Transform):
     """A record (`subject`, `index`) -> its phantom as a batch dict; deterministic, so a cache can keep it.
 
@@ -43,8 +54,9 @@ class PhantomItem(Transform):
     (0 background, 1 lesion core, 2 oedema); `time` (months), `event` (0/1),
     `lesion_fraction`, `class_label` (int64: 1 if the lesion load is above the generator's median,
     `datamodules.sources.phantom.lesion_class`: about half the subjects), `subject`,
-    `affine` (4x4, RAS mm); with `views`, `xray` (V, H, W): DRRs of the CT channel (within the HU
-    window, so the windowed CT projects onto them exactly).
+    `affine` (4x4, RAS mm); with `views`, `xray` (V, H, W): DRRs of the patient's CT, not of `image`:
+    the phantom at `xray_grid`^3 voxels over the same field of view, whatever `size` is, so the
+    stages of a cascade (16^3, 24^3, 32^3 grids of one head) see the very same radiographs.
     """
 
     def __init__(
@@ -59,6 +71,7 @@ class PhantomItem(Transform):
         xray_size: Sequence[int] = (32, 32),
         mu_water: float = 0.02,
         mr_scale: float | None = None,
+        xray_grid: int = 64,
     ) -> None:
         self.size = tuple(size)
         self.image_modalities = list(image_modalities)
@@ -70,6 +83,8 @@ class PhantomItem(Transform):
         self.views = list(views)
         self.xray_size = list(xray_size)
         self.mu_water = mu_water
+        self.xray_grid = int(xray_grid)
+        self.field_of_view = [float(spacing) * s for s in self.size]
 
     def __call__(self, record: Record) -> dict[str, Any]:
         phantom = make_phantom(self.seed, record["index"], self.size)
@@ -90,9 +105,9 @@ class PhantomItem(Transform):
         if self.cond_modalities:
             item["cond"] = stack(self.cond_modalities)
         if self.views:
-            hounsfield = torch.from_numpy(np.clip(phantom.channels["ct"], *self.ct_window))[None]
-            spacing = voxel_spacing(item["affine"])[None]
-            item["xray"] = radiographs(hounsfield, spacing, self.views, self.xray_size, self.mu_water)[0]
+            item["xray"] = phantom_radiographs(
+                self.seed, record["index"], self.field_of_view, self.views, self.xray_size, self.mu_water, self.xray_grid
+            )
         return item
 
 
@@ -110,6 +125,9 @@ class SyntheticDataModule(VolumeDataModule):
         views: X-ray views of the ct channel to add as `xray` (from ap, lateral); empty for none.
         xray_size: (H, W) of each view.
         mu_water: attenuation of water per mm for the views.
+        xray_grid: the views are projected from each phantom sampled at this many voxels per axis over the
+            same field of view (`size` x `spacing` mm), whatever `size` is: a patient's radiographs do not
+            change with the grid a model reconstructs on.
         mr_scale: MR intensity mapped to 1 in every volume; None scales each volume's 99.5th percentile
             to 1. The phantoms' MR intensities are absolute (tissue values up to 1 times a smooth bias
             field; the brightest voxels stay below ~1.25), so a fixed scale keeps a lesion equally bright
@@ -132,6 +150,7 @@ class SyntheticDataModule(VolumeDataModule):
         xray_size: Sequence[int] = (32, 32),
         mu_water: float = 0.02,
         mr_scale: float | None = None,
+        xray_grid: int = 64,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -151,6 +170,8 @@ class SyntheticDataModule(VolumeDataModule):
             raise MedvolError(f"`dataset.views` needs the ct channel in `dataset.image_modalities`, got {list(image_modalities)}")
         if len(xray_size) != 2 or min(xray_size) < 1:
             raise MedvolError(f"`dataset.xray_size` must be two positive ints (H, W), got {list(xray_size)}")
+        if isinstance(xray_grid, bool) or not isinstance(xray_grid, int) or xray_grid < 8:
+            raise MedvolError(f"`dataset.xray_grid` must be an int >= 8 (voxels per axis the views are projected from), got {xray_grid!r}")
         if mr_scale is not None and not mr_scale > 0:
             raise MedvolError(f"`dataset.mr_scale` must be null or a positive number, got {mr_scale}")
         if num_subjects < 1:
@@ -166,6 +187,7 @@ class SyntheticDataModule(VolumeDataModule):
         self.xray_size = [int(v) for v in xray_size]
         self.mu_water = mu_water
         self.mr_scale = None if mr_scale is None else float(mr_scale)
+        self.xray_grid = xray_grid
 
     def subjects(self) -> list[Record]:
         records: list[Record] = [{"subject": f"phantom-{self.seed}-{i:04d}", "index": i} for i in range(self.num_subjects)]
@@ -202,6 +224,7 @@ class SyntheticDataModule(VolumeDataModule):
             "size": self.size, "image_modalities": self.image_modalities, "cond_modalities": self.cond_modalities,
             "seed": self.seed, "spacing": self.spacing, "ct_window": list(self.ct_window), "views": self.views,
             "xray_size": self.xray_size, "mu_water": self.mu_water, "mr_scale": self.mr_scale,
+            "xray_grid": self.xray_grid,
         }
         fingerprint = {"class": type(self).__name__, "settings": settings}
         return self.cached_dataset(records, [PhantomItem(**settings)], [], stage, fingerprint=fingerprint)

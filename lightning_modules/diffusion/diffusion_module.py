@@ -57,6 +57,22 @@ class Conditioning:
         return {**self.volumes, **self.per_sample}
 
 
+@dataclass(frozen=True)
+class SamplingPlan:
+    """How a denoising walk runs: the forward process, the sampler over its set, and what the network predicts.
+
+    A module samples with its own (`DiffusionModule.sampling_plan`); a cascade samples each earlier
+    stage with the plan that stage was trained and sampled with.
+    """
+
+    schedule: NoiseSchedule
+    timesteps: torch.Tensor
+    sampler: str
+    eta: float
+    clip_sample: bool
+    prediction_type: str
+
+
 def sampling_window_size(value: int | Sequence[int] | None) -> tuple[int, int, int] | None:
     """`model.sampling_window` as (D, H, W) (an int is a cube), or None for whole-volume sampling."""
     if value is None:
@@ -203,6 +219,12 @@ class DiffusionModule(MedvolModule, ABC):
         if self.ema is not None:
             self.ema.update(self.network)
 
+    def sampling_plan(self) -> SamplingPlan:
+        """This module's own way of sampling: its schedule, sampler, sampling set, eta, clipping and target."""
+        return SamplingPlan(
+            self.schedule, self.sampling_timesteps, self.sampler, self.eta, self.clip_sample, self.prediction_type
+        )
+
     @property
     def sampling_network(self) -> nn.Module:
         """The weights validation, test and sampling use: the EMA copy when there is one."""
@@ -255,10 +277,11 @@ class DiffusionModule(MedvolModule, ABC):
 
     def denoiser_for(
         self, network: nn.Module, conditioning: Conditioning, window: SlidingWindow | None = None,
-        prediction_type: str | None = None,
+        plan: SamplingPlan | None = None,
     ) -> Denoise:
-        """`denoise(x_t, t) -> (x0, eps)` for the samplers: the network (predicting `prediction_type`, default this
+        """`denoise(x_t, t) -> (x0, eps)` for the samplers: the network (predicting `plan`'s target, default this
         module's) on the whole volume, or window by window."""
+        plan = plan or self.sampling_plan()
 
         def predict(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
             if window is None:
@@ -267,8 +290,9 @@ class DiffusionModule(MedvolModule, ABC):
             return window(call, x_t, conditioning.volumes, {"t": t, **conditioning.per_sample})
 
         def denoise(x_t: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            x0, eps = self.x0_and_epsilon(predict(x_t, t), x_t, t, prediction_type)
-            return clip_x0(x0, x_t, self.schedule.alpha_bar(t)) if self.clip_sample else (x0, eps)
+            alpha_bar = plan.schedule.alpha_bar(t)
+            x0, eps = to_x0_and_epsilon(plan.prediction_type, predict(x_t, t), x_t, alpha_bar)
+            return clip_x0(x0, x_t, alpha_bar) if plan.clip_sample else (x0, eps)
 
         return denoise
 
@@ -280,7 +304,7 @@ class DiffusionModule(MedvolModule, ABC):
         noise: NoiseLike | None = None,
         network: nn.Module | None = None,
         window: Sequence[int] | None = None,
-        prediction_type: str | None = None,
+        plan: SamplingPlan | None = None,
     ) -> torch.Tensor:
         """The denoising walk: x0 generated from x_T by the configured sampler over the sampling set.
 
@@ -291,8 +315,8 @@ class DiffusionModule(MedvolModule, ABC):
             network: the weights to call; default `sampling_network` (the EMA copy).
             window: the sampling window size; default `sampling_window`. A window the size of the
                 volume (or no window configured) runs the whole volume at once.
-            prediction_type: what `network` predicts; default this module's `prediction_type` (a
-                cascade samples earlier stages, which may predict another target, with its schedule).
+            plan: the schedule, sampler, set and target to walk with; default this module's (a cascade
+                samples each earlier stage with that stage's own).
         """
         size = window if window is not None else self.sampling_window
         if size is not None and any(w > s for w, s in zip(size, x_T.shape[2:], strict=True)):
@@ -302,11 +326,11 @@ class DiffusionModule(MedvolModule, ABC):
                 "expected a window no larger than the volume along every axis (or null: the whole volume)"
             )
         sliding = None if size is None else self.sliding_window(size, x_T.device)
+        plan = plan or self.sampling_plan()
         denoise = self.denoiser_for(
-            network if network is not None else self.sampling_network, conditioning or Conditioning(), sliding,
-            check_prediction_type(prediction_type) if prediction_type else None,
+            network if network is not None else self.sampling_network, conditioning or Conditioning(), sliding, plan
         )
         noise_like = noise if noise is not None else self.noise_like
-        if self.sampler == "ddpm":
-            return sample_ddpm(denoise, x_T, self.schedule, noise_like)
-        return sample_ddim(denoise, x_T, self.schedule, self.sampling_timesteps, self.eta, noise_like)
+        if plan.sampler == "ddpm":
+            return sample_ddpm(denoise, x_T, plan.schedule, noise_like)
+        return sample_ddim(denoise, x_T, plan.schedule, plan.timesteps, plan.eta, noise_like)

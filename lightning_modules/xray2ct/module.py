@@ -35,8 +35,18 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
 
-from lightning_modules.diffusion.diffusion_module import Conditioning, DiffusionModule, sampling_window_size
+from lightning_modules.diffusion.diffusion_module import (
+    Conditioning,
+    DiffusionModule,
+    SamplingPlan,
+    sampling_window_size,
+)
+from lightning_modules.diffusion.prediction import check_prediction_type
+from lightning_modules.diffusion.samplers import SAMPLERS
+from lightning_modules.diffusion.schedule import NoiseSchedule
 from lightning_modules.diffusion.subject_noise import SubjectNoise, subject_names
+from lightning_modules.diffusion.timesteps import timestep_set
+from lightning_modules.xray2ct.body_metrics import BodyMAE, BodyPSNR, BodySSIM
 from lightning_modules.xray2ct.crops import coordinate_channels, random_crops
 from lightning_modules.xray2ct.denoiser import (
     NETWORK_SETTINGS,
@@ -73,10 +83,11 @@ def window_of(settings: dict[str, Any]) -> list[int]:
     return list(sampling_window_size(settings.get("sampling_window")) or crop_of(settings))
 
 
-# The forward process and the walk: a cascade samples its earlier stages with this stage's, so they must agree.
-SHARED_SAMPLING = (
+# The forward process and the walk a stage was sampled with, recorded in its checkpoint's hyperparameters; a cascade
+# samples every earlier stage with that stage's own (`stage_plan`), and hands it on with its `previous_sampling_noise`.
+SAMPLING_SETTINGS = (
     "num_train_timesteps", "beta_schedule", "beta_start", "beta_end", "timesteps", "timestep_spacing", "sampler",
-    "sampling_timesteps", "sampling_spacing", "eta", "clip_sample",
+    "sampling_timesteps", "sampling_spacing", "eta", "clip_sample", "prediction_type", "previous_sampling_noise",
 )
 
 
@@ -88,9 +99,36 @@ def _plain(value: Any) -> Any:
 
 
 def sampling_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """A stage's `SHARED_SAMPLING` settings as it ran them: its own, else this family's or the core's defaults."""
-    defaults = {name: p.default for name, p in inspect.signature(DiffusionModule.__init__).parameters.items()}
-    return {key: _plain(settings.get(key, DIFFUSION_DEFAULTS.get(key, defaults[key]))) for key in SHARED_SAMPLING}
+    """A stage's `SAMPLING_SETTINGS` as it ran them: its own, else this family's or the core's defaults."""
+    defaults = {
+        name: p.default for cls in (DiffusionModule, XrayToCT)
+        for name, p in inspect.signature(cls.__init__).parameters.items() if p.default is not inspect.Parameter.empty
+    }
+    return {key: _plain(settings.get(key, DIFFUSION_DEFAULTS.get(key, defaults[key]))) for key in SAMPLING_SETTINGS}
+
+
+def stage_plan(settings: dict[str, Any], source: str) -> tuple[SamplingPlan, float]:
+    """The plan a stage was sampled with and its hand-off noise level, from its recorded settings; refused when this
+    version cannot sample it so (an unknown sampler or target, a step outside its schedule, a negative noise level)."""
+    s = sampling_settings(settings)
+    where = f"stage {settings['stage']} ({source}) cannot be sampled with the settings it recorded"
+    try:
+        if s["sampler"] not in SAMPLERS:
+            raise MedvolError(f"`model.sampler` {s['sampler']!r} is not one of {list(SAMPLERS)}")
+        noise = float(s["previous_sampling_noise"])
+        if not noise >= 0.0:
+            raise MedvolError(f"`model.previous_sampling_noise` {noise} is not a std >= 0")
+        schedule = NoiseSchedule(s["beta_schedule"], s["num_train_timesteps"], s["beta_start"], s["beta_end"])
+        steps = schedule.num_train_timesteps
+        trained = timestep_set(s["timesteps"], s["timestep_spacing"], steps, key="model.timesteps")
+        walked = trained if s["sampling_timesteps"] is None else timestep_set(
+            s["sampling_timesteps"], s["sampling_spacing"], steps, key="model.sampling_timesteps"
+        )
+        plan = SamplingPlan(schedule, walked, s["sampler"], float(s["eta"]), bool(s["clip_sample"]),
+                            check_prediction_type(s["prediction_type"]))
+    except (MedvolError, ValueError, TypeError) as error:
+        raise MedvolError(f"{where}: {str(error).removeprefix('medvol: error: ')}") from None
+    return plan, noise
 
 
 def _container(value: Any) -> Any:
@@ -109,8 +147,14 @@ def _frozen(settings: dict[str, Any]) -> ViewConditionedDenoiser:
     return ViewConditionedDenoiser(**network_settings(settings)).eval().requires_grad_(False)
 
 
+def _stage_weights(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weights a stage sampled with: its EMA copy, or its trained network where it kept none (`ema_decay=null`)."""
+    prefix = "ema.module." if any(k.startswith("ema.module.") for k in state_dict) else "network."
+    return {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+
+
 def _load_stage(path: str) -> tuple[dict[str, Any], ViewConditionedDenoiser]:
-    """A finished stage's hyperparameters and its EMA network, from its checkpoint."""
+    """A finished stage's hyperparameters and the network it sampled with (EMA, else raw), from its checkpoint."""
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except FileNotFoundError:
@@ -119,9 +163,13 @@ def _load_stage(path: str) -> tuple[dict[str, Any], ViewConditionedDenoiser]:
     if "stage" not in hparams or "views" not in hparams:
         raise MedvolError(f"`model.previous_stages`: {path} is not an X-ray-to-CT stage checkpoint")
     network = _frozen(hparams)
-    prefix = "ema.module."
-    state = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
-    network.load_state_dict(state)
+    try:
+        network.load_state_dict(_stage_weights(checkpoint["state_dict"]))
+    except RuntimeError:
+        raise MedvolError(
+            f"`model.previous_stages`: {path} does not hold the network its settings describe (stage {hparams['stage']}: "
+            "neither EMA weights `ema.module.*` nor raw weights `network.*` fit); expected a finished stage's best.ckpt"
+        ) from None
     return hparams, network
 
 
@@ -171,7 +219,7 @@ class XrayToCT(DiffusionModule):
         views: Sequence[str] = ("ap", "lateral"),
         xray_size: Sequence[int] = (32, 32),
         physics_weight: float = 0.1,
-        window: Sequence[float] = (-1000.0, 1000.0),
+        window: Sequence[float] = (-1024.0, 3071.0),
         mu_water: float = 0.02,
         previous_noise: float = 0.2,
         previous_sampling_noise: float = 0.05,
@@ -224,6 +272,8 @@ class XrayToCT(DiffusionModule):
             )
         self.previous = nn.ModuleList()
         self.previous_settings: list[dict[str, Any]] = []
+        # Each earlier stage's own sampling plan and hand-off noise (not module state: rebuilt from its settings).
+        self.previous_plans: list[tuple[SamplingPlan, float]] = []
         if restoring:
             # The weights come with the checkpoint's state dict.
             earlier = [(s, _frozen(s), "this checkpoint") for s in previous_settings or []]
@@ -235,15 +285,7 @@ class XrayToCT(DiffusionModule):
                     f"`model.views` {list(views)} differ from the views {list(previous['views'])} of stage "
                     f"{previous['stage']} ({source}); every stage sees the same radiographs"
                 )
-            ours, theirs = sampling_settings(dict(self.hparams)), sampling_settings(previous)
-            differing = [key for key in SHARED_SAMPLING if ours[key] != theirs[key]]
-            if differing:
-                key = differing[0]
-                raise MedvolError(
-                    f"`model.{key}` is {ours[key]!r} at stage {stage} but {theirs[key]!r} at stage "
-                    f"{previous['stage']} ({source}); every stage of a cascade samples its earlier stages with its "
-                    "own schedule and sampling set, so set it alike for every stage"
-                )
+            self.previous_plans.append(stage_plan(previous, source))
             self.previous.append(previous_network)
             self.previous_settings.append(previous)
         # Kept in the checkpoint (each without its own earlier stages' settings, which come before it here).
@@ -258,8 +300,13 @@ class XrayToCT(DiffusionModule):
             # The residual starts at zero: what stage k-1's output layer learned predicts a whole CT, not a correction.
             zero_output(network)
         self.attach_network(network)
+        if not float(previous_sampling_noise) >= 0.0:
+            raise MedvolError(f"`model.previous_sampling_noise` must be a std >= 0, got {previous_sampling_noise}")
         self.physics = ProjectionLoss(views, window, (-1.0, 1.0), mu_water)
-        self.set_metrics(5, physics_loss=MeanMetric())
+        body = {"window": tuple(float(w) for w in window)}
+        self.set_metrics(
+            5, physics_loss=MeanMetric(), body_mae_hu=BodyMAE(**body), body_psnr=BodyPSNR(**body), body_ssim=BodySSIM(**body)
+        )
 
     @classmethod
     def restoring_settings(cls, hyper_parameters: dict[str, Any]) -> dict[str, Any]:
@@ -357,26 +404,28 @@ class XrayToCT(DiffusionModule):
         """
         seed = self.sample_seed if seed is None else int(seed)
         # Every stage as its own run was configured: its size, window, prediction type and residual setting.
+        # Each with its own plan and hand-off noise, as it was sampled alone; outputs unclamped (HU beyond the window).
+        own = (self.sampling_plan(), float(self.hparams.previous_sampling_noise))
         stages = [
-            *zip(self.previous_settings, self.previous, strict=True),
-            ({**self.hparams, "size": list(size)}, self.sampling_network),
+            *zip(self.previous_settings, self.previous, self.previous_plans, strict=True),
+            ({**self.hparams, "size": list(size)}, self.sampling_network, own),
         ]
         outputs: dict[str, torch.Tensor] = {}
         previous = None
-        for index, (settings, network) in enumerate(stages, start=1):
+        for index, (settings, network, (plan, noise_level)) in enumerate(stages, start=1):
             stage_size = as_size(settings["size"])
-            prediction_type = settings.get("prediction_type", DIFFUSION_DEFAULTS["prediction_type"])
+            plan.schedule.to(views.device)
             volumes: dict[str, torch.Tensor] = {}
             if previous is not None:
                 upsampled = F.interpolate(previous, size=tuple(stage_size), mode="trilinear", align_corners=False)
                 conditioning_noise = SubjectNoise(subjects, seed, f"stage{index}/previous")(upsampled)
-                volumes["previous"] = upsampled + self.hparams.previous_sampling_noise * conditioning_noise
+                volumes["previous"] = upsampled + noise_level * conditioning_noise
                 volumes["coordinates"] = coordinate_channels(stage_size, views.shape[0], views.device)
             x_T = SubjectNoise(subjects, seed, f"stage{index}").draw((1, *stage_size), views.device)
             walk_noise = SubjectNoise(subjects, seed, f"stage{index}/walk")
             conditioning = Conditioning(volumes, {"views": views})
-            sampled = self.sample(x_T, conditioning, walk_noise, network, window_of(settings), prediction_type)
-            previous = (upsampled + sampled if is_residual(settings) else sampled).clamp(-1.0, 1.0)
+            sampled = self.sample(x_T, conditioning, walk_noise, network, window_of(settings), plan)
+            previous = (upsampled + sampled if is_residual(settings) else sampled)
             outputs[f"stage{index}"] = previous
         outputs["ct"] = outputs.pop(f"stage{len(stages)}")
         return outputs
@@ -393,7 +442,7 @@ class XrayToCT(DiffusionModule):
         views = batch["xray"]
         subjects = subject_names(batch, 0, views.shape[0])
         ct = self.generate(views, as_size(self.hparams.size), subjects, self.sample_seed + int(draw))["ct"]
-        return {"volumes": {"ct": ct}, "window": tuple(self.hparams.window)}
+        return {"volumes": {"ct": ct}, "window": tuple(self.hparams.window), "unclamped": True}
 
     def _evaluate(self, batch: dict[str, Any], batch_idx: int, metrics: MetricCollection) -> dict[str, Any]:
         x0, views, affine = self._inputs(batch)
@@ -404,13 +453,16 @@ class XrayToCT(DiffusionModule):
         metrics[f"{prefix}psnr"].update(ct, x0)
         metrics[f"{prefix}ssim"].update(ct, x0)
         metrics[f"{prefix}physics_loss"].update(self.physics(ct, views, affine), weight=x0.shape[0])
+        for name in ("body_mae_hu", "body_psnr", "body_ssim"):
+            metrics[f"{prefix}{name}"].update(ct, x0)
         for name, metric in metrics.items():
             self.log(name, metric, prog_bar=name == f"{prefix}psnr", batch_size=x0.shape[0])
         volumes: dict[str, torch.Tensor] = {}
         if self.previous_settings:
             volumes["previous"] = F.interpolate(generated[f"stage{len(self.previous)}"], size=x0.shape[2:], mode="nearest")
         volumes.update({"ct": ct, "target": x0.detach()})
-        return {"volumes": volumes, "difference": ("ct", "target"), "window": tuple(self.hparams.window)}
+        # HU beyond the window is written as generated (the writer's `unclamped`).
+        return {"volumes": volumes, "difference": ("ct", "target"), "window": tuple(self.hparams.window), "unclamped": True}
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         return self._evaluate(batch, batch_idx, self.val_metrics)

@@ -7,14 +7,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from medvol.volumes.intensity import scale_from_range
+from lightning_modules.xray2ct.body_metrics import to_hounsfield
 from medvol.volumes.projection import radiographs, voxel_spacing
 
 
 class ProjectionLoss(torch.nn.Module):
     """L1 between the DRRs of a volume in model units and the batch's views (the same projector as the data).
 
-    The volume is mapped back to Hounsfield units with the dataset's window, projected with
+    The volume is mapped back to Hounsfield units with the dataset's window (linearly, unclamped), projected with
     `medvol.volumes.projection.radiographs` at each sample's voxel spacing, and compared with the
     views. It is zero for the true CT when the views were made from it within the window, and
     differentiable with respect to the volume.
@@ -38,7 +38,8 @@ class ProjectionLoss(torch.nn.Module):
 
     def project(self, volume: torch.Tensor, affine: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
         """(B, 1, x, y, z) model-unit volumes -> (B, V, H, W) views in `output_range`."""
-        hounsfield = scale_from_range(volume[:, 0].float(), *self.window, self.output_range)
+        # Unclamped: a voxel predicted beyond the window (bone, metal) still projects, and gets a gradient.
+        hounsfield = to_hounsfield(volume[:, 0], self.window, self.output_range)
         return radiographs(hounsfield, voxel_spacing(affine), self.views, size, self.mu_water, self.output_range)
 
     def forward(self, volume: torch.Tensor, views: torch.Tensor, affine: torch.Tensor) -> torch.Tensor:

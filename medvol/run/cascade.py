@@ -58,6 +58,14 @@ def best_checkpoint(stage_dir: Path) -> tuple[Path, float | None]:
         (None, None),
     )
     found = bool(best) and Path(best).is_file()
+    if best and not found:
+        # Handing on last.ckpt instead would give the next stage weights other than the ones validation chose.
+        raise MedvolError(
+            f"cascade: stage {stage_dir.name}'s best checkpoint {best} (recorded in {last}) does not exist; restore it, "
+            "or re-run the stage"
+        )
+    if not best:
+        log.info("cascade: %s recorded no best checkpoint (no monitored metric): handing on %s", stage_dir.name, last)
     source = Path(best) if found else last
     shutil.copyfile(source, target.with_suffix(".tmp"))
     target.with_suffix(".tmp").replace(target)

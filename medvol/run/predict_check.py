@@ -63,15 +63,13 @@ def check_samples(module: MedvolModule, num_samples: int) -> None:
         )
 
 
-def check_radiograph_input(source: Path, num_samples: int) -> None:
-    """A model that generates a CT from radiographs reads a folder of them, once per subject."""
+def check_radiograph_input(source: Path) -> None:
+    """A model that generates a CT from radiographs reads a folder of them."""
     if not source.is_dir():
         raise MedvolError(
             f"`input`: {source} is not a folder; the model generates a CT from radiographs, expected a folder of "
             "<subject>_ap.nii.gz and <subject>_lateral.nii.gz files"
         )
-    if num_samples > 1:
-        raise MedvolError(f"`num_samples`={num_samples}: a CT from radiographs is written once per subject; use num_samples=1")
 
 
 def check_inputs(

@@ -107,10 +107,10 @@ def from_radiographs(
     module: MedvolModule, run: DictConfig, source: Path, output_dir: Path, num_samples: int, device: torch.device
 ) -> dict[str, float]:
     """A CT for each subject of a folder of radiographs (`medvol.run.radiographs`)."""
-    check_radiograph_input(source, num_samples)
+    check_radiograph_input(source)
     check_output_dir(output_dir, [source])
     with log_file(output_dir / LOG_FILE):
-        count = ct_from_radiographs(module, run, source, output_dir, device)
+        count = ct_from_radiographs(module, run, source, output_dir, device, num_samples)
         log.info(summary_line([], count, output_dir))
     return {}
 

@@ -2,13 +2,21 @@
 
 A model that generates from the batch key `xray` (X-ray-to-CT: `generation_inputs() == {"xray": V}`)
 is given a folder of 2D radiographs, one file per view and subject, as
-`python -m datamodules.sources.example_data xray_ct` writes them: 1 - I/I0 in [0, 1), rows from head
-to feet, the pixel spacing (rows, columns) in mm in the header. Every view's size and pixel spacing
-must be those the model was trained with (from its run's dataset: the CT grid's field of view over
-the view size); anything else is refused with one line before anything is written. Each subject's
+`python -m datamodules.sources.example_data xray_ct` writes them: 1 - I/I0 in [0, 1), the pixel
+spacing (rows, columns) in mm and the orientation in the header's affine (sform or qform): where
+in the patient (RAS) the rows and the columns run. Each view is put into the projector's display
+convention (`medvol.volumes.projection.VIEW_FRAME`: rows from the head down, AP columns from the
+patient's right to left, lateral columns from front to back) by turning it; a view with no
+orientation, an oblique one, one in another plane than its name says (a lateral labelled AP), or a
+mirrored one (a PA film, a flipped export: no turn makes it the convention) is refused, as is a
+size or pixel spacing other than the model was trained with (from its run's dataset: the CT
+grid's field of view over the view size); each with one line before anything is written. Each subject's
 views go through the family's `generate_volumes` (the sampling code of `test=true`), and its CT is
 written in HU as `<subject>_ct.nii.gz` on the stage's grid: its size and spacing, RAS, centred on
-the origin as the training volumes were.
+the origin as the training volumes were. HU beyond the window is written as generated (no clamp).
+With `num_samples=N > 1`, N seeded draws `<subject>_ct_<k>.nii.gz` (draw 0 is the single-sample CT)
+and their voxel-wise `<subject>_ct_mean.nii.gz` and `<subject>_ct_std.nii.gz` (HU; the spread
+scaled without the window's offset), as `medvol.run.generation.sampled_outputs` gives them.
 """
 
 from __future__ import annotations
@@ -25,11 +33,17 @@ from omegaconf import DictConfig
 
 from lightning_modules.base import MedvolModule
 from medvol.core.errors import MedvolError
-from medvol.volumes.intensity import scale_from_range
-from medvol.volumes.projection import view_pixel_spacing
+from medvol.run.generation import sampled_outputs
+from medvol.volumes.projection import VIEW_FRAME, view_pixel_spacing
 
 # A view's pixel spacing counts as the training one within this relative margin.
 SPACING_TOLERANCE = 1e-3
+# A file axis runs along a patient axis when its direction is within ~25 degrees of it (cosine 0.9).
+ALIGNMENT = 0.9
+# RAS (axis, sign) -> the direction's name.
+TOWARD = {(0, 1): "right", (0, -1): "left", (1, 1): "front", (1, -1): "back", (2, 1): "head", (2, -1): "feet"}
+PLANES = {frozenset({0, 2}): "coronal (an AP view's)", frozenset({1, 2}): "sagittal (a lateral view's)",
+          frozenset({0, 1}): "axial (no radiograph's)"}
 
 
 @dataclass(frozen=True)
@@ -100,17 +114,64 @@ def radiograph_subjects(folder: Path, geometry: ViewGeometry) -> dict[str, dict[
     return found
 
 
+def _direction(vector: np.ndarray) -> tuple[int, int] | None:
+    """The RAS (axis, sign) a file axis runs along, or None when it runs along none (oblique, or no length)."""
+    length = float(np.linalg.norm(vector))
+    if length == 0.0:
+        return None
+    axis = int(np.argmax(np.abs(vector)))
+    return (axis, int(np.sign(vector[axis]))) if abs(vector[axis]) / length >= ALIGNMENT else None
+
+
+def in_view_frame(image: nib.Nifti1Image, data: np.ndarray, path: Path, view: str) -> tuple[np.ndarray, tuple[float, float]]:
+    """The pixels turned into the projector's frame for `view` (`VIEW_FRAME`) and their (row, column) spacing in mm,
+    from the file's affine; refused when the file has no usable orientation, another plane, or a mirrored one."""
+    if int(image.header["sform_code"]) == 0 and int(image.header["qform_code"]) == 0:
+        raise MedvolError(
+            f"`input`: {path.name} has no orientation (sform and qform codes 0); expected a 2D NIfTI whose affine says "
+            f"where its rows and columns run in the patient, as `python -m datamodules.sources.example_data xray_ct` writes"
+        )
+    affine = np.asarray(image.affine, dtype=np.float64)
+    axes = [_direction(affine[:3, 0]), _direction(affine[:3, 1])]
+    if None in axes:
+        raise MedvolError(f"`input`: {path.name}'s rows or columns run obliquely to the patient's axes; expected them along "
+                          "the head-feet axis and one other patient axis")
+    rows, columns = axes[0], axes[1]
+    expected = VIEW_FRAME[view]
+    plane = frozenset({rows[0], columns[0]})
+    if plane != frozenset({expected[0][0], expected[1][0]}):
+        raise MedvolError(
+            f"`input`: {path.name} is named a {view} view but its orientation puts it in the {PLANES.get(plane, 'an odd')} "
+            f"plane (rows toward the {TOWARD[rows]}, columns toward the {TOWARD[columns]}); give the view its own name"
+        )
+    spacing = (float(np.linalg.norm(affine[:3, 0])), float(np.linalg.norm(affine[:3, 1])))
+    transposed = rows[0] != expected[0][0]
+    if transposed:
+        data, rows, columns, spacing = data.T, columns, rows, (spacing[1], spacing[0])
+    flip_rows, flip_columns = rows[1] != expected[0][1], columns[1] != expected[1][1]
+    if transposed ^ flip_rows ^ flip_columns:
+        seen = "front" if view == "ap" else "patient's left"
+        raise MedvolError(
+            f"`input`: {path.name} is mirrored for a {view} view (rows toward the {TOWARD[rows]}, columns toward the "
+            f"{TOWARD[columns]}: a PA film or a flipped export); expected it as seen from the {seen} (docs/xray2ct.md)"
+        )
+    data = data[::-1] if flip_rows else data
+    data = data[:, ::-1] if flip_columns else data
+    return np.ascontiguousarray(data), spacing
+
+
 def read_view(path: Path, view: str, geometry: ViewGeometry) -> np.ndarray:
-    """One radiograph as (rows, columns), refused unless its size and pixel spacing are the training views'."""
+    """One radiograph as (rows, columns) in the projector's frame, refused unless its orientation fits its view name
+    and its size and pixel spacing are the training views'."""
     image = nib.load(str(path))
     data = np.asarray(image.dataobj, dtype=np.float32)
     data = data.reshape(data.shape[:2]) if data.ndim > 2 and int(np.prod(data.shape[2:])) == 1 else data
+    data, spacing = in_view_frame(image, data, path, view)
     if data.shape != geometry.size:
         raise MedvolError(
             f"`input`: {path.name} is a {'x'.join(map(str, data.shape))} image; the model was trained on "
             f"{geometry.size[0]}x{geometry.size[1]} {view} radiographs"
         )
-    spacing = tuple(float(z) for z in image.header.get_zooms()[:2])
     expected = geometry.pixel_spacing(view)
     if not np.allclose(spacing, expected, rtol=SPACING_TOLERANCE, atol=0.0):
         raise MedvolError(
@@ -130,18 +191,27 @@ def model_views(folder: Path, geometry: ViewGeometry) -> dict[str, torch.Tensor]
     return views
 
 
+def in_hounsfield(volume: torch.Tensor, window: Sequence[float], output_range: Sequence[float], spread: bool) -> np.ndarray:
+    """Model units -> HU by the window's linear map, unclamped; a spread (std) takes the scale without the offset."""
+    scale = (float(window[1]) - float(window[0])) / (float(output_range[1]) - float(output_range[0]))
+    if spread:
+        return (volume.float().cpu() * scale).numpy().astype(np.float32)
+    return (float(window[0]) + (volume.float().cpu() - float(output_range[0])) * scale).numpy().astype(np.float32)
+
+
 def ct_from_radiographs(
-    module: MedvolModule, run: DictConfig, folder: Path, output_dir: Path, device: torch.device
+    module: MedvolModule, run: DictConfig, folder: Path, output_dir: Path, device: torch.device, num_samples: int = 1
 ) -> int:
-    """Write `<subject>_ct.nii.gz` (HU) for every subject in `folder`; every file is checked before the first write."""
+    """Write `<subject>_ct.nii.gz` (HU) for every subject in `folder`, or with `num_samples` > 1 the draws, their mean
+    and std; every file is checked before the first write."""
     geometry = view_geometry(run)
-    low, high = geometry.output_range
     views = model_views(folder, geometry)
     output_dir.mkdir(parents=True, exist_ok=True)
     for subject, radiographs in views.items():
         batch: dict[str, Any] = {"xray": radiographs[None].to(device), "subject": [subject]}
-        outputs = module.generate_volumes(batch)
-        window: Sequence[float] = outputs["window"]
-        hounsfield = scale_from_range(outputs["volumes"]["ct"][0, 0].float().cpu(), float(window[0]), float(window[1]), (low, high))
-        nib.save(nib.Nifti1Image(hounsfield.numpy().astype(np.float32), geometry.affine()), str(output_dir / f"{subject}_ct.nii.gz"))
+        outputs = sampled_outputs(module, batch, num_samples)
+        spreads = set(outputs.get("spreads") or [])
+        for name, volume in outputs["volumes"].items():
+            hounsfield = in_hounsfield(volume[0, 0], outputs["window"], geometry.output_range, name in spreads)
+            nib.save(nib.Nifti1Image(hounsfield, geometry.affine()), str(output_dir / f"{subject}_{name}.nii.gz"))
     return len(views)

@@ -50,6 +50,15 @@ def scale_from_range(
     return unit * (high - low) + low
 
 
+def scale_from_range_unclamped(
+    volume: torch.Tensor, low: float, high: float, output_range: Sequence[float]
+) -> torch.Tensor:
+    """`scale_from_range` without the clamp: values beyond `output_range` map beyond [low, high] (HU a model
+    generated above its window stays above it)."""
+    out_low, out_high = float(output_range[0]), float(output_range[1])
+    return (volume - out_low) / (out_high - out_low) * (high - low) + low
+
+
 def scale_spread(
     volume: torch.Tensor, low: float, high: float, output_range: Sequence[float]
 ) -> torch.Tensor:

@@ -15,7 +15,13 @@ import torch
 from medvol.core.errors import MedvolError
 from medvol.volumes.dicom_io import series_geometry
 from medvol.volumes.dicom_write import write_derived_series, write_segmentation
-from medvol.volumes.intensity import INTENSITY_RANGE_KEY, intensity_keys, scale_from_range, scale_spread
+from medvol.volumes.intensity import (
+    INTENSITY_RANGE_KEY,
+    intensity_keys,
+    scale_from_range,
+    scale_from_range_unclamped,
+    scale_spread,
+)
 from medvol.volumes.nifti_io import save_volume
 from medvol.volumes.source_grid import to_source_grid
 
@@ -46,7 +52,7 @@ class PlannedVolume:
 
 def to_source_units(
     volume: torch.Tensor, batch: Mapping[str, Any], index: int, key: str = "image",
-    window: tuple[float, float] | None = None, spread: bool = False,
+    window: tuple[float, float] | None = None, spread: bool = False, clamp: bool = True,
 ) -> torch.Tensor:
     """A (C, D, H, W) float volume in model units -> the units of the scan it came from.
 
@@ -62,8 +68,9 @@ def to_source_units(
         key: the batch key whose units the volume is in (`image`; `cond` for a condition panel).
         window: a model's (low, high) raw window, used when the batch carries no scaling record.
         spread: the volume is a spread (a standard deviation): only scaled, neither shifted nor clipped.
+        clamp: clip to the raw range first (the data's own range); False maps values beyond it beyond it.
     """
-    convert = scale_spread if spread else scale_from_range
+    convert = scale_spread if spread else scale_from_range if clamp else scale_from_range_unclamped
     low_key, high_key = intensity_keys(key)
     if batch.get(low_key) is not None and batch.get(INTENSITY_RANGE_KEY) is not None:
         lows, highs = batch[low_key][index].cpu().tolist(), batch[high_key][index].cpu().tolist()
@@ -207,7 +214,8 @@ class PredictionWriter:
                     volume = lookup[volume.long().clamp(0, len(lookup) - 1)]
                 elif not is_label:
                     volume = to_source_units(
-                        volume.float(), batch, i, units.get(name, "image"), outputs.get("window"), spread=name in spreads
+                        volume.float(), batch, i, units.get(name, "image"), outputs.get("window"), spread=name in spreads,
+                        clamp=not outputs.get("unclamped", False),
                     )
                 affine, header, segments = affines[i], None, outputs.get("segments")
                 if is_label and label_values is not None and segments:

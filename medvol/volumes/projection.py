@@ -5,6 +5,12 @@ derived from Hounsfield units as mu = mu_water * (1 + HU / 1000), clipped at 0 (
 radiograph value is 1 - exp(-integral) (bright bone, dark air). Everything is differentiable
 and takes leading batch dimensions, so a loss can compare the projections of a predicted CT
 with the input views using the very function that made them.
+
+Display convention (radiological, as a radiologist reads the film): rows run from the head down;
+an AP view is seen from the front, so its columns run from the patient's right to left (the
+patient's right on the viewer's left); a lateral view is seen from the patient's left, so its
+columns run from anterior to posterior (the face on the viewer's left). `VIEW_FRAME` says the same
+in RAS axes, for reading a radiograph file's orientation.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ import torch.nn.functional as F
 
 # Spatial axis of an (x, y, z) RAS volume that each view integrates along.
 VIEW_AXES = {"ap": 1, "lateral": 0}
+# Per view, the RAS direction (axis, sign) its rows and its columns advance in: rows toward the feet (-z);
+# AP columns toward the patient's left (-x), lateral columns toward the back (-y).
+VIEW_FRAME = {"ap": ((2, -1), (0, -1)), "lateral": ((2, -1), (1, -1))}
 AIR_HU = -1000.0
 
 
@@ -23,14 +32,15 @@ def drr(hounsfield: torch.Tensor, spacing: float | torch.Tensor, axis: int, mu_w
     """Radiographs of (..., x, y, z) HU volumes: line integrals of attenuation along spatial `axis` (0..2), in [0, 1).
 
     `spacing` is the voxel size in mm along `axis`: a float, or a tensor of the leading shape.
-    Rows of the result run along z from head (top) to feet.
+    Rows of the result run along z from head (top) to feet; columns along the other in-plane axis, from its
+    high end down (`VIEW_FRAME`: AP from the patient's right to left, lateral from front to back).
     """
     mu = mu_water * (1.0 + hounsfield.float() / 1000.0).clamp(min=0.0)
     if torch.is_tensor(spacing):
         spacing = spacing.to(mu).reshape(*spacing.shape, 1, 1)
     path_integral = mu.sum(dim=axis - 3) * spacing
     radiograph = 1.0 - torch.exp(-path_integral)
-    return radiograph.flip(-1).transpose(-1, -2)
+    return radiograph.transpose(-1, -2).flip(-2).flip(-1)
 
 
 def view_pixel_spacing(view: str, extent: Sequence[float], size: Sequence[int]) -> tuple[float, float]:
@@ -104,9 +114,9 @@ def back_project(
         radiograph = ((views[:, index].float() - low) / (high - low)).clamp(0.0, 1.0 - 1e-6)
         path_integral = -torch.log1p(-radiograph)
         across = (y, x) if axis == 0 else (x, y)
-        # (z from head, other axis) on the view grid -> (other axis, z) on the volume grid.
+        # (z from head, other axis from its high end) on the view grid -> (other axis, z) on the volume grid.
         grid = F.interpolate(path_integral[:, None], size=(z, across[1]), mode="bilinear", align_corners=False)[:, 0]
-        grid = grid.transpose(-1, -2).flip(-1)
+        grid = grid.flip(-1).flip(-2).transpose(-1, -2)
         length = across[0] * spacing[:, axis].reshape(-1, 1, 1)
         mu = (grid / length).unsqueeze(axis + 1).expand(-1, x, y, z)
         volumes.append(1000.0 * (mu / mu_water - 1.0))
