@@ -217,7 +217,7 @@ def test_num_samples_from_radiographs_writes_the_seeded_draws_their_mean_and_std
     names = ["ct_0", "ct_1", "ct_2", "ct_mean", "ct_std"]
     assert sorted(p.name for p in out.iterdir()) == sorted([*(f"phantom-5-0000_{n}.nii.gz" for n in names), "predict.log"])
     module = XrayToCT.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=False).eval()
-    views = model_views(folder, view_geometry(predicting.run_config(str(checkpoint))))["phantom-5-0000"][None]
+    views = model_views(folder, view_geometry(predict_config.run_config(str(checkpoint))))["phantom-5-0000"][None]
     # Draw k is seeded sample_seed + k; HU by the preset's window, undone by hand.
     draws = np.stack([
         module.generate(views, [16, 16, 16], ["phantom-5-0000"], seed=module.sample_seed + k)["ct"][0, 0].numpy() * 1000.0
