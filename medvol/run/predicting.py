@@ -42,6 +42,7 @@ from medvol.run.generation import (
     with_target_units,
     without_targets,
 )
+from medvol.run.planning import with_run_plan
 from medvol.run.radiographs import ct_from_radiographs
 from medvol.run.resolvers import run_dir_of_checkpoint
 from medvol.volumes.prediction_writer import PredictionWriter
@@ -168,13 +169,15 @@ def check_output_dir(output_dir: Path, input_folders: list[Path]) -> None:
             )
 
 
-def input_geometry(spacing: Any, record: Mapping[str, Any] | None) -> dict[str, Any]:
+def input_geometry(spacing: Any, record: Mapping[str, Any] | None, refines: bool = False) -> dict[str, Any]:
     """The `dataset.transforms` geometry inputs are resampled to: the spacing (and orientation) the model was
-    trained at, as its checkpoint records it, or `spacing=[...]`; `spacing=native` keeps each input's own."""
+    trained at, as its checkpoint records it, or `spacing=[...]`; `spacing=native` keeps each input's own, as
+    does a model trained on each subject's own grid (`resampled` false), unless it `refines` the resolution."""
     record = record or {}
     geometry = {"orientation": record["orientation"]} if "orientation" in record else {}
     if spacing is None:
-        return {**geometry, "spacing": record["spacing"]} if record.get("spacing") else geometry
+        kept = record.get("resampled") is False and not refines
+        return {**geometry, "spacing": record["spacing"]} if record.get("spacing") and not kept else geometry
     if spacing == "native":
         return {**geometry, "spacing": None}
     values = [spacing] * 3 if isinstance(spacing, (int, float)) else list(spacing) if OmegaConf.is_list(spacing) else None
@@ -307,7 +310,8 @@ def summary_line(rows: list[dict[str, Any]], count: int, output_dir: Path) -> st
 
 def predict(cfg: DictConfig) -> dict[str, float]:
     """Predict every subject the config names and write the outputs; return the mean per-subject metrics."""
-    run = run_config(str(cfg.ckpt_path))
+    # The training plan's spacing, crop, normalization and network (`<run>/plan.json`), as training applied them.
+    run = with_run_plan(run_config(str(cfg.ckpt_path)))
     run = merged(run, {"model": cfg.get("model") or {}})
     # The model's channel counts interpolate the run's dataset: resolve them before a dataset override.
     with open_dict(run):
@@ -353,7 +357,7 @@ def predict(cfg: DictConfig) -> dict[str, float]:
         count = ct_from_radiographs(module, run, source, output_dir, device)
         print(summary_line([], count, output_dir))
         return {}
-    geometry = input_geometry(cfg.get("spacing"), module.training_data)
+    geometry = input_geometry(cfg.get("spacing"), module.training_data, module.refines_resolution)
     run = with_geometry(run, geometry)
     override = cfg.get("dataset")
     if override is not None and override.get("_target_"):
