@@ -15,10 +15,12 @@ import torch
 from datamodules.pipeline.transforms import PlannedNormalized
 from datamodules.sources.nifti import NiftiDataModule
 from lightning_modules.segmentation.networks import build_network
+from medvol.core.build import build
 from medvol.run.planning import planned, with_run_plan
 from medvol.run.predicting import input_geometry, predict, run_config, window_size
 from medvol.run.training import run
-from medvol.volumes.plan import DataFingerprint, activation_bytes, make_plan, topology
+from medvol.volumes.plan import DataFingerprint, activation_bytes, background_values, make_plan, topology
+from medvol.volumes.sliding_window import SlidingWindow
 from tests.conftest import compose_cfg
 from tests.test_predict import predict_cfg, saved_run
 
@@ -198,3 +200,43 @@ def test_predict_keeps_each_inputs_spacing_when_training_kept_it(tmp_path):
     resampled = datamodule(tmp_path / "data", tmp_path, transforms={"spacing": [2.0, 2.0, 2.0]})
     resampled.setup()
     assert input_geometry(None, resampled.fingerprint())["spacing"] == [2.0, 2.0, 2.0]
+
+
+def test_windows_past_a_small_volume_are_padded_with_the_training_background_per_channel():
+    volume = torch.rand(1, 2, 5, 6, 7)
+    seen = []
+
+    def network(window):
+        seen.append(window.clone())
+        return window
+
+    out = SlidingWindow.of([8, 8, 8], pad_value=(-1.0, 0.5))(network, volume)
+    # MONAI's symmetric split of the missing voxels: half before (rounded down), the rest after.
+    expected = np.stack([
+        np.pad(volume[0, c].numpy(), [(1, 2), (1, 1), (0, 1)], constant_values=v) for c, v in enumerate((-1.0, 0.5))
+    ])
+    np.testing.assert_array_equal(seen[0][0].numpy(), expected)
+    assert torch.equal(out, volume)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["dataset=nifti", "dataset.root=/data"], [-1.0]),  # percentile scaling into [-1, 1]: background at -1
+        (["dataset=nifti", "dataset.root=/data", "dataset.transforms.output_range=[0,1]"], [0.0]),
+        ([], [-1.0]),  # the synthetic phantoms in [-1, 1]
+    ],
+)
+def test_the_segmenters_windows_pad_with_the_datasets_background(tmp_path, overrides, expected):
+    cfg = compose_cfg(tmp_path, ["model=segmentation", *overrides], tiny=False)
+    assert list(cfg.model.pad_value) == expected
+    module = build(cfg.model)
+    seen = []
+    module.net.register_forward_pre_hook(lambda _, inputs: seen.append(inputs[0].clone()))
+    module.sliding_window(torch.ones(1, 1, 4, 4, 4))
+    assert float(seen[0].min()) == expected[0]
+
+
+def test_a_ct_channels_background_is_its_clipped_air_in_z_units():
+    plan = [{"kind": "ct", "clip": [-120.0, 300.0], "mean": 60.0, "std": 30.0}, {"kind": "mr"}]
+    assert background_values(plan) == [(-120.0 - 60.0) / 30.0, 0.0]
