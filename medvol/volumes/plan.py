@@ -198,7 +198,8 @@ def make_plan(
         "strides": strides,
         "kernels": kernels,
         "foreground_ratio": float(given.get("foreground_ratio", FOREGROUND_RATIO)),
-        "deep_supervision": bool(given.get("deep_supervision", True)),
+        # DynUNet supervises the decoder levels between the coarsest and the output: none with two levels.
+        "deep_supervision": bool(given.get("deep_supervision", True)) and len(features) >= 3,
         "poly_power": float(given.get("poly_power", POLY_POWER)),
         "memory_budget": int(budget),
         "memory_estimate": activation_bytes(patch, batch, strides, features),
