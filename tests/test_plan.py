@@ -16,6 +16,7 @@ from datamodules.pipeline.transforms import PlannedNormalized
 from datamodules.sources.nifti import NiftiDataModule
 from lightning_modules.segmentation.networks import build_network
 from medvol.core.build import build
+from medvol.core.errors import MedvolError
 from medvol.run.planning import planned, with_run_plan
 from medvol.run.predicting import input_geometry, predict, run_config, window_size
 from medvol.run.training import run
@@ -263,3 +264,18 @@ def test_the_planned_default_learns_on_real_anatomy_where_the_old_default_did_no
     planned_dice = run(compose_cfg(tmp_path / "planned", common, tiny=False))["val/dice_WT"]
     old_dice = run(compose_cfg(tmp_path / "old", [*common, "plan.use=false"], tiny=False))["val/dice_WT"]
     assert planned_dice > LEARNS_WT_DICE >= old_dice, (planned_dice, old_dice)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("plan.use=maybe", r"`plan.use` is 'maybe'; expected auto, true or false"),
+        ("dataset.modality_kind=pet", r"`dataset.modality_kind` is 'pet'; expected auto, mr, ct"),
+        ("plan.memory_budget_mib=-1", r"`plan.memory_budget_mib` is -1; expected a positive number"),
+    ],
+)
+def test_bad_plan_settings_are_one_line_before_training(tmp_path, override, message):
+    data = write_subjects(tmp_path / "data", SPACINGS[:3])
+    with pytest.raises(MedvolError, match=message):
+        run(compose_cfg(tmp_path / "run", tiny_planned_run(tmp_path, data, [override]), tiny=False))
+    assert not (tmp_path / "run" / "plan.json").exists()
