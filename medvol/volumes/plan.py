@@ -237,8 +237,11 @@ def describe(plan: Mapping[str, Any]) -> list[str]:
 
 
 def write_plan(plan: Mapping[str, Any], path: Path) -> None:
+    """Written whole or not at all (a rename), so another rank never reads half a plan."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(plan, indent=2) + "\n")
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(plan, indent=2) + "\n")
+    partial.replace(path)
 
 
 def read_plan(path: Path) -> dict[str, Any]:
