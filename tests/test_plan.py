@@ -245,7 +245,7 @@ def test_a_ct_channels_background_is_its_clipped_air_in_z_units():
 
 # The final validation WT Dice the planned default must reach on 16 real-anatomy subjects at 4 mm in 25 epochs,
 # and the old default as a user gets it (plan.use=false: 16^3 label-balanced patches, every volume padded to
-# 128^3) stayed below. Calibrated on the 2 shared CPU cores: planned 0.634, old 0.481 (17 min for both runs).
+# 128^3) stayed below. Calibrated on the 2 shared CPU cores: planned 0.634, old 0.481 (8 to 17 min for both runs).
 LEARNS_WT_DICE = 0.56
 
 
