@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/segmentation.py dice [hydra overrides ...]
     .venv/bin/python benchmarks/segmentation.py sliding-window [--size 128] [--roi 64 48] [--overlap 0.25 0.5]
     .venv/bin/python benchmarks/segmentation.py gpu [--nets unet swinunetr] [--steps 20]
+    .venv/bin/python benchmarks/segmentation.py real [--subjects 48] [--spacing 2 2 2] [--epochs 60] [--arms medvol monai]
 
 `dice` trains `python train.py model=segmentation` on the synthetic phantoms (lesion and core
 regions, FLAIR + T1ce) in a temporary folder and prints the val Dice/HD95 of every epoch.
@@ -10,6 +11,12 @@ regions, FLAIR + T1ce) in a temporary folder and prints the val Dice/HD95 of eve
 volume on the CPU, one fresh process per setting so the peak resident memory is that
 setting's own. `gpu` times training steps of the BraTS experiment's networks on 4 x 128^3
 (4-channel) patches under bf16-mixed autocast: samples/s and `torch.cuda.max_memory_allocated`.
+`real` writes BraTS-2021 cases on the MNI152 brain with lesions (`datamodules.sources.brain_lesions`) at
+`--spacing`, then trains on the same files, split and epochs (1) `python train.py model=segmentation
+dataset=brats` as a user types it (the plan from the data) and (2) the plain MONAI script of issue 28
+(UNet 16-32-64-128, z-score over the brain, whole volumes at `--monai-spacing` mm, DiceCE, Adam 1e-3,
+batch 2, best validation epoch); both arms' test masks are scored on the source grid (Dice and HD95 per
+WT/TC/ET region) and appended to `<out>/results.md`.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -155,6 +163,175 @@ def gpu(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
+# ---- real: medvol's planned default against a plain MONAI script on real anatomy (issue 28) ----------------------
+
+REGIONS = {"WT": (1, 2, 4), "TC": (1, 4), "ET": (4,)}
+MODALITIES = ("t1", "t1ce", "t2", "flair")
+
+
+def case_files(root: Path, subject: str) -> dict[str, str]:
+    return {name: str(root / subject / f"{subject}_{name}.nii.gz") for name in (*MODALITIES, "seg")}
+
+
+def region_scores(seg: Any, truth: Any, spacing: list[float]) -> dict[str, float]:
+    """Dice and HD95 (mm) per BraTS region of a 2021 label map against the truth, as MONAI computes them."""
+    import numpy as np
+    import torch
+    from monai.metrics import compute_dice, compute_hausdorff_distance
+
+    masks = torch.from_numpy(np.stack([np.isin(seg, v) for v in REGIONS.values()])[None].astype(np.uint8))
+    target = torch.from_numpy(np.stack([np.isin(truth, v) for v in REGIONS.values()])[None].astype(np.uint8))
+    dice = compute_dice(masks, target, include_background=True, ignore_empty=False)[0]
+    hd95 = compute_hausdorff_distance(masks, target, include_background=True, percentile=95, spacing=spacing)[0]
+    scores = {f"dice_{n}": float(d) for n, d in zip(REGIONS, dice, strict=True)}
+    scores.update({f"hd95_{n}": float(h) for n, h in zip(REGIONS, hd95, strict=True)})
+    return scores
+
+
+def mean_scores(rows: list[dict[str, float]]) -> dict[str, float]:
+    import math
+
+    return {k: sum(r[k] for r in rows if math.isfinite(r[k])) / max(1, sum(math.isfinite(r[k]) for r in rows)) for k in rows[0]}
+
+
+def medvol_arm(root: Path, split_file: Path, out: Path, epochs: int, test: list[str]) -> tuple[dict[str, float], float, str]:
+    """`python train.py model=segmentation dataset=brats ...` as a user types it (the plan by default); test masks scored."""
+    import nibabel as nib
+    import numpy as np
+
+    command = [
+        sys.executable, str(ROOT / "train.py"), "model=segmentation", "dataset=brats", f"dataset.root={root}",
+        "dataset.label_regions=[WT,TC,ET]", f"trainer.max_epochs={epochs}", "test=true", "hardware=cpu",
+        f"dataset.split_file={split_file}", "callbacks.progress_bar=null", "logger=csv", f"hydra.run.dir={out}",
+    ]
+    start = time.perf_counter()
+    result = subprocess.run(command, cwd=out.parent, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wall = time.perf_counter() - start
+    (out / "train.stdout").write_text(result.stdout + result.stderr)
+    if result.returncode:
+        raise SystemExit(f"medvol arm failed ({result.returncode}): {result.stderr[-2000:]}")
+    rows = []
+    for subject in test:
+        files = case_files(root, subject)
+        truth = nib.load(files["seg"])
+        seg = np.asarray(nib.load(str(out / "predictions" / f"{subject}_seg.nii.gz")).dataobj)
+        rows.append(region_scores(seg, np.asarray(truth.dataobj), [float(z) for z in truth.header.get_zooms()[:3]]))
+    plan = (out / "plan.json").read_text() if (out / "plan.json").is_file() else "{}"
+    return mean_scores(rows), wall, plan
+
+
+def plain_monai_arm(root: Path, split: dict[str, list[str]], epochs: int, spacing: float) -> tuple[dict[str, float], float]:
+    """The plain MONAI script of issue 28: UNet 16-32-64-128 (residual units), z-score per channel over the brain,
+    whole volumes at `spacing` mm, DiceCE, Adam 1e-3, batch 2; the best validation epoch's weights are tested."""
+    import copy
+
+    import nibabel as nib
+    import numpy as np
+    import torch
+    from monai.data import DataLoader, Dataset
+    from monai.inferers import sliding_window_inference
+    from monai.losses import DiceCELoss
+    from monai.networks.nets import UNet
+    from monai.transforms import (
+        Compose,
+        ConvertToMultiChannelBasedOnBratsClassesd,
+        DivisiblePadd,
+        EnsureChannelFirstd,
+        LoadImaged,
+        NormalizeIntensityd,
+        Orientationd,
+        Spacingd,
+    )
+
+    from medvol.volumes.source_grid import to_source_grid
+
+    torch.manual_seed(0)
+    keys = ["image", "label"]
+    chain = Compose([
+        LoadImaged(keys), EnsureChannelFirstd(keys), Orientationd(keys, axcodes="RAS"),
+        Spacingd(keys, pixdim=[spacing] * 3, mode=["bilinear", "nearest"]),
+        ConvertToMultiChannelBasedOnBratsClassesd("label"),
+        NormalizeIntensityd("image", nonzero=True, channel_wise=True), DivisiblePadd(keys, k=16),
+    ])
+
+    def items(subjects: list[str]) -> list[dict]:
+        return [{"image": [case_files(root, s)[m] for m in MODALITIES], "label": case_files(root, s)["seg"], "subject": s}
+                for s in subjects]
+
+    start = time.perf_counter()
+    train = DataLoader(Dataset(items(split["train"]), chain), batch_size=2, shuffle=True, drop_last=True)
+    evaluation = {name: [chain(i) for i in items(split[name])] for name in ("val", "test")}
+    net = UNet(3, 4, 3, channels=(16, 32, 64, 128), strides=(2, 2, 2), num_res_units=2)
+    loss = DiceCELoss(sigmoid=True)
+    optimizer = torch.optim.Adam(net.parameters(), 1e-3)
+    best, best_dice = copy.deepcopy(net.state_dict()), -1.0
+    for _ in range(epochs):
+        net.train()
+        for batch in train:
+            optimizer.zero_grad()
+            loss(net(batch["image"]), batch["label"]).backward()
+            optimizer.step()
+        net.eval()
+        with torch.no_grad():
+            dice = [float(((torch.sigmoid(net(i["image"][None])) > 0.5) * i["label"][None]).sum() * 2
+                          / ((torch.sigmoid(net(i["image"][None])) > 0.5).sum() + i["label"].sum() + 1e-6))
+                    for i in evaluation["val"]]
+        if np.mean(dice) > best_dice:
+            best, best_dice = copy.deepcopy(net.state_dict()), float(np.mean(dice))
+    net.load_state_dict(best)
+    net.eval()
+    rows = []
+    with torch.no_grad():
+        for item in evaluation["test"]:
+            masks = (torch.sigmoid(sliding_window_inference(item["image"][None], item["image"].shape[1:], 1, net)) > 0.5)[0]
+            tc, wt, et = masks.numpy()
+            seg = np.where(wt, 2, 0)
+            seg[tc] = 1
+            seg[et] = 4
+            files = case_files(root, item["subject"])
+            truth = nib.load(files["seg"])
+            on_source = to_source_grid(torch.from_numpy(seg[None].astype(np.int64)), files["seg"], item["image"].affine)
+            rows.append(region_scores(on_source[0].numpy(), np.asarray(truth.dataobj), [float(z) for z in truth.header.get_zooms()[:3]]))
+    return mean_scores(rows), time.perf_counter() - start
+
+
+def real(args: argparse.Namespace) -> None:
+    """Both arms on the same generated files, split and epochs; one table row per arm."""
+    import torch
+
+    from datamodules.pipeline.split import make_split, save_split
+    from datamodules.sources.brain_lesions import write_brain_lesions
+
+    torch.set_num_threads(1)
+    out = Path(args.out).resolve()
+    tag = f"{args.subjects}s-{'x'.join(f'{s:g}' for s in args.spacing)}mm"
+    root = out / f"data-{tag}"
+    if not root.is_dir():
+        write_brain_lesions(root, args.subjects, args.spacing, seed=args.seed)
+    ids = sorted(p.name for p in root.iterdir() if p.is_dir())
+    split = make_split(ids, 0.15, 0.15, args.seed)
+    split_file = out / f"split-{tag}.json"
+    save_split(split_file, split, args.seed)
+    lines = []
+    if "medvol" in args.arms:
+        scores, wall, plan = medvol_arm(root, split_file, out / f"medvol-{tag}-{args.epochs}ep", args.epochs, split["test"])
+        lines.append(row(f"medvol planned default ({tag})", scores, wall))
+        print(f"plan for {tag}: {plan}")
+    if "monai" in args.arms:
+        scores, wall = plain_monai_arm(root, split, args.epochs, args.monai_spacing)
+        lines.append(row(f"plain MONAI script ({tag}, {args.monai_spacing:g} mm)", scores, wall))
+    header = "| arm | epochs | Dice WT | Dice TC | Dice ET | HD95 WT | HD95 TC | HD95 ET | wall |\n|---|---|---|---|---|---|---|---|---|"
+    table = "\n".join([header, *[line.replace("EPOCHS", str(args.epochs)) for line in lines]])
+    print(table)
+    with (out / "results.md").open("a") as handle:
+        handle.write(table + "\n\n")
+
+
+def row(name: str, scores: dict[str, float], wall: float) -> str:
+    cells = [f"{scores[f'dice_{n}']:.3f}" for n in REGIONS] + [f"{scores[f'hd95_{n}']:.1f}" for n in REGIONS]
+    return f"| {name} | EPOCHS | " + " | ".join(cells) + f" | {wall:.0f} s |"
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_sliding-window-once":
         size, roi, overlap, channels, repeats = sys.argv[2:7]
@@ -173,8 +350,19 @@ def main() -> None:
     device.add_argument("--nets", nargs="+", default=["unet", "swinunetr"])
     device.add_argument("--batch", type=int, default=2)
     device.add_argument("--steps", type=int, default=20)
+    side = sub.add_parser("real")
+    side.add_argument("--subjects", type=int, default=48)
+    side.add_argument("--spacing", type=float, nargs=3, default=[2.0, 2.0, 2.0])
+    side.add_argument("--monai-spacing", type=float, default=4.0)
+    side.add_argument("--epochs", type=int, default=60)
+    side.add_argument("--arms", nargs="+", default=["medvol", "monai"])
+    side.add_argument("--seed", type=int, default=0)
+    side.add_argument("--out", default="outputs/benchmarks/segmentation-real")
     args, overrides = parser.parse_known_args()
-    if args.task == "dice":
+    if args.task == "real":
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        real(args)
+    elif args.task == "dice":
         dice(overrides)
     elif args.task == "sliding-window":
         sliding_window(args)

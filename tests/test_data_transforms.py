@@ -36,7 +36,7 @@ def test_percentiles_per_channel_and_hu_window():
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"intensity": "zscore"}, "`dataset.transforms.intensity`"),
+        ({"intensity": "minmax"}, "`dataset.transforms.intensity`"),
         ({"window": [500, -500]}, "`dataset.transforms.window`"),
         ({"output_range": [-2, 2]}, "`dataset.transforms.output_range`"),
         ({"spatial_size": [64, 64]}, "`dataset.transforms.spatial_size`"),

@@ -22,8 +22,7 @@ NOT_YET_COVERED = {
     "lightning_modules.xray2ct.view_encoder",
     # What a run records in its checkpoints of the training data it saw (read by predict.py).
     "medvol.run.fingerprint",
-    # Segmentation's networks and patch sampling, reached today only through whole segmentation runs.
-    "lightning_modules.segmentation.networks",
+    # Segmentation's patch sampling, reached today only through whole segmentation runs.
     "lightning_modules.segmentation.patch_sampling",
     # The data doctor's checks of a dataset folder.
     "datamodules.pipeline.check",

@@ -103,8 +103,8 @@ def test_brats_regions_turn_back_into_the_same_label_map():
 def test_test_run_writes_masks_on_the_source_grid_with_brats_values_and_per_subject_metrics(tmp_path):
     root = write_brats_lps(tmp_path / "brats", subjects=5)
     cfg = compose_cfg(tmp_path / "run", [
-        *TINY_FILES, "experiment=brats_segmentation", f"dataset.root={root}",
-        "dataset.transforms.spacing=[1.5,1.5,1.5]", "dataset.transforms.spatial_size=[16,16,32]",
+        *TINY_FILES, "experiment=brats_segmentation", f"dataset.root={root}", "model.plan.patch_size=[16,16,16]",
+        "model.plan.features=[4,8,16]", "dataset.transforms.spacing=[1.5,1.5,1.5]", "dataset.transforms.spatial_size=[16,16,32]",
         "dataset.val_fraction=0.2", "dataset.test_fraction=0.4", "dataset.batch_size=1", "dataset.num_workers=0",
         "test=true",
     ], tiny=False)
@@ -189,7 +189,7 @@ def test_two_gloo_ranks_give_the_metrics_of_one_process_with_an_odd_subject_coun
 def test_experiments_have_the_seed_values(tmp_path):
     brats = compose_cfg(tmp_path, ["experiment=brats_segmentation", "dataset.root=/data"], tiny=False)
     assert dict(brats.model.regions) == {"WT": [1, 2, 3], "TC": [1, 3], "ET": [3]} and brats.optimized_metric == "val/dice"
-    assert len(brats.dataset.image_modalities) == 4 and list(brats.model.patch_size) == [128, 128, 128]
+    assert len(brats.dataset.image_modalities) == 4 and list(brats.plan.patch_size) == [128, 128, 128]
     prs = compose_cfg(tmp_path, ["experiment=prs_segmentation"], tiny=False)
     assert (prs.dataset.batch_size, prs.model.optimizer.lr, prs.lr_scaling, prs.trainer.max_epochs) == (8, 1e-4, "linear", 20)
     assert prs.strategy._target_.endswith("DDPStrategy")

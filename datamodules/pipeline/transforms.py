@@ -14,23 +14,30 @@ from typing import Any
 import numpy as np
 import torch
 from monai.transforms import (
+    CropForegroundd,
     EnsureTyped,
     MapTransform,
+    NormalizeIntensity,
     Orientationd,
     RandAffined,
+    RandCropByPosNegLabeld,
     RandFlipd,
+    Randomizable,
     RandSpatialCropd,
     ResizeWithPadOrCropd,
     SelectItemsd,
     Spacingd,
+    SpatialPad,
+    SpatialPadd,
 )
 from monai.utils import convert_to_dst_type, convert_to_tensor
 
 from medvol.core.errors import MedvolError
 from medvol.volumes.intensity import INTENSITY_RANGE_KEY, intensity_keys, scale_to_range
+from medvol.volumes.plan import MODALITY_KINDS, background_values
 from medvol.volumes.volume_reader import LoadVolumed
 
-INTENSITY_MODES = ("percentile", "window", "none")
+INTENSITY_MODES = ("percentile", "window", "zscore", "none")
 
 
 @dataclass
@@ -40,12 +47,21 @@ class TransformSettings:
     Args:
         orientation: axis codes to reorient to (e.g. RAS); null keeps the stored orientation.
         spacing: voxel size in mm to resample to; null keeps the stored spacing.
-        intensity: `percentile` (per channel, for MR), `window` (fixed range, e.g. HU for CT) or `none`.
+        intensity: `percentile` (per channel, for MR), `window` (fixed range, e.g. HU for CT), `zscore` (per
+            channel as `normalization` says; what a segmentation plan sets) or `none`.
+        normalization: `zscore` mode, per image channel: `{kind: mr}` (z-score over the volume's non-zero
+            voxels, zeros stay 0) or `{kind: ct, clip: [low, high], mean, std}` (clip, then the dataset's
+            z-score); null: mr for every channel.
+        crop_foreground: crop every volume to the bounding box of its non-zero image voxels (any channel).
         percentiles: lower and upper percentile mapped to the ends of `output_range`.
         window: lower and upper raw value (e.g. HU) mapped to the ends of `output_range`.
         output_range: [-1, 1] or [0, 1]; values beyond the percentiles/window are clipped.
         spatial_size: centre crop / pad to this size (pad value: the low end of `output_range`).
+        pad_to: pad volumes smaller than this with the background value (none larger is cropped).
         random_crop: training only: random crop of this size after crop/pad.
+        foreground_crop: training only: a crop of this size centred on a label voxel with probability
+            `foreground_ratio`, anywhere otherwise (MONAI's RandCropByPosNegLabeld).
+        foreground_ratio: share of the `foreground_crop` crops centred on the label.
         flip_prob: training only: probability of a flip along each axis.
         affine_prob: training only: probability of a random rotation/scaling.
         rotate_range: radians, per axis, for the random affine.
@@ -58,8 +74,13 @@ class TransformSettings:
     percentiles: list[float] = field(default_factory=lambda: [0.5, 99.5])
     window: list[float] = field(default_factory=lambda: [-1000.0, 1000.0])
     output_range: list[float] = field(default_factory=lambda: [-1.0, 1.0])
+    normalization: list[dict[str, Any]] | None = None
+    crop_foreground: bool = False
     spatial_size: list[int] | None = None
+    pad_to: list[int] | None = None
     random_crop: list[int] | None = None
+    foreground_crop: list[int] | None = None
+    foreground_ratio: float = 1 / 3
     flip_prob: float = 0.0
     affine_prob: float = 0.0
     rotate_range: list[float] = field(default_factory=lambda: [0.1, 0.1, 0.1])
@@ -73,7 +94,7 @@ class TransformSettings:
         unknown = sorted(set(config) - known)
         if unknown:
             raise MedvolError(f"`dataset.transforms.{unknown[0]}` is not a transform setting; expected one of {sorted(known)}")
-        settings = cls(**{k: list(v) if isinstance(v, Sequence) and not isinstance(v, str) else v for k, v in config.items()})
+        settings = cls(**{k: plain(v) for k, v in config.items()})
         if settings.intensity not in INTENSITY_MODES:
             raise MedvolError(f"`dataset.transforms.intensity` is {settings.intensity!r}; expected one of {list(INTENSITY_MODES)}")
         for name in ("percentiles", "window", "output_range"):
@@ -84,18 +105,48 @@ class TransformSettings:
             raise MedvolError(f"`dataset.transforms.output_range` is {settings.output_range}; expected [-1, 1] or [0, 1]")
         if not 0 <= settings.percentiles[0] < settings.percentiles[1] <= 100:
             raise MedvolError(f"`dataset.transforms.percentiles` must lie in [0, 100], got {settings.percentiles}")
-        for name in ("spacing", "spatial_size", "random_crop"):
+        check_normalization(settings.normalization)
+        for name in ("spacing", "spatial_size", "pad_to", "random_crop", "foreground_crop"):
             value = getattr(settings, name)
             if value is not None and (len(value) != 3 or min(value) <= 0):
                 raise MedvolError(f"`dataset.transforms.{name}` must be three positive numbers or null, got {value}")
-        for name in ("flip_prob", "affine_prob"):
+        for name in ("flip_prob", "affine_prob", "foreground_ratio"):
             if not 0.0 <= getattr(settings, name) <= 1.0:
                 raise MedvolError(f"`dataset.transforms.{name}` must be in [0, 1], got {getattr(settings, name)}")
         return settings
 
     @property
     def has_random_spatial(self) -> bool:
-        return bool(self.random_crop) or self.flip_prob > 0 or self.affine_prob > 0
+        return bool(self.random_crop or self.foreground_crop) or self.flip_prob > 0 or self.affine_prob > 0
+
+    def background(self, channels: int) -> list[float]:
+        """Per image channel, the value background voxels (and padding) have in model units."""
+        if self.intensity == "zscore":
+            return background_values(self.normalization or [{"kind": "mr"}] * channels)
+        low = self.output_range[0] if self.intensity != "none" else 0.0
+        return [low] * channels
+
+
+def plain(value: Any) -> Any:
+    """A config value as plain lists and dicts (OmegaConf containers included)."""
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return [plain(v) for v in value]
+    return value
+
+
+def check_normalization(channels: list[dict[str, Any]] | None) -> None:
+    """Raise `MedvolError` unless `normalization` lists {kind: mr} or {kind: ct, clip, mean, std} entries."""
+    for i, channel in enumerate(channels or []):
+        kind = channel.get("kind") if isinstance(channel, Mapping) else None
+        if kind not in MODALITY_KINDS:
+            raise MedvolError(f"`dataset.transforms.normalization[{i}]` is {channel}; expected kind mr or ct")
+        if kind == "ct" and not ({"clip", "mean", "std"} <= set(channel) and float(channel["std"]) > 0):
+            raise MedvolError(
+                f"`dataset.transforms.normalization[{i}]` is {channel}; a ct channel needs clip: [low, high], mean "
+                "and std > 0 (the dataset's foreground statistics)"
+            )
 
 
 def _pair(value: Sequence[float], name: str) -> tuple[float, float]:
@@ -159,6 +210,45 @@ class SafeScaleIntensityd(MapTransform):
         return d
 
 
+class PlannedNormalized(MapTransform):
+    """Per-channel normalization of a segmentation plan, as nnU-Net normalizes.
+
+    MR channels: z-score over the volume's non-zero voxels, zeros left at 0 (MONAI's
+    `NormalizeIntensity(nonzero=True)`); CT channels: clip to the dataset's foreground percentiles, then
+    z-score with the dataset's foreground mean and deviation. No intensity record is written: a z-score
+    has no bounded range for `medvol.volumes.intensity` to invert, so written inputs stay in z units.
+
+    Args:
+        keys: keys of the (C, D, H, W) volumes.
+        channels: per channel, {kind: mr} or {kind: ct, clip: [low, high], mean, std}.
+    """
+
+    def __init__(self, keys: Sequence[str], channels: Sequence[Mapping[str, Any]]) -> None:
+        super().__init__(keys, allow_missing_keys=True)
+        self.channels = [dict(c) for c in channels]
+        self.mr = NormalizeIntensity(nonzero=True)
+
+    def _channel(self, values: torch.Tensor, plan: Mapping[str, Any]) -> torch.Tensor:
+        values = torch.nan_to_num(values.float())
+        if plan["kind"] == "mr":
+            return convert_to_tensor(self.mr(values), track_meta=False)
+        low, high = (float(v) for v in plan["clip"])
+        return (values.clamp(low, high) - float(plan["mean"])) / float(plan["std"])
+
+    def __call__(self, data: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
+        d = dict(data)
+        for key in self.key_iterator(d):
+            volume = convert_to_tensor(d[key], track_meta=False)
+            plans = self.channels or [{"kind": "mr"}] * volume.shape[0]
+            if len(plans) != volume.shape[0]:
+                raise MedvolError(
+                    f"`dataset.transforms.normalization` lists {len(plans)} channels; the `{key}` volume has {volume.shape[0]}"
+                )
+            normalized = torch.stack([self._channel(c, p) for c, p in zip(volume, plans, strict=True)])
+            d[key] = convert_to_dst_type(normalized, d[key], dtype=torch.float32)[0]
+        return d
+
+
 class StoreAffined(MapTransform):
     """Copy the affine of `key`'s voxel grid (after orientation, spacing and crop) into `affine` (4x4 float64)."""
 
@@ -202,16 +292,19 @@ def deterministic_transforms(
         chain.append(Spacingd(all_keys, pixdim=settings.spacing, mode=modes))
     if label_key and label_transform is not None:
         chain.append(label_transform)
+    if settings.crop_foreground:
+        # The non-zero voxels of any image channel, before intensity scaling moves the zeros.
+        chain.append(CropForegroundd(all_keys, source_key=image_keys[0], select_fn=_any_nonzero, allow_smaller=True))
     chain.extend(before_intensity)
-    if settings.intensity != "none":
+    if settings.intensity == "zscore":
+        chain.append(PlannedNormalized(image_keys[:1], settings.normalization or []))
+    elif settings.intensity != "none":
         chain.append(
             SafeScaleIntensityd(image_keys, settings.intensity, settings.percentiles, settings.window, settings.output_range)
         )
-    if settings.spatial_size:
-        low = settings.output_range[0] if settings.intensity != "none" else 0.0
-        chain.append(ResizeWithPadOrCropd(image_keys, settings.spatial_size, mode="constant", value=low))
-        if label_key:
-            chain.append(ResizeWithPadOrCropd([label_key], settings.spatial_size, mode="constant", value=0))
+    for size, pad_only in ((settings.spatial_size, False), (settings.pad_to, True)):
+        if size:
+            chain.extend(_resize(settings, image_keys, label_key, size, pad_only))
     chain.append(StoreAffined(image_keys[0]))
     # Plain tensors from here on: cheaper to cache, and random transforms cannot grow metadata in the cache.
     chain.append(EnsureTyped(image_keys, dtype=torch.float32, track_meta=False))
@@ -220,12 +313,73 @@ def deterministic_transforms(
     return chain
 
 
+def _any_nonzero(volume: Any) -> Any:
+    """A (1, D, H, W) mask of the voxels where any channel is non-zero (CropForeground's `select_fn`)."""
+    return (volume != 0).any(0, keepdim=True)
+
+
+def _resize(
+    settings: TransformSettings, image_keys: list[str], label_key: str | None, size: list[int], pad_only: bool
+) -> list[Callable]:
+    """Crop/pad (or only pad) every volume to `size`: images with their background value, labels with 0."""
+    if pad_only:
+        values = settings.background(len(settings.normalization or [None]))
+        steps: list[Callable] = [BackgroundPadd(image_keys[:1], size, values)]
+        steps += [SpatialPadd([key], size, mode="constant", value=settings.background(1)[0]) for key in image_keys[1:]]
+        return steps + ([SpatialPadd([label_key], size, mode="constant", value=0)] if label_key else [])
+    low = settings.background(1)[0]
+    steps = [ResizeWithPadOrCropd(image_keys, size, mode="constant", value=low)]
+    return steps + ([ResizeWithPadOrCropd([label_key], size, mode="constant", value=0)] if label_key else [])
+
+
+class BackgroundPadd(MapTransform):
+    """Pad volumes smaller than `size` (symmetrically, as MONAI's SpatialPad), each channel with its own
+    background value (a CT channel's clipped air in z units, 0 for MR); the affine follows the padding."""
+
+    def __init__(self, keys: Sequence[str], size: Sequence[int], values: Sequence[float]) -> None:
+        super().__init__(keys, allow_missing_keys=True)
+        self.pads = [SpatialPad(list(size), mode="constant", value=float(v)) for v in values]
+
+    def __call__(self, data: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
+        d = dict(data)
+        for key in self.key_iterator(d):
+            volume = d[key]
+            pads = self.pads if len(self.pads) == volume.shape[0] else [self.pads[0]] * volume.shape[0]
+            d[key] = torch.cat([pad(volume[i : i + 1]) for i, pad in enumerate(pads)])
+        return d
+
+
+class ForegroundCropd(Randomizable, MapTransform):
+    """One crop of `size` centred on a label voxel with probability `ratio`, anywhere otherwise: MONAI's
+    RandCropByPosNegLabeld with one sample, returned as the item itself rather than a list of one."""
+
+    def __init__(self, keys: Sequence[str], label_key: str, size: Sequence[int], ratio: float) -> None:
+        MapTransform.__init__(self, keys)
+        self.crop = RandCropByPosNegLabeld(
+            keys, label_key, list(size), pos=ratio, neg=1.0 - ratio, num_samples=1, allow_smaller=True
+        )
+
+    def set_random_state(self, seed: int | None = None, state: np.random.RandomState | None = None) -> ForegroundCropd:
+        self.crop.set_random_state(seed, state)
+        return self
+
+    def randomize(self, data: Any = None) -> None:
+        """The wrapped crop draws its own centres."""
+
+    def __call__(self, data: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
+        return dict(self.crop(data)[0])
+
+
 def random_transforms(settings: TransformSettings, keys: Sequence[str], label_key: str | None) -> list[Callable]:
     """Training augmentation, applied with the same random draw to every key."""
     keys = list(keys) + ([label_key] if label_key else [])
     chain: list[Callable] = []
     if settings.random_crop:
         chain.append(RandSpatialCropd(keys, roi_size=settings.random_crop, random_size=False))
+    if settings.foreground_crop and label_key:
+        chain.append(ForegroundCropd(keys, label_key, settings.foreground_crop, settings.foreground_ratio))
+    elif settings.foreground_crop:
+        chain.append(RandSpatialCropd(keys, roi_size=settings.foreground_crop, random_size=False))
     if settings.flip_prob > 0:
         chain.extend(RandFlipd(keys, prob=settings.flip_prob, spatial_axis=axis) for axis in range(3))
     if settings.affine_prob > 0:

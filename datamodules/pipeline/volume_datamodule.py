@@ -310,14 +310,15 @@ class VolumeDataModule(pl.LightningDataModule):
             return self.trainer.is_global_zero
         return int(os.environ.get("RANK", "0")) == 0
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.split is not None:
-            return
+    def assign_split(self) -> list[Record]:
+        """Read or make (and record) the split without building datasets; return the subjects in use."""
         records = self.subjects()
         if self.max_subjects:
             records = records[: self.max_subjects]
         if not records:
             raise MedvolError("the dataset has no subjects; check `dataset.root` and the file pattern")
+        if self.split is not None:
+            return records
         ids = [str(r["subject"]) for r in records]
         if self.split_file is not None and self.split_file.is_file():
             self.split = load_split(self.split_file, ids)
@@ -325,6 +326,13 @@ class VolumeDataModule(pl.LightningDataModule):
             self.split = make_split(ids, self.val_fraction, self.test_fraction, self.split_seed, self._strata(records))
             if self.split_file is not None and self._is_global_zero():
                 save_split(self.split_file, self.split, self.split_seed)
+        return records
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.datasets:
+            return
+        records = self.assign_split()
+        assert self.split is not None
         by_id = {str(r["subject"]): r for r in records}
         world, rank = self._world()
         shares = {}

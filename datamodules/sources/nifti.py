@@ -15,6 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import nibabel as nib
 import numpy as np
 import torch
 from monai.data.utils import worker_init_fn
@@ -38,8 +39,9 @@ from datamodules.pipeline.transforms import (
 )
 from datamodules.pipeline.volume_datamodule import Record, VolumeDataModule, fingerprint_sample
 from medvol.core.errors import MedvolError
-from medvol.volumes.dicom_io import is_dicom_series
+from medvol.volumes.dicom_io import is_dicom_series, read_series
 from medvol.volumes.intensity import intensity_keys
+from medvol.volumes.plan import MODALITY_KINDS, DataFingerprint, channel_statistics
 from medvol.volumes.source_grid import oriented_spacing
 from medvol.volumes.volume_reader import SERIES_KEY, volume_grid
 
@@ -91,6 +93,19 @@ def match_files(root: Path, pattern: str) -> dict[str, list[Path]]:
     return found
 
 
+def check_modality_kind(kind: str | Sequence[str], channels: int) -> list[str] | None:
+    """`dataset.modality_kind` as one kind per image channel, or None for auto (from the data)."""
+    kinds = [kind] * channels if isinstance(kind, str) else [str(k) for k in kind]
+    if kinds and all(k == "auto" for k in kinds):
+        return None
+    if len(kinds) != channels or any(k not in MODALITY_KINDS for k in kinds):
+        raise MedvolError(
+            f"`dataset.modality_kind` is {kind!r}; expected auto, mr, ct or a list of mr/ct with one per image channel "
+            f"({channels})"
+        )
+    return kinds
+
+
 class StoreSourceGridd(MapTransform):
     """Record the grid of `key` as loaded from disk: `source_affine`, `source_shape`, `source_file`, `source_series`.
 
@@ -111,6 +126,37 @@ class StoreSourceGridd(MapTransform):
         return d
 
 
+# Foreground voxels per subject that the plan's intensity statistics keep (nnU-Net samples 10,000).
+FOREGROUND_SAMPLE = 10_000
+
+
+def read_voxels(path: str, series: str | None = None) -> np.ndarray:
+    """A file's (or DICOM series folder's) voxels as float32, NaN/Inf as 0 (the data doctor reports them; the
+    plan must not count them)."""
+    if is_dicom_series(path):
+        return np.nan_to_num(read_series(path, series)[0].astype(np.float32))
+    return np.nan_to_num(np.asarray(nib.load(path).dataobj, dtype=np.float32))
+
+
+def sampled(values: np.ndarray, count: int = FOREGROUND_SAMPLE) -> np.ndarray:
+    """At most `count` of `values`, evenly strided (deterministic: the same plan from the same files)."""
+    if values.size <= count:
+        return values
+    return values[np.linspace(0, values.size - 1, count).astype(np.int64)]
+
+
+def oriented_extent(mask: np.ndarray, affine: np.ndarray, orientation: str | None) -> list[int]:
+    """The bounding box of `mask`'s true voxels, in the axes after reorientation (whole volume when empty)."""
+    where = np.nonzero(mask)
+    box = [int(w.max() - w.min() + 1) for w in where] if where[0].size else list(mask.shape[:3])
+    if not orientation:
+        return box
+    axes = nib.orientations.io_orientation(affine)
+    target = nib.orientations.axcodes2ornt(tuple(orientation))
+    order = nib.orientations.ornt_transform(axes, target)[:, 0].astype(int)
+    return [box[int(np.nonzero(order == k)[0][0])] for k in range(3)]
+
+
 class NiftiDataModule(VolumeDataModule):
     """NIfTI volumes, one subject per record, channels from several files.
 
@@ -127,6 +173,8 @@ class NiftiDataModule(VolumeDataModule):
         label_values: label values the data doctor accepts; null: any integers.
         transforms: `dataset.transforms` settings (see `TransformSettings`).
         series: for DICOM series folders holding several series, the one to read (UID or description).
+        modality_kind: what a segmentation plan normalizes the image channels as: auto (CT where a channel
+            holds air below -500, MR otherwise), mr, ct, or a list with one per image channel.
         **kwargs: split, loader and cache settings of `VolumeDataModule`.
     """
 
@@ -142,10 +190,12 @@ class NiftiDataModule(VolumeDataModule):
         label_values: Sequence[int] | None = None,
         transforms: Mapping[str, Any] | None = None,
         series: str | None = None,
+        modality_kind: str | Sequence[str] = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.series = series
+        self.modality_kind = check_modality_kind(modality_kind, len(image_modalities))
         self.root = Path(root).expanduser() if root else None
         self.list_file = Path(list_file).expanduser() if list_file else None
         self.pattern = pattern
@@ -291,25 +341,53 @@ class NiftiDataModule(VolumeDataModule):
         """The training subjects' geometry and intensity scale (see `VolumeDataModule.fingerprint`).
 
         The spacing is `dataset.transforms.spacing` where set, else the per-axis median over every
-        training subject's first image file (its header, in the axes after reorientation). The
+        training subject's first image file (its header, in the axes after reorientation); `resampled`
+        says which (a model trained on each subject's own grid predicts on each input's own grid). The
         intensity ends: the window in `window` mode; in `percentile` mode the per-channel median of
         the training subjects' percentile ends (of `FINGERPRINT_INTENSITY_SUBJECTS` of them, evenly spread).
         """
         records = self.training_records()
         orientation = self.settings.orientation
         spacing = self.settings.spacing
-        if spacing is None:
-            spacings = [oriented_spacing(volume_grid(record["image"][0], self.series)[1], orientation) for record in records]
-            spacing = np.median(np.asarray(spacings), axis=0).tolist()
+        spacings = (
+            [oriented_spacing(volume_grid(r["image"][0], self.series)[1], orientation) for r in records] if spacing is None else []
+        )
         return {
-            "spacing": [float(s) for s in spacing], "orientation": orientation,
+            "spacing": [float(s) for s in spacing or np.median(np.asarray(spacings), axis=0)],
+            # False when training kept every subject's own grid: predict.py then keeps each input's own too.
+            "resampled": spacing is not None, "orientation": orientation,
             "intensity": self.intensity_fingerprint(records), "subjects": len(records),
         }
+
+    def plan_fingerprint(self) -> DataFingerprint:
+        """What a segmentation plan is made from (`medvol.volumes.plan`): every training subject's header spacing,
+        and for `FINGERPRINT_INTENSITY_SUBJECTS` of them (evenly spread) the non-zero region's shape and, per
+        image channel, the intensities inside the foreground (the label where there is one, else the non-zero
+        voxels), read as the data doctor reads files (`read_voxels`)."""
+        self.assign_split()
+        records = self.training_records()
+        orientation = self.settings.orientation
+        spacings = np.asarray([oriented_spacing(volume_grid(r["image"][0], self.series)[1], orientation) for r in records])
+        shapes, shape_spacings, values = [], [], [[] for _ in self.image_modalities]
+        minima = [np.inf for _ in self.image_modalities]
+        for record in fingerprint_sample(records):
+            channels = [read_voxels(path, self.series) for path in record["image"]]
+            nonzero = np.any([c != 0 for c in channels], axis=0)
+            label = read_voxels(record[LABEL_KEY], self.series) if record.get(LABEL_KEY) else None
+            foreground = label > 0 if label is not None and np.any(label > 0) else nonzero
+            affine = volume_grid(record["image"][0], self.series)[1]
+            shapes.append(oriented_extent(nonzero, affine, orientation))
+            shape_spacings.append(oriented_spacing(affine, orientation))
+            for i, channel in enumerate(channels):
+                values[i].append(sampled(channel[foreground]))
+                minima[i] = min(minima[i], float(channel.min()))
+        statistics = [channel_statistics(np.concatenate(v), m) for v, m in zip(values, minima, strict=True)]
+        return DataFingerprint(spacings, np.asarray(shapes), np.asarray(shape_spacings), statistics)
 
     def intensity_fingerprint(self, records: list[Record]) -> dict[str, Any] | None:
         """Raw values mapped onto the ends of the model range per `image` channel, typical of `records`."""
         settings, channels = self.settings, len(self.image_modalities)
-        if settings.intensity == "none":
+        if settings.intensity in ("none", "zscore"):
             return None
         if settings.intensity == "window":
             low, high = [settings.window[0]] * channels, [settings.window[1]] * channels

@@ -2,9 +2,11 @@
 
 Classes: one softmax channel per label value 0..K-1 (0 background); the prediction is the argmax.
 Regions: one sigmoid channel per region, each a set of label values (BraTS: WT = {1, 2, 3},
-TC = {1, 3}, ET = {3}); the prediction thresholds each channel. Regions must be nested, each one
-adding a single label value to the regions inside it, so a region prediction turns back into
-one label map (BraTS: WT only -> 2 oedema, TC without ET -> 1 necrotic core, ET -> 3).
+TC = {1, 3}, ET = {3}); the prediction thresholds each channel. Regions must be nested, so a
+region prediction turns back into one label map: each region is written with the smallest label
+value it adds to the regions inside it (BraTS WT/TC/ET: WT only -> 2 oedema, TC without ET -> 1
+necrotic core, ET -> 3; [WT] alone -> 1; [WT, ET]: WT without ET -> 1). Reading the written map
+with the same regions gives back the predicted regions.
 """
 
 from __future__ import annotations
@@ -91,12 +93,12 @@ class LabelScheme:
                         "expected nested regions, e.g. {WT: [1, 2, 3], TC: [1, 3], ET: [3]}"
                     )
             own = set(members) - inner
-            if len(own) != 1:
+            if not own:
                 raise MedvolError(
-                    f"`model.regions.{name}` adds the label values {sorted(own)} to the regions inside it; "
-                    "expected exactly one, so predictions can be written back as one label map"
+                    f"`model.regions.{name}` is {members}, the union of the regions inside it; expected it to add at "
+                    "least one label value, so predictions can be written back as one label map"
                 )
-            values[name] = own.pop()
+            values[name] = min(own)
         return values
 
     def check_label(self, label: torch.Tensor) -> None:
@@ -109,7 +111,7 @@ class LabelScheme:
                 + (f" or {self.out_channels} region channels" if self.is_regions else "")
             )
         values = torch.unique(label).tolist()
-        allowed = set(range(self.num_classes)) if not self.is_regions else {0, *self.region_values.values()}
+        allowed = set(range(self.num_classes)) if not self.is_regions else {0, *(v for r in self.regions.values() for v in r)}
         outside = [v for v in values if v not in allowed]
         if outside:
             key = "model.regions" if self.is_regions else "model.num_classes"

@@ -8,11 +8,11 @@ Dice and HD95 are computed per subject and gathered from all ranks before averag
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from monai.inferers import sliding_window_inference
 from monai.transforms import KeepLargestConnectedComponent
 from monai.utils import convert_to_tensor
 from torchmetrics import MeanMetric
@@ -20,7 +20,7 @@ from torchmetrics import MeanMetric
 from lightning_modules.base import MedvolModule
 from lightning_modules.segmentation.label_scheme import LabelScheme
 from lightning_modules.segmentation.losses import build_loss
-from lightning_modules.segmentation.networks import build_network, check_size
+from lightning_modules.segmentation.networks import build_network, check_size, supervised_heads
 from lightning_modules.segmentation.patch_sampling import SAMPLINGS, cut_patches, patch_origins
 from lightning_modules.segmentation.subject_scores import SubjectScores, subject_scores
 from medvol.core.errors import MedvolError
@@ -30,6 +30,18 @@ from medvol.volumes.sliding_window import SlidingWindow
 def voxel_spacing(affine: torch.Tensor) -> list[list[float]]:
     """Per sample, the voxel size in mm from a (B, 4, 4) affine (column norms)."""
     return affine[:, :3, :3].double().norm(dim=1).tolist()
+
+
+def supervision_weights(levels: int) -> list[float]:
+    """Weights of the full-resolution output and the deep-supervision heads: halving per level, summing to 1."""
+    raw = [0.5**i for i in range(1 + supervised_heads(levels))]
+    return [w / sum(raw) for w in raw]
+
+
+def pad_value_of(value: float | Sequence[float] | None) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    return tuple(float(v) for v in value) if isinstance(value, Sequence) else (float(value),)
 
 
 class Segmenter(MedvolModule):
@@ -43,6 +55,10 @@ class Segmenter(MedvolModule):
         regions: region name -> label values, outermost first (overlapping regions, sigmoid per channel),
             e.g. {WT: [1, 2, 3], TC: [1, 3], ET: [3]}; null for classes.
         features: channels per resolution level (unet, dynunet).
+        kernels: dynunet: kernel size per level and axis (a plan's, anisotropic); null: 3.
+        strides: dynunet: stride per level and axis, the first [1, 1, 1]; null: 2 after the first level.
+        deep_supervision: dynunet: also score the coarser decoder levels while training (weights halving
+            per level, as nnU-Net).
         feature_size: SwinUNETR embedding size (multiple of 12).
         loss: dice_ce or dice_focal.
         patch_size: training patch and sliding window; null trains on whole volumes.
@@ -56,6 +72,8 @@ class Segmenter(MedvolModule):
         optimizer: partial optimizer.
         scheduler: optional partial LR scheduler, stepped per epoch.
         image_key: batch key of the input volume.
+        pad_value: per image channel (or one for all), the background value in model units, which sliding
+            windows running past a volume smaller than the window pad with (null: 0, MONAI's).
     """
 
     def __init__(
@@ -66,6 +84,9 @@ class Segmenter(MedvolModule):
         class_names: Sequence[str] | None = None,
         regions: Mapping[str, Sequence[int]] | None = None,
         features: Sequence[int] = (16, 32, 64, 128),
+        kernels: Sequence[Sequence[int]] | None = None,
+        strides: Sequence[Sequence[int]] | None = None,
+        deep_supervision: bool = False,
         feature_size: int = 24,
         loss: str = "dice_ce",
         patch_size: Sequence[int] | None = None,
@@ -79,6 +100,7 @@ class Segmenter(MedvolModule):
         optimizer: Callable[..., torch.optim.Optimizer] | None = None,
         scheduler: Callable[..., Any] | None = None,
         image_key: str = "image",
+        pad_value: float | Sequence[float] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(logger=False)
@@ -88,12 +110,18 @@ class Segmenter(MedvolModule):
         if self.patch_size is not None:
             if len(self.patch_size) != 3 or min(self.patch_size) < 1:
                 raise MedvolError(f"`model.patch_size` must be three positive ints or null, got {list(patch_size or [])}")
-            check_size(net, self.features, self.patch_size, "model.patch_size")
+            check_size(net, self.features, self.patch_size, "model.patch_size", strides)
         if patch_sampling not in SAMPLINGS:
             raise MedvolError(f"`model.patch_sampling` is {patch_sampling!r}; expected one of {list(SAMPLINGS)}")
         if not 0.0 <= overlap < 1.0:
             raise MedvolError(f"`model.overlap` must be in [0, 1), got {overlap}")
-        self.net = build_network(net, in_channels, self.scheme.out_channels, self.features, feature_size)
+        if deep_supervision and (net != "dynunet" or len(self.features) < 3):
+            raise MedvolError("`model.deep_supervision` needs model.net=dynunet with at least three `model.features` levels")
+        self.net = build_network(
+            net, in_channels, self.scheme.out_channels, self.features, feature_size, kernels, strides, deep_supervision
+        )
+        self.supervision_weights = supervision_weights(len(self.features)) if deep_supervision else None
+        self.pad_value = pad_value_of(pad_value)
         self.loss = build_loss(loss, self.scheme.is_regions)
         self.optimizer_factory = optimizer or (lambda params: torch.optim.Adam(params, lr=1e-3))
         self.scheduler_factory = scheduler
@@ -132,18 +160,28 @@ class Segmenter(MedvolModule):
             origins = patch_origins(image.shape[0], balanced, shape, self.patch_size, self.hparams.pos_ratio)
             image, label = cut_patches(image, origins, self.patch_size), cut_patches(label, origins, self.patch_size)
         else:
-            check_size(self.hparams.net, self.features, shape, "dataset volume size (model.patch_size is null)")
-        loss = self.loss(self(image), self.scheme.target(label))
+            check_size(self.hparams.net, self.features, shape, "dataset volume size (model.patch_size is null)", self.hparams.strides)
+        loss = self.training_loss(self(image), self.scheme.target(label))
         self.log("train/loss", loss.detach(), on_step=True, on_epoch=True, prog_bar=True, batch_size=image.shape[0])
         return loss
 
+    def training_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss of the full-resolution output, plus with deep supervision the weighted losses of the coarser heads
+        (DynUNet stacks them on dim 1, already upsampled to the patch)."""
+        if self.supervision_weights is None or output.dim() == target.dim():
+            return self.loss(output, target)
+        return sum(w * self.loss(output[:, i], target) for i, w in enumerate(self.supervision_weights))  # type: ignore[return-value]
+
     def sliding_window(self, image: torch.Tensor) -> torch.Tensor:
-        """Logits for whole volumes: windows of the training patch, overlap, Gaussian blending."""
+        """Logits for whole volumes: windows of the training patch, overlap, Gaussian blending; windows past a
+        small volume are padded with the training background (`pad_value`)."""
         roi = self.patch_size or list(image.shape[2:])
-        return sliding_window_inference(
-            image, roi, self.hparams.sw_batch_size, self.net, overlap=self.hparams.overlap, mode="gaussian",
-            sw_device=self.device, device="cpu" if self.hparams.stitch_on_cpu else self.device,
+        window = SlidingWindow.of(
+            roi, overlap=self.hparams.overlap, mode="gaussian", batch_size=self.hparams.sw_batch_size,
+            device=self.device, output_device=torch.device("cpu") if self.hparams.stitch_on_cpu else self.device,
+            pad_value=self.pad_value,
         )
+        return window(self.net, image)
 
     def postprocess(self, logits: torch.Tensor) -> torch.Tensor:
         """Binary masks (B, C, ...): threshold or argmax, then optionally the largest connected component."""
@@ -178,8 +216,9 @@ class Segmenter(MedvolModule):
         }
 
     def _log_epoch(self, stage: str) -> None:
-        dice = getattr(self, f"{stage}_dice").compute()
-        hd95 = getattr(self, f"{stage}_hd95").compute()
+        # torchmetrics squeezes a one-column result (one class) to a scalar: back to one entry per column.
+        dice = getattr(self, f"{stage}_dice").compute().reshape(-1)
+        hd95 = getattr(self, f"{stage}_hd95").compute().reshape(-1)
         values = {f"{stage}/hd95": hd95.nanmean(), f"{stage}/loss": getattr(self, f"{stage}_loss").compute()}
         for i, name in enumerate(self.scheme.names):
             values[f"{stage}/dice_{name}"] = dice[i]
@@ -206,6 +245,8 @@ class Segmenter(MedvolModule):
     def predict_volumes(self, batch: dict[str, Any], window: SlidingWindow, extras: Sequence[str] = ()) -> dict[str, Any]:
         """Masks of whole volumes window by window; Dice and HD95 per subject where the batch has a label."""
         image = batch[self.hparams.image_key]
+        if window.pad_value is None:
+            window = dataclasses.replace(window, pad_value=self.pad_value)
         masks = self.postprocess(window(self.net, image))
         outputs: dict[str, Any] = {"volumes": {"input": image, "seg": self.scheme.label_map(masks)}, "segments": self.scheme.segments}
         if batch.get("label") is not None:

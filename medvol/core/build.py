@@ -46,9 +46,10 @@ def build(node: Any, **kwargs: Any) -> Any:
         raise
 
 
-# Keys of a model config that tell the run how to judge and split for the model (the root config's
-# `optimized_metric`, `fallback_metric` and `dataset.stratify_by` read them), not constructor arguments.
-RUN_KEYS = ("monitor", "monitor_mode", "fallback_monitor", "fallback_mode", "stratify_by")
+# Keys of a model config that tell the run how to judge, split and plan for the model (the root config's
+# `optimized_metric`, `fallback_metric` and `dataset.stratify_by` read them; segmentation's `plan` steers
+# medvol.run.planning), not constructor arguments.
+RUN_KEYS = ("monitor", "monitor_mode", "fallback_monitor", "fallback_mode", "stratify_by", "plan")
 
 
 def build_model(node: Any, **kwargs: Any) -> Any:

@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from medvol.core.errors import MedvolError
+from medvol.run.planning import with_run_plan
 from medvol.run.resolvers import run_dir_of_checkpoint
 
 # The keys of a dataset config that name the model's channels.
@@ -50,7 +51,8 @@ def run_config(ckpt_path: str) -> DictConfig:
 
 def recovered_run(cfg: DictConfig) -> DictConfig:
     """The checkpoint's run config with the command's `model.*` merged on top and the model's settings resolved."""
-    run = merged(run_config(str(cfg.ckpt_path)), {"model": cfg.get("model") or {}})
+    # The training plan's spacing, crop, normalization and network (`<run>/plan.json`), as training applied them.
+    run = merged(with_run_plan(run_config(str(cfg.ckpt_path))), {"model": cfg.get("model") or {}})
     # The model's channel counts interpolate the run's dataset: resolve them before a dataset override.
     with open_dict(run):
         run.model = OmegaConf.create(OmegaConf.to_container(run.model, resolve=True))
@@ -107,13 +109,15 @@ def window_size(cfg: DictConfig) -> list[int]:
     raise MedvolError("`roi`: the run's config names no patch or volume size; set `roi=[D,H,W]`")
 
 
-def input_geometry(spacing: Any, record: Mapping[str, Any] | None) -> dict[str, Any]:
+def input_geometry(spacing: Any, record: Mapping[str, Any] | None, refines: bool = False) -> dict[str, Any]:
     """The `dataset.transforms` geometry inputs are resampled to: the spacing (and orientation) the model was
-    trained at, as its checkpoint records it, or `spacing=[...]`; `spacing=native` keeps each input's own."""
+    trained at, as its checkpoint records it, or `spacing=[...]`; `spacing=native` keeps each input's own, as
+    does a model trained on each subject's own grid (`resampled` false), unless it `refines` the resolution."""
     record = record or {}
     geometry = {"orientation": record["orientation"]} if "orientation" in record else {}
     if spacing is None:
-        return {**geometry, "spacing": record["spacing"]} if record.get("spacing") else geometry
+        kept = record.get("resampled") is False and not refines
+        return {**geometry, "spacing": record["spacing"]} if record.get("spacing") and not kept else geometry
     if spacing == "native":
         return {**geometry, "spacing": None}
     values = [spacing] * 3 if isinstance(spacing, (int, float)) else list(spacing) if OmegaConf.is_list(spacing) else None

@@ -59,7 +59,7 @@ def predict(cfg: DictConfig) -> dict[str, float]:
     check_samples(module, num_samples)
     if cfg.input is not None and "xray" in module.generation_inputs():
         return from_radiographs(module, run, Path(str(cfg.input)).expanduser(), output_dir, num_samples, device)
-    geometry = input_geometry(cfg.get("spacing"), module.training_data)
+    geometry = input_geometry(cfg.get("spacing"), module.training_data, module.refines_resolution)
     run = with_geometry(run, geometry)
     with tempfile.TemporaryDirectory() as scratch:
         inputs = find_inputs(cfg, run, module.generation_inputs(), Path(scratch), geometry)

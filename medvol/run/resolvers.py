@@ -11,6 +11,7 @@ import os
 import re
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -118,6 +119,16 @@ def label_regions(names: list[str] | None) -> dict[str, list[int]] | None:
     return {str(name): list(REGIONS[str(name)]) for name in names}
 
 
+def background_value(transforms: Any, channels: int) -> list[float]:
+    """Per image channel, the value background voxels have in model units: the dataset's transforms say (the low
+    end of the output range, 0 without scaling or for an MR z-score); the synthetic phantoms' -1 without transforms."""
+    from datamodules.pipeline.transforms import TransformSettings, plain
+
+    if transforms is None:
+        return [-1.0] * int(channels)
+    return TransformSettings.from_config(plain(transforms)).background(int(channels))
+
+
 def register_resolvers() -> None:
     """Register medvol's resolvers once; safe to call repeatedly."""
     for name, fn in {
@@ -131,6 +142,7 @@ def register_resolvers() -> None:
         "synthetic_modalities": synthetic_modalities,
         "batch_per_device": batch_per_device,
         "label_regions": label_regions,
+        "background_value": background_value,
     }.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

@@ -22,6 +22,7 @@ from medvol.run.cascade import run_cascade
 from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes
 from medvol.run.fingerprint import RecordFingerprint
 from medvol.run.launch import local_ranks
+from medvol.run.planning import planned
 from medvol.run.run_check import check_label_regions, check_run, check_trainer
 from medvol.run.world import (
     World,
@@ -125,6 +126,9 @@ def _run(cfg: DictConfig, world: World) -> dict[str, float]:
     datamodule: pl.LightningDataModule = build(cfg.dataset)
     if hasattr(datamodule, "preflight"):
         datamodule.preflight()
+    cfg, plan_lines = planned(cfg, datamodule, world.accelerator)
+    if plan_lines:
+        datamodule = build(cfg.dataset)
     if cfg.get("test") and cfg.get("output_format") == "dicom" and hasattr(datamodule, "subjects"):
         refuse_non_series_subjects(datamodule.subjects())
     model_cfg, lr_lines = scale_learning_rates(cfg.model, str(cfg.get("lr_scaling", "none")), world.size)
@@ -145,6 +149,8 @@ def _run(cfg: DictConfig, world: World) -> dict[str, float]:
         if cfg.get("seed") is not None:
             log.info("Seed set to %d", int(cfg.seed))
         log.info("Datamodule <%s>, model <%s>", cfg.dataset._target_, cfg.model._target_)
+        for line in plan_lines:
+            log.info("%s", line)
     trainer = pl.Trainer(
         **settings, callbacks=callbacks, logger=loggers or False, strategy=strategy, plugins=plugins or None
     )

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from monai.inferers import sliding_window_inference
 
 BLEND_MODES = ("gaussian", "constant")
@@ -19,8 +20,9 @@ class SlidingWindow:
     Windows of `roi` voxels (the training patch or volume), `overlap` apart, go to `device` in
     groups of `batch_size` and are blended (Gaussian weights by default); the whole-volume output
     is kept on `output_device` (the CPU by default), so only the windows need to fit on the device.
-    Volumes smaller than `roi` along an axis are padded and the output is cropped back to the
-    input's shape. A window that is exactly the volume is the whole-volume call itself: nothing
+    Volumes smaller than `roi` along an axis are padded (symmetrically, as MONAI pads) and the output
+    is cropped back to the input's shape; the padding takes `pad_value` per channel, the value
+    training gave the background (MONAI pads with 0, mid-grey for inputs in [-1, 1]). A window that is exactly the volume is the whole-volume call itself: nothing
     to blend, so the output is the network's own, bit for bit.
 
     The network may take more inputs than the volume: `volumes` (B, C', D, H, W) on the same grid
@@ -35,6 +37,8 @@ class SlidingWindow:
         batch_size: windows per network call.
         device: where the network runs.
         output_device: where the whole volume is blended and returned.
+        pad_value: per channel of `volume` (or one for all), the value padding takes; None: 0. The extra
+            `volumes` are padded with 0.
     """
 
     roi: tuple[int, int, int]
@@ -43,6 +47,7 @@ class SlidingWindow:
     batch_size: int = 4
     device: torch.device = torch.device("cpu")
     output_device: torch.device = torch.device("cpu")
+    pad_value: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in BLEND_MODES:
@@ -76,6 +81,9 @@ class SlidingWindow:
                     f"`volumes[{name!r}]` has shape {tuple(extra.shape)}; expected {volume.shape[0]} samples on the "
                     f"grid {tuple(volume.shape[2:])}"
                 )
+        short = [max(r - int(s), 0) for r, s in zip(self.roi, volume.shape[2:], strict=True)]
+        if self.pad_value is not None and any(short):
+            return self._padded(short, network, volume, volumes, per_sample)
         if tuple(volume.shape[2:]) == self.roi:
             whole = {name: extra.to(self.device, volume.dtype) for name, extra in volumes.items()}
             rows = {name: values.to(self.device) for name, values in per_sample.items()}
@@ -96,3 +104,17 @@ class SlidingWindow:
         )
         assert isinstance(output, torch.Tensor)
         return output
+
+    def _padded(
+        self, short: Sequence[int], network: Callable[..., torch.Tensor], volume: torch.Tensor,
+        volumes: Mapping[str, torch.Tensor], per_sample: Mapping[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """The volume padded up to the window with `pad_value` per channel, run, and cropped back."""
+        before = [s // 2 for s in short]
+        flat = [p for b, s in zip(reversed(before), reversed(short), strict=True) for p in (b, s - b)]
+        values = self.pad_value if len(self.pad_value or ()) == volume.shape[1] else (self.pad_value or (0.0,))[:1] * volume.shape[1]
+        padded = torch.stack([F.pad(volume[:, c], flat, value=float(v)) for c, v in enumerate(values)], dim=1)
+        extras = {name: F.pad(extra, flat, value=0.0) for name, extra in volumes.items()}
+        output = self(network, padded, extras, per_sample)
+        crop = [slice(b, b + int(n)) for b, n in zip(before, volume.shape[2:], strict=True)]
+        return output[(slice(None), slice(None), *crop)]
