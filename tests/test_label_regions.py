@@ -7,7 +7,7 @@ import torch
 
 from datamodules.sources.brats import REGIONS, BratsLabelsd
 from datamodules.sources.example_data import write_brats
-from medvol.core.build import build
+from medvol.core.build import build_model
 from medvol.core.errors import MedvolError
 from medvol.run.run_check import check_label_regions
 from medvol.run.training import run
@@ -64,7 +64,7 @@ def test_every_subset_of_the_brats_regions_builds_and_its_masks_come_back_from_t
     cfg = compose_cfg(tmp_path, [*README_ROW[:2], "dataset.root=/data", f"dataset.label_regions=[{','.join(names)}]"],
                       tiny=False)
     check_label_regions(cfg)
-    module = build(cfg.model)
+    module = build_model(cfg.model)
     # Every unified BraTS value once; the dataset's own region channels for it.
     label = torch.arange(4).view(1, 4, 1, 1)
     regions = BratsLabelsd("label", 2023, names)({"label": label})["label"][None].to(torch.uint8)

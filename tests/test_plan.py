@@ -15,10 +15,11 @@ import torch
 from datamodules.pipeline.transforms import PlannedNormalized
 from datamodules.sources.nifti import NiftiDataModule
 from lightning_modules.segmentation.networks import build_network
-from medvol.core.build import build
+from medvol.core.build import build_model
 from medvol.core.errors import MedvolError
 from medvol.run.planning import planned, with_run_plan
-from medvol.run.predicting import input_geometry, predict, run_config, window_size
+from medvol.run.predict_config import input_geometry, run_config, window_size
+from medvol.run.predicting import predict
 from medvol.run.training import run
 from medvol.volumes.plan import DataFingerprint, activation_bytes, background_values, make_plan, topology
 from medvol.volumes.sliding_window import SlidingWindow
@@ -231,7 +232,7 @@ def test_windows_past_a_small_volume_are_padded_with_the_training_background_per
 def test_the_segmenters_windows_pad_with_the_datasets_background(tmp_path, overrides, expected):
     cfg = compose_cfg(tmp_path, ["model=segmentation", *overrides], tiny=False)
     assert list(cfg.model.pad_value) == expected
-    module = build(cfg.model)
+    module = build_model(cfg.model)
     seen = []
     module.net.register_forward_pre_hook(lambda _, inputs: seen.append(inputs[0].clone()))
     module.sliding_window(torch.ones(1, 1, 4, 4, 4))

@@ -189,7 +189,7 @@ def test_two_gloo_ranks_give_the_metrics_of_one_process_with_an_odd_subject_coun
 def test_experiments_have_the_seed_values(tmp_path):
     brats = compose_cfg(tmp_path, ["experiment=brats_segmentation", "dataset.root=/data"], tiny=False)
     assert dict(brats.model.regions) == {"WT": [1, 2, 3], "TC": [1, 3], "ET": [3]} and brats.optimized_metric == "val/dice"
-    assert len(brats.dataset.image_modalities) == 4 and list(brats.plan.patch_size) == [128, 128, 128]
+    assert len(brats.dataset.image_modalities) == 4 and list(brats.model.plan.patch_size) == [128, 128, 128]
     prs = compose_cfg(tmp_path, ["experiment=prs_segmentation"], tiny=False)
     assert (prs.dataset.batch_size, prs.model.optimizer.lr, prs.lr_scaling, prs.trainer.max_epochs) == (8, 1e-4, "linear", 20)
     assert prs.strategy._target_.endswith("DDPStrategy")
