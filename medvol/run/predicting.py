@@ -42,6 +42,7 @@ from medvol.run.generation import (
     with_target_units,
     without_targets,
 )
+from medvol.run.noise_samples import write_noise_samples
 from medvol.run.radiographs import ct_from_radiographs
 from medvol.run.resolvers import run_dir_of_checkpoint
 from medvol.volumes.prediction_writer import PredictionWriter
@@ -324,7 +325,8 @@ def predict(cfg: DictConfig) -> dict[str, float]:
     num_samples = cfg.get("num_samples", 1)
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
         raise MedvolError(f"`num_samples` is {num_samples!r}; expected a whole number >= 1")
-    if cfg.input is None and cfg.split is None and not cfg.get("dataset"):
+    from_noise = cfg.input is None and cfg.split is None and not cfg.get("dataset")
+    if from_noise and not target_class(run.model._target_).generates_from_noise(run.model):
         raise MedvolError(
             "`input` is not set; expected a NIfTI file, a folder of them, `split=test` for the run's test split, "
             "or a dataset (`dataset=nifti dataset.root=DIR`)"
@@ -335,6 +337,11 @@ def predict(cfg: DictConfig) -> dict[str, float]:
     module = load_module(run, str(cfg.ckpt_path), device)
     protected: list[Path] = []
     generation = module.generation_inputs()
+    if from_noise:
+        # An unconditional generator with no input: `num_samples` volumes from noise alone.
+        count = write_noise_samples(module, input_geometry(cfg.get("spacing"), module.training_data), num_samples, output_dir)
+        print(f"generated {count} sample{'s' if count != 1 else ''} -> {output_dir}")
+        return {}
     if num_samples > 1 and not generation:
         raise MedvolError(
             f"`num_samples`={num_samples}: {class_path(module)} is not generative (its outputs are not samples); "

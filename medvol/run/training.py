@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_modules.base import MedvolModule
 from medvol.core.atomic_checkpoint import checkpoint_io_plugins
-from medvol.core.build import build
+from medvol.core.build import build, target_class
 from medvol.core.console import print_config_tree
 from medvol.core.errors import MedvolError
 from medvol.core.process_group import release_at_exit, run_started
@@ -74,6 +74,9 @@ def check_config(cfg: DictConfig) -> World:
     check_strategy(cfg.get("strategy"), world)
     check_launch(world)
     check_checkpoint_family(cfg.get("ckpt_path"), str(cfg.model._target_))
+    family = target_class(str(cfg.model._target_))
+    if hasattr(family, "check_settings"):
+        family.check_settings(cfg.model)
     return world
 
 
