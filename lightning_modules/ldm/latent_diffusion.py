@@ -158,7 +158,7 @@ class LatentDiffusion(DiffusionModule):
             if not int(self.training_latent_size.sum()):
                 self.training_latent_size.copy_(torch.tensor(z.shape[2:]))
             totals += torch.stack([z.sum(), z.square().sum(), torch.tensor(z.numel(), device=z.device).double()])
-        if self.trainer is not None and self.trainer.world_size > 1:
+        if self._trainer is not None and self.trainer.world_size > 1:
             totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
         mean = totals[0] / totals[2]
         std = (totals[1] / totals[2] - mean.square()).clamp_min(1e-12).sqrt()
