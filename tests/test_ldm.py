@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from monai.networks.nets import DiffusionModelUNet
+from omegaconf import OmegaConf
 from torch import nn
 
 from datamodules.sources.phantom import make_phantom
@@ -20,7 +21,7 @@ from lightning_modules.ldm.latent_diffusion import LatentDiffusion
 from lightning_modules.vqgan.vqgan import VQGAN
 from medvol.core.errors import MedvolError
 from medvol.run.predicting import predict
-from medvol.run.training import check_config
+from medvol.run.training import check_config, run
 from tests.conftest import TINY_MODEL, compose_cfg
 from tests.test_predict import predict_cfg, saved_run
 
@@ -224,3 +225,20 @@ def test_predict_with_no_input_writes_n_samples_at_the_spacing_asked_in_hounsfie
     # The CT window [-1000, 1000] HU of the phantoms, undone from the model's [-1, 1].
     assert first.min() >= -1000.5 and first.max() <= 1000.5 and first.max() - first.min() > 10
     assert not np.allclose(first, second)
+
+
+def test_the_cpu_preset_trains_the_vqgan_then_the_ldm_on_its_best_checkpoint(tmp_path):
+    tiny_stage2 = [f"cascade.stage2.{o}" for o in TINY_MODEL["ldm"]]
+    cfg = compose_cfg(tmp_path, [
+        "experiment=ldm_cpu", "logger=none", "callbacks.volume_slices=null", "cascade.stage1.trainer.max_epochs=2",
+        "cascade.stage2.trainer.max_epochs=1", "test=false", *tiny_stage2,
+    ])
+    metrics = run(cfg)
+    best = tmp_path / "stage1" / "best.ckpt"
+    assert OmegaConf.load(tmp_path / "stage2" / "config.yaml").model.first_stage_ckpt == str(best)
+    assert "stage1/val/psnr" in metrics and "stage2/val/recon_psnr" in metrics
+    vqgan = torch.load(best, weights_only=False)["state_dict"]
+    ldm = torch.load(tmp_path / "stage2" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    for key, value in ldm.items():
+        if key.startswith("first_stage."):
+            assert torch.equal(value, vqgan[key.removeprefix("first_stage.")]), key

@@ -122,7 +122,9 @@ class LatentDiffusion(DiffusionModule):
 
     @classmethod
     def check_settings(cls, settings: Mapping[str, Any]) -> None:
-        read_first_stage(settings.get("first_stage_ckpt"))
+        # Null here is a cascade's stage whose VQ-GAN trains first (a plain run's unset `???` is refused before).
+        if settings.get("first_stage_ckpt") is not None:
+            read_first_stage(settings.get("first_stage_ckpt"))
 
     @classmethod
     def generates_from_noise(cls, settings: Mapping[str, Any]) -> bool:
