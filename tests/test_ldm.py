@@ -242,3 +242,36 @@ def test_the_cpu_preset_trains_the_vqgan_then_the_ldm_on_its_best_checkpoint(tmp
     for key, value in ldm.items():
         if key.startswith("first_stage."):
             assert torch.equal(value, vqgan[key.removeprefix("first_stage.")]), key
+
+
+@pytest.fixture(scope="module")
+def conditional_run(ldm_run, tmp_path_factory) -> Path:
+    """A tiny CT-from-T1 LDM on the `ldm_run` VQ-GAN: the T1 condition encoded by the same first stage."""
+    first_stage, _ = ldm_run
+    base = tmp_path_factory.mktemp("conditional")
+    cfg = compose_cfg(base, [
+        "model=ldm", f"model.first_stage_ckpt={first_stage}", *TINY_MODEL["ldm"], "model.cond_channels=1",
+        "dataset.image_modalities=[ct]", "dataset.cond_modalities=[t1]", "logger=none", "callbacks.volume_slices=null",
+        "optimized_metric=val/psnr",
+    ])
+    return saved_run(base, cfg)
+
+
+def test_predict_from_condition_files_gives_n_samples_with_mean_and_spread_on_each_files_grid(conditional_run, tmp_path):
+    inputs = tmp_path / "t1"
+    inputs.mkdir()
+    shape = (20, 18, 16)
+    affine = np.diag([1.5, 1.5, 2.0, 1.0])
+    for i in range(2):
+        nib.save(nib.Nifti1Image(make_phantom(3, i, shape).channels["t1"], affine), inputs / f"case{i}.nii.gz")
+    out = tmp_path / "out"
+    predict(predict_cfg(f"ckpt_path={conditional_run}/checkpoints/last.ckpt", f"input={inputs}", f"output_dir={out}",
+                        "num_samples=2", "spacing=native"))
+    names = ["sample_0", "sample_1", "sample_mean", "sample_std"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"case{i}_{n}.nii.gz" for i in range(2) for n in names)
+    written = {n: nib.load(str(out / f"case0_{n}.nii.gz")) for n in names}
+    assert all(image.shape == shape and np.allclose(image.affine, affine) for image in written.values())
+    draws = np.stack([written[n].get_fdata() for n in names[:2]])
+    np.testing.assert_allclose(written["sample_mean"].get_fdata(), draws.mean(0), atol=1e-2)
+    np.testing.assert_allclose(written["sample_std"].get_fdata(), draws.std(0, ddof=1), atol=1e-2)
+    assert not np.allclose(draws[0], draws[1])
