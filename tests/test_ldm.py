@@ -72,7 +72,7 @@ def test_the_first_stage_is_the_vqgans_encoder_codebook_and_decoder_frozen(vqgan
 
 
 def test_the_scale_factor_makes_training_latents_unit_variance_and_is_undone_before_decoding(vqgan_ckpt):
-    module = tiny_ldm(vqgan_ckpt)
+    module = tiny_ldm(vqgan_ckpt, decode_quantized=False)
     x = phantoms(4)
     module.set_scale_factor([{"image": x[:2]}, {"image": x[2:]}])
     raw = module.first_stage.encode(x).double().numpy()
@@ -118,7 +118,7 @@ class Oracle(nn.Module):
 
 
 def test_a_perfect_denoiser_returns_the_training_latents_and_their_decoded_volume(vqgan_ckpt):
-    module = tiny_ldm(vqgan_ckpt, ema_decay=None)
+    module = tiny_ldm(vqgan_ckpt, ema_decay=None, decode_quantized=False)
     x = phantoms(1)
     module.set_scale_factor([{"image": x}])
     z0 = module.latents(x)

@@ -72,7 +72,7 @@ class LatentDiffusion(DiffusionModule):
         first_stage_settings: Mapping[str, Any] | None = None,
         cond_channels: int = 0,
         spacing_conditioning: bool = False,
-        decode_quantized: bool = False,
+        decode_quantized: bool = True,
         decode_slab_elements: int | None = None,
         sample_size: Sequence[int] | None = None,
         mmd_size: int = 16,
