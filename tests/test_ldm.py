@@ -275,3 +275,18 @@ def test_predict_from_condition_files_gives_n_samples_with_mean_and_spread_on_ea
     np.testing.assert_allclose(written["sample_mean"].get_fdata(), draws.mean(0), atol=1e-2)
     np.testing.assert_allclose(written["sample_std"].get_fdata(), draws.std(0, ddof=1), atol=1e-2)
     assert not np.allclose(draws[0], draws[1])
+
+
+def test_a_resumed_ldm_run_ends_with_the_weights_of_an_uninterrupted_one(ldm_run, tmp_path):
+    first_stage, _ = ldm_run
+    common = ["model=ldm", f"model.first_stage_ckpt={first_stage}", *TINY_MODEL["ldm"], "dataset.image_modalities=[ct]",
+              "logger=none", "callbacks.volume_slices=null", "optimized_metric=val/loss", "optimized_mode=min"]
+    run(compose_cfg(tmp_path / "straight", [*common, "trainer.max_epochs=2"]))
+    run(compose_cfg(tmp_path / "resumed", [*common, "trainer.max_epochs=1"]))
+    run(compose_cfg(tmp_path / "resumed", [*common, "trainer.max_epochs=2",
+                                           f"ckpt_path={tmp_path / 'resumed' / 'checkpoints' / 'last.ckpt'}"]))
+    straight, resumed = (torch.load(tmp_path / name / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+                         for name in ("straight", "resumed"))
+    assert straight.keys() == resumed.keys()
+    for key, value in straight.items():
+        assert torch.equal(value, resumed[key]), key
