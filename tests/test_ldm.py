@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from pathlib import Path
 
@@ -22,7 +23,8 @@ from lightning_modules.vqgan.vqgan import VQGAN
 from medvol.core.errors import MedvolError
 from medvol.run.predicting import predict
 from medvol.run.training import check_config, run
-from tests.conftest import TINY_MODEL, compose_cfg
+from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
+from tests.test_ddp_support import explain, train_cli
 from tests.test_predict import predict_cfg, saved_run
 
 TINY_VQGAN = {"n_hiddens": 8, "n_codes": 32, "embedding_dim": 4, "disc_channels": 8, "disc_layers": 2}
@@ -290,3 +292,29 @@ def test_a_resumed_ldm_run_ends_with_the_weights_of_an_uninterrupted_one(ldm_run
     assert straight.keys() == resumed.keys()
     for key, value in straight.items():
         assert torch.equal(value, resumed[key]), key
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_give_the_metrics_and_scale_factor_of_one(vqgan_ckpt, tmp_path):
+    # lr = 0 keeps the denoiser at its seeded start: the scale factor (summed over the ranks' shares of the
+    # 8 training subjects) and the evaluation (per-subject noise, metrics synced over 4 validation subjects
+    # split 2 + 2; the MMD over the gathered volumes) are compared.
+    args = [*TINY_COMMON, *TINY_MODEL["ldm"], "model=ldm", f"model.first_stage_ckpt={vqgan_ckpt}",
+            "dataset.num_subjects=12", "dataset.val_fraction=0.34", "dataset.test_fraction=0",
+            "trainer.limit_train_batches=2", "model.optimizer.lr=0", "model.ema_decay=null", "logger=none",
+            "callbacks.volume_slices=null", "optimized_metric=val/loss", "optimized_mode=min",
+            "model.network._target_=tests.test_ddpm.unet_with_live_output",
+            "+callbacks.rank_recorder._target_=tests.test_ddp_support.RankRecorder"]
+    ddp = train_cli([*args, f"+callbacks.rank_recorder.directory={tmp_path / 'ranks'}", "strategy=ddp",
+                     "trainer.devices=2", "dataset.batch_size=1", f"hydra.run.dir={tmp_path / 'ddp'}"], cwd=tmp_path, tiny=False)
+    assert ddp.returncode == 0, explain(ddp)
+    single = tmp_path / "single"
+    run(compose_cfg(single, [*args, f"+callbacks.rank_recorder.directory={single / 'ranks'}"], tiny=False))
+    ranks = [json.loads((tmp_path / "ranks" / f"rank{r}.json").read_text())["val"] for r in (0, 1)]
+    one = json.loads((single / "ranks" / "rank0.json").read_text())["val"]
+    for name in ("val/loss", "val/recon_psnr", "val/recon_ssim", "val/mmd", "val/recon_mmd", "val/diversity_msssim"):
+        assert ranks[0][name] == ranks[1][name], name
+        assert ranks[0][name] == pytest.approx(one[name], rel=1e-4), name
+    scales = [torch.load(d / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]["scale_factor"]
+              for d in (tmp_path / "ddp", single)]
+    assert float(scales[0]) == pytest.approx(float(scales[1]), rel=1e-6)
