@@ -7,7 +7,7 @@ memory do not depend on them), the denoiser the preset's UNet:
 - `ctpa` (experiment=ctpa_ldm): the same VQ-GAN (the CTPA seed's), UNet 128/256/512, 2 res blocks,
   attention at the coarsest level; training on 64^3 latents (256^3 crops), generation of a whole
   512x512x604 volume (a 128x128x152 latent, sampled by 64^3 Gaussian-blended windows, decoded by
-  depth slabs of 2^26 values).
+  depth slabs of 2^26 values, each layer's whole activation kept on the CPU on a GPU: `decode_offload`).
 
 Rows: `train` (encode the batch, the diffusion loss, backward, an Adam step; batch 1), `generate`
 (the sampler's walk from noise to a latent and its decoding: Fast-DDPM's 10-step DDIM set, DDIM
@@ -120,7 +120,7 @@ def train_row(preset: str, latent: list[int], device: torch.device, repeats: int
 
 def generate_row(preset: str, sampler: str, device: torch.device) -> dict:
     module = build(preset, device, sampling_window=PRESETS[preset]["window"], decode_slab_elements=SLAB_ELEMENTS,
-                   **SAMPLERS[sampler])
+                   decode_offload=device.type == "cuda", **SAMPLERS[sampler])
     module.eval()
     z_T = torch.randn(1, FIRST_STAGE["embedding_dim"], *PRESETS[preset]["generate"], device=device)
     start = peak_start(device)
@@ -137,7 +137,8 @@ def generate_row(preset: str, sampler: str, device: torch.device) -> dict:
 
 
 def decode_row(preset: str, slabs: bool, device: torch.device) -> dict:
-    module = build(preset, device, decode_slab_elements=SLAB_ELEMENTS if slabs else None)
+    module = build(preset, device, decode_slab_elements=SLAB_ELEMENTS if slabs else None,
+                   decode_offload=slabs and device.type == "cuda")
     latent = torch.randn(1, FIRST_STAGE["embedding_dim"], *PRESETS[preset]["decode"], device=device)
     start = peak_start(device)
     began = time.perf_counter()

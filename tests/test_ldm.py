@@ -104,7 +104,9 @@ def test_slab_decoding_equals_decoding_the_whole_volume(elements):
     z = torch.cat([first_stage.encode(phantoms(1, 24)), torch.randn(1, 4, 6, 12, 6)])
     whole = first_stage.decode(z, quantized=False)
     assert whole.shape == (2, 1, 24, 24, 24)
-    torch.testing.assert_close(first_stage.decode(z, quantized=False, slab_elements=elements), whole, rtol=0, atol=2e-5)
+    for offload in (False, True):
+        slabs = first_stage.decode(z, quantized=False, slab_elements=elements, offload=offload)
+        torch.testing.assert_close(slabs, whole, rtol=0, atol=2e-5)
 
 
 class Oracle(nn.Module):

@@ -91,13 +91,17 @@ class FirstStage(nn.Module):
         return self.encoder(x.float())
 
     @torch.no_grad()
-    def decode(self, z: torch.Tensor, quantized: bool, slab_elements: int | None = None) -> torch.Tensor:
+    def decode(
+        self, z: torch.Tensor, quantized: bool, slab_elements: int | None = None, offload: bool = False
+    ) -> torch.Tensor:
         """Images from latents `z`, snapped to the codebook first when `quantized`; with `slab_elements`, layer by
-        layer in depth slabs of at most that many values on `z`'s device (`slab_decoding`: the same output)."""
+        layer in depth slabs of at most that many values on `z`'s device (`slab_decoding`: the same output),
+        the whole activations kept on the CPU with `offload`."""
         z = self.snap(z.float()) if quantized else z.float()
         if slab_elements is None:
             return self.decoder(z)
-        return run_in_slabs(self.decoder, z, slab_elements, z.device)
+        storage = z.cpu() if offload else z
+        return run_in_slabs(self.decoder, storage, slab_elements, z.device).to(z.device)
 
     def snap(self, z: torch.Tensor) -> torch.Tensor:
         """Every latent vector replaced by its nearest code (exactly the code: no straight-through arithmetic)."""

@@ -57,6 +57,7 @@ class LatentDiffusion(DiffusionModule):
         decode_slab_elements: decode layer by layer in depth slabs of at most this many values on the
             device (`slab_decoding`: exactly the whole-volume output, for volumes whose decoder
             activations do not fit at once); null decodes the whole volume in one call.
+        decode_offload: with slabs, keep each layer's whole activation on the CPU (only slabs on the GPU).
         sample_size: image size (D, H, W) of unconditional samples (null: the training volume's).
         mmd_size: volumes are pooled to at most this many voxels per axis for the MMD metric.
         image_key: batch key of the volume to generate.
@@ -74,6 +75,7 @@ class LatentDiffusion(DiffusionModule):
         spacing_conditioning: bool = False,
         decode_quantized: bool = True,
         decode_slab_elements: int | None = None,
+        decode_offload: bool = False,
         sample_size: Sequence[int] | None = None,
         mmd_size: int = 16,
         image_key: str = "image",
@@ -147,7 +149,8 @@ class LatentDiffusion(DiffusionModule):
         """Images decoded from scaled latents (snapped to the codebook with `decode_quantized`), in [-1, 1]."""
         slab = self.hparams.decode_slab_elements
         decoded = self.first_stage.decode(
-            latents / self.scale, bool(self.hparams.decode_quantized), None if slab is None else int(slab)
+            latents / self.scale, bool(self.hparams.decode_quantized), None if slab is None else int(slab),
+            bool(self.hparams.decode_offload),
         )
         return decoded.clamp(-1.0, 1.0)
 
