@@ -320,3 +320,24 @@ def test_two_gloo_ranks_give_the_metrics_and_scale_factor_of_one(vqgan_ckpt, tmp
     scales = [torch.load(d / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]["scale_factor"]
               for d in (tmp_path / "ddp", single)]
     assert float(scales[0]) == pytest.approx(float(scales[1]), rel=1e-6)
+
+
+def test_fid_is_the_frechet_distance_of_the_given_networks_features_and_absent_without_one(tmp_path, vqgan_ckpt):
+    from scipy import linalg
+
+    torch.manual_seed(0)
+    network = torch.jit.script(nn.Sequential(nn.Conv3d(1, 3, 3), nn.AdaptiveAvgPool3d(1), nn.Flatten()))
+    torch.jit.save(network, str(tmp_path / "features.pt"))
+    module = tiny_ldm(vqgan_ckpt, fid_network=str(tmp_path / "features.pt"))
+    assert "val/fid" not in tiny_ldm(vqgan_ckpt).val_metrics
+    generated, real = torch.randn(8, 1, 8, 8, 8), 0.5 * torch.randn(8, 1, 8, 8, 8) + 0.3
+    fid = module.val_metrics["val/fid"]
+    for half in (slice(0, 4), slice(4, 8)):
+        fid.update(generated[half], real[half])
+    with torch.no_grad():
+        a, b = (network(v).double().numpy() for v in (generated, real))
+    covariance = linalg.sqrtm(np.cov(a, rowvar=False) @ np.cov(b, rowvar=False)).real
+    expected = np.sum((a.mean(0) - b.mean(0)) ** 2) + np.trace(np.cov(a, rowvar=False) + np.cov(b, rowvar=False) - 2 * covariance)
+    assert float(fid.compute()) == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(MedvolError, match="`model.fid_network`: no file at"):
+        LatentDiffusion.check_settings({"first_stage_ckpt": str(vqgan_ckpt), "fid_network": str(tmp_path / "none.pt")})

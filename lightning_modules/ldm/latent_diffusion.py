@@ -30,7 +30,7 @@ from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMe
 from lightning_modules.diffusion.diffusion_module import Conditioning, DiffusionModule
 from lightning_modules.diffusion.subject_noise import SubjectNoise, subject_names
 from lightning_modules.ldm.first_stage import FirstStage, read_first_stage
-from lightning_modules.ldm.metrics import VolumeSetMMD, sample_msssim
+from lightning_modules.ldm.metrics import VolumeSetFID, VolumeSetMMD, load_feature_network, sample_msssim
 from medvol.core.errors import MedvolError
 
 SPACING_DIMS = 3
@@ -60,6 +60,8 @@ class LatentDiffusion(DiffusionModule):
         decode_offload: with slabs, keep each layer's whole activation on the CPU (only slabs on the GPU).
         sample_size: image size (D, H, W) of unconditional samples (null: the training volume's).
         mmd_size: volumes are pooled to at most this many voxels per axis for the MMD metric.
+        fid_network: a local TorchScript 3D feature network: 3D FID between samples and real volumes
+            (`fid`); null: no FID (features of an untrained network would not be FID).
         image_key: batch key of the volume to generate.
         cond_key: batch key of the condition image.
         ssim_kernel_size: Gaussian window of the SSIM and MS-SSIM metrics.
@@ -78,6 +80,7 @@ class LatentDiffusion(DiffusionModule):
         decode_offload: bool = False,
         sample_size: Sequence[int] | None = None,
         mmd_size: int = 16,
+        fid_network: str | None = None,
         image_key: str = "image",
         cond_key: str = "cond",
         ssim_kernel_size: int = 11,
@@ -111,9 +114,10 @@ class LatentDiffusion(DiffusionModule):
             "psnr": PeakSignalNoiseRatio(data_range=2.0, reduction="elementwise_mean", dim=(1, 2, 3, 4)),
             "ssim": StructuralSimilarityIndexMeasure(data_range=2.0, kernel_size=ssim_kernel_size),
         }
+        fid = {"fid": VolumeSetFID(fid_network)} if fid_network else {}
         self.set_metrics(
             ssim_kernel_size, loss=MeanMetric(), recon_psnr=image["psnr"], recon_ssim=image["ssim"],
-            mmd=VolumeSetMMD(mmd_size), recon_mmd=VolumeSetMMD(mmd_size), diversity_msssim=MeanMetric(),
+            mmd=VolumeSetMMD(mmd_size), recon_mmd=VolumeSetMMD(mmd_size), diversity_msssim=MeanMetric(), **fid,
         )
 
     @classmethod
@@ -127,6 +131,8 @@ class LatentDiffusion(DiffusionModule):
         # Null here is a cascade's stage whose VQ-GAN trains first (a plain run's unset `???` is refused before).
         if settings.get("first_stage_ckpt") is not None:
             read_first_stage(settings.get("first_stage_ckpt"))
+        if settings.get("fid_network"):
+            load_feature_network(settings.get("fid_network"))
 
     @classmethod
     def generates_from_noise(cls, settings: Mapping[str, Any]) -> bool:
@@ -257,6 +263,8 @@ class LatentDiffusion(DiffusionModule):
         metrics[f"{prefix}recon_ssim"].update(reconstruction, x0)
         metrics[f"{prefix}mmd"].update(sample, x0)
         metrics[f"{prefix}recon_mmd"].update(reconstruction, x0)
+        if f"{prefix}fid" in metrics:
+            metrics[f"{prefix}fid"].update(sample, x0)
         diversity = sample_msssim(sample, second, int(self.hparams.ssim_kernel_size))
         metrics[f"{prefix}diversity_msssim"].update(diversity.mean(), weight=size)
         volumes = {"sample": sample.detach(), "target": x0.detach(), "reconstruction": reconstruction.detach()}

@@ -1,11 +1,15 @@
-"""Generation metrics over sets of volumes: MMD between generated and real (MONAI) and sample diversity (MS-SSIM)."""
+"""Generation metrics over sets of volumes: MMD and 3D FID between generated and real (MONAI), sample diversity (MS-SSIM)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
-from monai.metrics import MMDMetric, MultiScaleSSIMMetric
+from monai.metrics import FIDMetric, MMDMetric, MultiScaleSSIMMetric
 from torchmetrics import Metric
+
+from medvol.core.errors import MedvolError
 
 # MONAI's default MS-SSIM scale weights (Wang et al. 2003); fewer scales where a volume is too small for five.
 MSSSIM_WEIGHTS = (0.0448, 0.2856, 0.3001, 0.2363, 0.1333)
@@ -41,6 +45,59 @@ class VolumeSetMMD(Metric):
         if generated.shape[0] < 2:
             return torch.tensor(float("nan"), device=generated.device)
         return MMDMetric()(real, generated)
+
+
+def load_feature_network(path: str) -> torch.jit.ScriptModule:
+    """The user's TorchScript feature network for 3D FID (`model.fid_network`), frozen, else one `MedvolError` line."""
+    file = Path(str(path)).expanduser()
+    if not file.is_file():
+        raise MedvolError(
+            f"`model.fid_network`: no file at {file}; expected a TorchScript 3D feature network saved with torch.jit.save "
+            "(e.g. MedicalNet weights you have; medvol downloads none), or null for no FID"
+        )
+    try:
+        network = torch.jit.load(str(file), map_location="cpu")
+    except Exception as err:  # noqa: BLE001 - any load failure is the same user error
+        raise MedvolError(
+            f"`model.fid_network`: {file} is not a TorchScript file ({type(err).__name__}); expected a network saved "
+            "with torch.jit.save"
+        ) from err
+    return network.eval()
+
+
+class VolumeSetFID(Metric):
+    """3D FID (MONAI `FIDMetric`) between the features of the epoch's generated and real volumes.
+
+    The features come from a local TorchScript network mapping (B, C, D, H, W) volumes in [-1, 1] to
+    (B, F) vectors or feature maps (global-average-pooled to (B, F)); they are gathered over ranks.
+    NaN with fewer than two volumes.
+    """
+
+    full_state_update = False
+
+    def __init__(self, network_path: str) -> None:
+        super().__init__()
+        # In a list: the network's weights are the user's file, not this model's state.
+        self._network = [load_feature_network(network_path)]
+        self.add_state("generated", default=[], dist_reduce_fx="cat")
+        self.add_state("real", default=[], dist_reduce_fx="cat")
+
+    @torch.no_grad()
+    def features(self, volumes: torch.Tensor) -> torch.Tensor:
+        network = self._network[0].to(volumes.device)
+        out = network(volumes.float())
+        return (out.flatten(2).mean(2) if out.ndim > 2 else out).double()
+
+    def update(self, generated: torch.Tensor, real: torch.Tensor) -> None:
+        self.generated.append(self.features(generated))
+        self.real.append(self.features(real))
+
+    def compute(self) -> torch.Tensor:
+        generated = torch.cat(self.generated) if isinstance(self.generated, list) else self.generated
+        real = torch.cat(self.real) if isinstance(self.real, list) else self.real
+        if generated.shape[0] < 2:
+            return torch.tensor(float("nan"), device=generated.device)
+        return FIDMetric()(generated, real)
 
 
 def msssim_weights(size: int, kernel_size: int) -> tuple[float, ...]:
