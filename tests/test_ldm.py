@@ -20,6 +20,7 @@ from lightning_modules.diffusion.fast_ddpm import ConditionalDiffusion
 from lightning_modules.ldm.first_stage import VQGAN_CLASS, FirstStage
 from lightning_modules.ldm.latent_diffusion import LatentDiffusion
 from lightning_modules.vqgan.vqgan import VQGAN
+from medvol.core.build import build
 from medvol.core.errors import MedvolError
 from medvol.run.predicting import predict
 from medvol.run.training import check_config, run
@@ -341,3 +342,27 @@ def test_fid_is_the_frechet_distance_of_the_given_networks_features_and_absent_w
     assert float(fid.compute()) == pytest.approx(expected, rel=1e-6)
     with pytest.raises(MedvolError, match="`model.fid_network`: no file at"):
         LatentDiffusion.check_settings({"first_stage_ckpt": str(vqgan_ckpt), "fid_network": str(tmp_path / "none.pt")})
+
+
+def test_latents_are_cached_once_per_subject_and_another_first_stage_never_reuses_them(tmp_path, vqgan_ckpt):
+    torch.manual_seed(5)
+    retrained = save_checkpoint(VQGAN(**TINY_VQGAN), tmp_path / "retrained.ckpt", VQGAN_CLASS)
+    cache = tmp_path / "cache"
+
+    def first_item(ckpt: Path) -> tuple[dict, LatentDiffusion]:
+        cfg = compose_cfg(tmp_path / "run", ["model=ldm", f"model.first_stage_ckpt={ckpt}", *TINY_MODEL["ldm"],
+                                             "dataset.cache=disk", f"dataset.cache_dir={cache}"])
+        module, datamodule = build(cfg.model), build(cfg.dataset)
+        datamodule.add_cached_transform(*module.cached_transform())
+        datamodule.setup("fit")
+        return datamodule.datasets["train"][0], module
+
+    item, module = first_item(vqgan_ckpt)
+    torch.testing.assert_close(item["latent"], module.first_stage.encoder(item["image"][None].float())[0])
+    folders = sorted(p.name for p in cache.iterdir())
+    first_item(vqgan_ckpt)
+    assert sorted(p.name for p in cache.iterdir()) == folders
+    other, other_module = first_item(retrained)
+    assert len(list(cache.iterdir())) == len(folders) + 1
+    torch.testing.assert_close(other["latent"], other_module.first_stage.encoder(other["image"][None].float())[0])
+    assert not torch.allclose(other["latent"], item["latent"])

@@ -7,6 +7,8 @@ weights, so a latent model's checkpoint rebuilds its first stage without the VQ-
 
 from __future__ import annotations
 
+import copy
+import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -116,3 +118,28 @@ class FirstStage(nn.Module):
                 f"the first stage's downsample {list(self.downsample)} must divide the volume size, got {list(size)}; "
                 "crop/pad the dataset to a multiple of the downsample factors"
             )
+
+
+def weights_digest(module: nn.Module) -> str:
+    """sha256 of a module's weights (names, shapes and bytes): what a cache of its outputs is made from."""
+    digest = hashlib.sha256()
+    for name, value in module.state_dict().items():
+        digest.update(f"{name}{tuple(value.shape)}{value.dtype}".encode())
+        digest.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class EncodeLatent:
+    """Item transform: the raw (unscaled) latent of the item's image as `latent`, by a CPU copy of the first stage.
+
+    Deterministic, so the dataset cache keeps each subject's latent (`VolumeDataModule.add_cached_transform`).
+    """
+
+    def __init__(self, first_stage: FirstStage, image_key: str = "image") -> None:
+        self.first_stage = copy.deepcopy(first_stage).cpu()
+        self.image_key = image_key
+
+    def __call__(self, item: dict) -> dict:
+        image = item[self.image_key]
+        image = image.as_tensor() if hasattr(image, "as_tensor") else torch.as_tensor(image)
+        return {**item, "latent": self.first_stage.encode(image.float()[None])[0]}

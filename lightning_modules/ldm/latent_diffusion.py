@@ -29,7 +29,7 @@ from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMe
 
 from lightning_modules.diffusion.diffusion_module import Conditioning, DiffusionModule
 from lightning_modules.diffusion.subject_noise import SubjectNoise, subject_names
-from lightning_modules.ldm.first_stage import FirstStage, read_first_stage
+from lightning_modules.ldm.first_stage import EncodeLatent, FirstStage, read_first_stage, weights_digest
 from lightning_modules.ldm.metrics import VolumeSetFID, VolumeSetMMD, load_feature_network, sample_msssim
 from medvol.core.errors import MedvolError
 
@@ -151,6 +151,17 @@ class LatentDiffusion(DiffusionModule):
         """Scaled continuous latents of (B, C, D, H, W) images."""
         return self.first_stage.encode(images) * self.scale
 
+    def raw_latents(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """The unscaled latents of the batch's images: cached by the dataset (`latent`), else encoded now."""
+        if batch.get("latent") is not None:
+            return batch["latent"].float().to(self.device)
+        return self.first_stage.encode(batch[self.hparams.image_key].float().to(self.device))
+
+    def cached_transform(self) -> tuple[EncodeLatent, dict[str, Any]]:
+        """The encoder as a dataset transform, and what its outputs are made from (the first stage's weights), for
+        the run to hand the datamodule: latents are computed once per subject and cached with the images."""
+        return EncodeLatent(self.first_stage, self.hparams.image_key), {"first_stage": weights_digest(self.first_stage)}
+
     def images(self, latents: torch.Tensor) -> torch.Tensor:
         """Images decoded from scaled latents (snapped to the codebook with `decode_quantized`), in [-1, 1]."""
         slab = self.hparams.decode_slab_elements
@@ -165,7 +176,7 @@ class LatentDiffusion(DiffusionModule):
         """`scale_factor` = 1/std of the raw latents of every training batch in `batches`, over all ranks."""
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)
         for batch in batches:
-            z = self.first_stage.encode(batch[self.hparams.image_key].to(self.device)).double()
+            z = self.raw_latents(batch).double()
             if not int(self.training_latent_size.sum()):
                 self.training_latent_size.copy_(torch.tensor(z.shape[2:]))
             totals += torch.stack([z.sum(), z.square().sum(), torch.tensor(z.numel(), device=z.device).double()])
@@ -230,7 +241,7 @@ class LatentDiffusion(DiffusionModule):
     # ---- Lightning steps --------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        z0 = self.latents(batch[self.hparams.image_key].float())
+        z0 = self.raw_latents(batch) * self.scale
         conditioning = self.conditioning(self.latent_condition(batch), self.spacing(batch, z0.shape[0]))
         t = self.draw_timesteps(z0.shape[0], z0.device)
         output, target, _ = self.training_prediction(self.network, z0, t, self.noise_like(z0), conditioning)
@@ -248,7 +259,7 @@ class LatentDiffusion(DiffusionModule):
         x0 = batch[self.hparams.image_key].float()
         size, prefix = x0.shape[0], metrics.prefix
         names = subject_names(batch, batch_idx, size)
-        z0 = self.latents(x0)
+        z0 = self.raw_latents(batch) * self.scale
         cond = self.latent_condition(batch)
         conditioning = self.conditioning(cond, self.spacing(batch, size))
         noise = SubjectNoise(names, self.sample_seed, salt="sample")

@@ -114,6 +114,9 @@ def _run(cfg: DictConfig, world: World) -> dict[str, float]:
     model_cfg, lr_lines = scale_learning_rates(cfg.model, str(cfg.get("lr_scaling", "none")), world.size)
     module: MedvolModule = build(model_cfg)
     check_checkpoint_shapes(cfg.get("ckpt_path"), module)
+    if hasattr(module, "cached_transform") and hasattr(datamodule, "add_cached_transform"):
+        # A latent model's encoder runs once per subject inside the dataset's cache (docs/ldm.md).
+        datamodule.add_cached_transform(*module.cached_transform())
 
     # Not a config group entry: every run records its data's fingerprint for predict.py.
     callbacks = [*instantiate_group(cfg.get("callbacks"), "callbacks"), RecordFingerprint()]
