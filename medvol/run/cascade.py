@@ -4,7 +4,10 @@ A config with a `cascade` node (see `conf/experiment/xray2ct_cascade.yaml`) runs
 stage as an ordinary medvol run in `<run>/stage<k>/`, with the stage's own settings merged over
 the job's config (`cascade.stage<k>`: epochs, learning rate, batch size, volume size, ...).
 Stage k gets the best checkpoints of stages 1..k-1 (`model.previous_stages`) and starts from
-stage k-1's best weights (`model.init_from`). Each finished stage's best checkpoint is copied
+stage k-1's best weights (`model.init_from`); `cascade.handoff` names other keys for these, or
+hands stage k-1's best checkpoint to one key alone (`experiment=ldm_cpu`: the VQ-GAN's to the
+latent model's `model.first_stage_ckpt`). A stage's `model` naming another `_target_` replaces the
+job's model (a VQ-GAN stage, then a latent diffusion stage). Each finished stage's best checkpoint is copied
 to `<run>/stage<k>/best.ckpt`, which later stages read and nothing overwrites.
 
 - `ckpt_path=<run>/stage<k>/checkpoints/last.ckpt` resumes stage k in its folder, then goes on
