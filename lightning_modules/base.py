@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytorch_lightning as pl
@@ -99,6 +99,17 @@ class MedvolModule(pl.LightningModule):
         same subject and condition (the same code path). Families with `generation_inputs` override it.
         """
         raise NotImplementedError(f"{class_path(self)} generates nothing without its target")
+
+    @classmethod
+    def check_settings(cls, settings: Mapping[str, Any]) -> None:
+        """Refuse (`MedvolError`) model settings that name files unusable for this family (a latent model's first
+        stage), from the `model` config alone: the run calls it with its other checks, before anything is built."""
+
+    @classmethod
+    def generates_from_noise(cls, settings: Mapping[str, Any]) -> bool:
+        """Whether the model that `settings` (its `model` config) builds generates volumes from noise alone, so
+        predict.py runs it with no input (an unconditional latent diffusion model). Default no."""
+        return False
 
     @classmethod
     def restoring_settings(cls, hyper_parameters: dict[str, Any]) -> dict[str, Any]:

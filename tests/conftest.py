@@ -61,6 +61,14 @@ TINY_MODEL["xray2ct"] = [
     "model.token_dim=16",
     "model.timesteps=4",
 ]
+# A latent diffusion model also needs `model.first_stage_ckpt` (a trained VQ-GAN).
+TINY_MODEL["ldm"] = [
+    "model.network.channels=[8,8]",
+    "model.network.attention_levels=[false,true]",
+    "model.network.norm_num_groups=4",
+    "model.network.num_head_channels=4",
+    "model.ssim_kernel_size=3",
+]
 TINY = [*TINY_COMMON, *TINY_MODEL["vqgan"]]
 
 

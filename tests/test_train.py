@@ -16,20 +16,32 @@ import torch
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from datamodules.sources.phantom import phantom_affine
+from lightning_modules.ldm.first_stage import VQGAN_CLASS
+from lightning_modules.vqgan.vqgan import VQGAN
 from medvol.core.errors import MedvolError
 from medvol.run.training import run
 from tests.conftest import CONF_DIR, ROOT, TINY, compose_cfg
+from tests.test_ldm import TINY_VQGAN, save_checkpoint
 
 MODELS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
 
 
-# The classifier's AUROC needs both classes in the validation batch (a one-class set logs NaN): 2 of 8 subjects.
-EXTRA = {"classifier": ["dataset.val_fraction=0.25"]}
+# The classifier's AUROC needs both classes in the validation batch (a one-class set logs NaN): 2 of 8 subjects;
+# the LDM's MMD compares sets of at least two volumes (NaN below).
+EXTRA = {"classifier": ["dataset.val_fraction=0.25"], "ldm": ["dataset.val_fraction=0.25", "dataset.batch_size=2"]}
+
+
+def model_extra(model: str, tmp_path: Path) -> list[str]:
+    """What a model needs beyond the tiny settings: a latent diffusion model a VQ-GAN checkpoint to encode with."""
+    if model == "ldm":
+        checkpoint = save_checkpoint(VQGAN(**TINY_VQGAN), tmp_path / "vqgan.ckpt", VQGAN_CLASS)
+        return [*EXTRA[model], f"model.first_stage_ckpt={checkpoint}"]
+    return EXTRA.get(model, [])
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_every_model_config_runs_fast_dev_run_on_synthetic(tiny_cfg, model):
-    metrics = run(tiny_cfg(f"model={model}", "dataset=synthetic", "trainer.fast_dev_run=true", *EXTRA.get(model, [])))
+def test_every_model_config_runs_fast_dev_run_on_synthetic(tiny_cfg, tmp_path, model):
+    metrics = run(tiny_cfg(f"model={model}", "dataset=synthetic", "trainer.fast_dev_run=true", *model_extra(model, tmp_path)))
     assert metrics, f"model={model} logged no metrics"
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
 

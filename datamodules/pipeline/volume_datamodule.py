@@ -140,6 +140,9 @@ class VolumeDataModule(pl.LightningDataModule):
         self.cache_budget = parse_budget(cache_budget)
         self.cache_plan: CachePlan | None = None
         self.cache_fill_seconds = 0.0
+        # A model's deterministic step run after the dataset's own and cached with them (a latent model's encoder),
+        # and what it is made from (the disk cache's fingerprint includes it): `add_cached_transform`.
+        self.model_transform: tuple[Any, dict[str, Any]] | None = None
         self._rank_records: list[Record] = []
         self.gpu_transforms = gpu_transforms
         self.collate_fn: Any = None
@@ -281,6 +284,10 @@ class VolumeDataModule(pl.LightningDataModule):
                 cache made from anything else is never reused.
         """
         post = [*self.device_transforms(), *random]
+        if self.model_transform is not None and not random:
+            transform, made_from = self.model_transform
+            deterministic = [*deterministic, transform]
+            fingerprint = {**(fingerprint or {}), "model_transform": made_from}
         folder, record = None, {}
         if self.cache_dir is not None and self.cache in ("auto", "disk"):
             folder, record = fingerprint_folder(self.cache_dir, fingerprint or {})
@@ -304,6 +311,12 @@ class VolumeDataModule(pl.LightningDataModule):
         if smart is not None and self.trainer is not None:
             self.trainer.callbacks.append(SmartCacheLifecycle(smart))
         return dataset
+
+    def add_cached_transform(self, transform: Any, fingerprint: Mapping[str, Any]) -> None:
+        """Run `transform` (item -> item, deterministic) after the dataset's deterministic transforms, inside the
+        cache, for every dataset built from now on whose items get no random transform (a random one must run
+        before it: those datasets leave the step to the model). `fingerprint` says what it is made from."""
+        self.model_transform = (transform, dict(fingerprint))
 
     def _is_global_zero(self) -> bool:
         if self.trainer is not None:

@@ -4,7 +4,10 @@ A config with a `cascade` node (see `conf/experiment/xray2ct_cascade.yaml`) runs
 stage as an ordinary medvol run in `<run>/stage<k>/`, with the stage's own settings merged over
 the job's config (`cascade.stage<k>`: epochs, learning rate, batch size, volume size, ...).
 Stage k gets the best checkpoints of stages 1..k-1 (`model.previous_stages`) and starts from
-stage k-1's best weights (`model.init_from`). Each finished stage's best checkpoint is copied
+stage k-1's best weights (`model.init_from`); `cascade.handoff` names other keys for these, or
+hands stage k-1's best checkpoint to one key alone (`experiment=ldm_cpu`: the VQ-GAN's to the
+latent model's `model.first_stage_ckpt`). A stage's `model` naming another `_target_` replaces the
+job's model (a VQ-GAN stage, then a latent diffusion stage). Each finished stage's best checkpoint is copied
 to `<run>/stage<k>/best.ckpt`, which later stages read and nothing overwrites.
 
 - `ckpt_path=<run>/stage<k>/checkpoints/last.ckpt` resumes stage k in its folder, then goes on
@@ -72,15 +75,47 @@ def best_checkpoint(stage_dir: Path) -> tuple[Path, float | None]:
     return target, float(score) if found and score is not None else None
 
 
+# Where the runner writes what stage k gets from the earlier stages (`cascade.handoff`; a null key: not given):
+# its number, the best checkpoints of stages 1..k-1, stage k-1's best to start from (not when resuming), and
+# stage k-1's best always (a latent model's first stage). The defaults are a progressive cascade's (X-ray-to-CT).
+HANDOFF = {"stage": "model.stage", "previous_stages": "model.previous_stages", "init_from": "model.init_from",
+           "previous_best": None}
+
+
+def handoff_keys(cfg: DictConfig) -> dict[str, str | None]:
+    given = cfg.cascade.get("handoff") or {}
+    unknown = sorted(set(given) - set(HANDOFF))
+    if unknown:
+        raise MedvolError(f"`cascade.handoff.{unknown[0]}` is not a hand-off; expected some of {sorted(HANDOFF)}")
+    return {**HANDOFF, **{k: (None if v is None else str(v)) for k, v in given.items()}}
+
+
+def _with_stage_settings(cfg: DictConfig, settings: DictConfig) -> DictConfig:
+    """`cfg` with a stage's settings merged on top; a stage `model` naming another `_target_` replaces the model."""
+    model = settings.get("model")
+    replaces = model is not None and model.get("_target_") not in (None, cfg.model.get("_target_"))
+    merged = OmegaConf.merge(cfg, {k: v for k, v in settings.items() if not (replaces and k == "model")})
+    if replaces:
+        with open_dict(merged):
+            merged.model = model
+    assert isinstance(merged, DictConfig)
+    return merged
+
+
 def _stage_config(cfg: DictConfig, stage: int, stage_dir: Path, ckpt_path: str | None) -> DictConfig:
     settings = cfg.cascade.get(f"stage{stage}")
     if settings is None:
         raise MedvolError(f"`cascade.stages` lists stage {stage} but `cascade.stage{stage}` is not configured")
-    stage_cfg = OmegaConf.merge(cfg, settings)
+    handoff = handoff_keys(cfg)
+    stage_cfg = _with_stage_settings(cfg, settings)
     with open_dict(stage_cfg):
         del stage_cfg["cascade"]
         stage_cfg.paths.output_dir = str(stage_dir)
-        stage_cfg.model.stage = stage
+        if handoff["stage"]:
+            OmegaConf.update(stage_cfg, handoff["stage"], stage, force_add=True)
+        if handoff["previous_best"] and stage > 1:
+            # Known once stage k-1 has finished; its settings are checked then (null passes the config checks).
+            OmegaConf.update(stage_cfg, handoff["previous_best"], None, force_add=True)
         stage_cfg.ckpt_path = ckpt_path
         # One split for the whole cascade: every stage trains and validates on the same subjects.
         if "split_file" in stage_cfg.dataset:
@@ -92,8 +127,9 @@ def _check_sizes(cfg: DictConfig, stages: list[int]) -> None:
     sizes = []
     for stage in stages:
         settings = cfg.cascade.get(f"stage{stage}") or {}
-        merged = OmegaConf.merge(cfg, settings)
-        size = OmegaConf.to_container(merged.model, resolve=True).get("size")
+        size = _with_stage_settings(cfg, settings).model.get("size")
+        if size is None:
+            return  # stages that do not grow a volume (an autoencoder, then a model of its latents)
         sizes.append([int(size)] * 3 if isinstance(size, int) else [int(s) for s in size])
     pairs = list(zip(stages, sizes, strict=True))
     for (a, size_a), (b, size_b) in zip(pairs, pairs[1:], strict=False):
@@ -151,9 +187,18 @@ def run_cascade(
         stage_dir = root / f"stage{stage}"
         stage_cfg = stage_configs[stage]
         # The earlier stages' best checkpoints exist only now.
+        handoff = handoff_keys(cfg)
+        given = {
+            "previous_stages": [str(p) for p in previous],
+            "init_from": str(previous[-1]) if previous and not stage_cfg.ckpt_path else None,
+            "previous_best": str(previous[-1]) if previous else None,
+        }
         with open_dict(stage_cfg):
-            stage_cfg.model.previous_stages = [str(p) for p in previous]
-            stage_cfg.model.init_from = str(previous[-1]) if previous and not stage_cfg.ckpt_path else None
+            for name, value in given.items():
+                if handoff[name] and (value is not None or name != "previous_best"):
+                    OmegaConf.update(stage_cfg, handoff[name], value, force_add=True)
+        if handoff["previous_best"] and previous:
+            check_stage(stage_cfg)
         stage_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(stage_cfg, stage_dir / "config.yaml", resolve=False)
         log.info("cascade: stage %d of %s in %s", stage, stages, stage_dir)
@@ -161,12 +206,12 @@ def run_cascade(
         best, score = best_checkpoint(stage_dir) if stage_cfg.get("train", True) else (stage_dir / "best.ckpt", None)
         previous.append(best)
         metrics.update({f"stage{stage}/{k}": v for k, v in stage_metrics.items()})
-        summary[f"stage{stage}"] = {"best_checkpoint": str(best), "best_score": score, "metrics": stage_metrics}
+        summary[f"stage{stage}"] = {"best_checkpoint": str(best), "best_score": score, "metrics": stage_metrics,
+                                    "optimized_metric": str(stage_cfg.get("optimized_metric") or "")}
     metrics.update({k: v for k, v in stage_metrics.items()})
     (root / "cascade_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    optimized = str(cfg.get("optimized_metric") or "")
     for stage, entry in summary.items():
         # The best epoch's score, which the metrics (the last epoch's) need not hold.
         score = "not recorded" if entry["best_score"] is None else f"{entry['best_score']:.4f}"
-        log.info("cascade: %s best %s = %s (%s)", stage, optimized, score, entry["best_checkpoint"])
+        log.info("cascade: %s best %s = %s (%s)", stage, entry["optimized_metric"], score, entry["best_checkpoint"])
     return metrics

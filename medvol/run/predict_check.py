@@ -11,6 +11,7 @@ import torch
 from omegaconf import DictConfig
 
 from lightning_modules.base import MedvolModule, class_path
+from medvol.core.build import target_class
 from medvol.core.errors import MedvolError
 from medvol.run.generation import check_input_channels, check_refinable
 from medvol.run.predict_config import window_size
@@ -35,12 +36,18 @@ def check_predict(cfg: DictConfig, run: DictConfig) -> float:
     num_samples = cfg.get("num_samples", 1)
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
         raise MedvolError(f"`num_samples` is {num_samples!r}; expected a whole number >= 1")
-    if cfg.input is None and cfg.split is None and not cfg.get("dataset"):
+    if from_noise(cfg) and not target_class(run.model._target_).generates_from_noise(run.model):
         raise MedvolError(
             "`input` is not set; expected a NIfTI file, a folder of them, `split=test` for the run's test split, "
             "or a dataset (`dataset=nifti dataset.root=DIR`)"
         )
     return overlap
+
+
+def from_noise(cfg: DictConfig) -> bool:
+    """Whether the command names no input at all (no `input`, `split` or `dataset`): an unconditional generator
+    (model=ldm) then writes `num_samples` volumes from noise alone."""
+    return cfg.input is None and cfg.split is None and not cfg.get("dataset")
 
 
 def pick_device(name: str) -> torch.device:

@@ -27,11 +27,13 @@ from medvol.core.build import build_model, target_class
 from medvol.core.console import log_file
 from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes
 from medvol.run.generation import intensity_record, on_model_grid, sampled_outputs, with_target_units
+from medvol.run.noise_samples import write_noise_samples
 from medvol.run.predict_check import (
     check_inputs,
     check_predict,
     check_radiograph_input,
     check_samples,
+    from_noise,
     pick_device,
     window_roi,
 )
@@ -56,6 +58,8 @@ def predict(cfg: DictConfig) -> dict[str, float]:
     device = pick_device(str(cfg.device))
     module = load_module(run, str(cfg.ckpt_path), device)
     num_samples = int(cfg.get("num_samples", 1))
+    if from_noise(cfg):
+        return noise_samples(module, cfg.get("spacing"), output_dir, num_samples)
     check_samples(module, num_samples)
     if cfg.input is not None and "xray" in module.generation_inputs():
         return from_radiographs(module, run, Path(str(cfg.input)).expanduser(), output_dir, num_samples, device)
@@ -112,6 +116,14 @@ def from_radiographs(
     with log_file(output_dir / LOG_FILE):
         count = ct_from_radiographs(module, run, source, output_dir, device, num_samples)
         log.info(summary_line([], count, output_dir))
+    return {}
+
+
+def noise_samples(module: MedvolModule, spacing: Any, output_dir: Path, num_samples: int) -> dict[str, float]:
+    """`num_samples` volumes from noise alone, for an unconditional generator given no input (`noise_samples`)."""
+    with log_file(output_dir / LOG_FILE):
+        count = write_noise_samples(module, input_geometry(spacing, module.training_data), num_samples, output_dir)
+        log.info("generated %d sample%s -> %s", count, "s" if count != 1 else "", output_dir)
     return {}
 
 

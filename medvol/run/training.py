@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_modules.base import MedvolModule
 from medvol.core.atomic_checkpoint import checkpoint_io_plugins
-from medvol.core.build import build, build_model
+from medvol.core.build import build, build_model, target_class
 from medvol.core.console import print_config_tree
 from medvol.core.errors import MedvolError
 from medvol.core.process_group import release_at_exit, run_started
@@ -77,6 +77,9 @@ def check_config(cfg: DictConfig) -> World:
     check_strategy(cfg.get("strategy"), world)
     check_launch(world)
     check_checkpoint_family(cfg.get("ckpt_path"), str(cfg.model._target_))
+    family = target_class(str(cfg.model._target_))
+    if hasattr(family, "check_settings"):
+        family.check_settings(cfg.model)
     return world
 
 
@@ -134,6 +137,9 @@ def _run(cfg: DictConfig, world: World) -> dict[str, float]:
     model_cfg, lr_lines = scale_learning_rates(cfg.model, str(cfg.get("lr_scaling", "none")), world.size)
     module: MedvolModule = build_model(model_cfg)
     check_checkpoint_shapes(cfg.get("ckpt_path"), module)
+    if hasattr(module, "cached_transform") and hasattr(datamodule, "add_cached_transform"):
+        # A latent model's encoder runs once per subject inside the dataset's cache (docs/ldm.md).
+        datamodule.add_cached_transform(*module.cached_transform())
 
     # Not a config group entry: every run records its data's fingerprint for predict.py.
     callbacks = [*instantiate_group(cfg.get("callbacks"), "callbacks"), RecordFingerprint()]

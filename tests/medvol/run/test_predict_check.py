@@ -9,7 +9,9 @@ from omegaconf import OmegaConf
 from medvol.core.errors import MedvolError
 from medvol.run.predict_check import check_predict, pick_device, window_roi
 
-RUN = OmegaConf.create({"model": {"overlap": 0.5, "patch_size": [8, 8, 8]}, "dataset": {"size": 16}})
+SEGMENTER = "lightning_modules.segmentation.segmentation.Segmenter"
+RUN = OmegaConf.create({"model": {"_target_": SEGMENTER, "overlap": 0.5, "patch_size": [8, 8, 8]}, "dataset": {"size": 16}})
+LDM = "lightning_modules.ldm.latent_diffusion.LatentDiffusion"
 
 
 def command(**values):
@@ -20,7 +22,7 @@ def command(**values):
 def test_the_overlap_is_the_models_own_unless_given_and_else_a_quarter():
     assert check_predict(command(), RUN) == 0.5
     assert check_predict(command(overlap=0.1), RUN) == 0.1
-    assert check_predict(command(), OmegaConf.create({"model": {}})) == 0.25
+    assert check_predict(command(), OmegaConf.create({"model": {"_target_": SEGMENTER}})) == 0.25
 
 
 @pytest.mark.parametrize(
@@ -38,6 +40,15 @@ def test_each_bad_value_is_one_line_naming_its_key(values, message):
     with pytest.raises(MedvolError) as caught:
         check_predict(command(**values), RUN)
     assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+def test_only_an_unconditional_generator_runs_with_no_input_at_all():
+    check_predict(command(input=None), OmegaConf.create({"model": {"_target_": LDM, "cond_channels": 0}}))
+    for run in ({"_target_": LDM, "cond_channels": 1}, {"_target_": SEGMENTER}):
+        with pytest.raises(MedvolError, match="`input` is not set"):
+            check_predict(command(input=None), OmegaConf.create({"model": run}))
+    # A split or a dataset is an input too.
+    check_predict(command(input=None, split="test"), RUN)
 
 
 def test_the_window_is_the_training_patch_unless_roi_is_given_and_three_positive_sizes():

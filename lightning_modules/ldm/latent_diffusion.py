@@ -1,0 +1,341 @@
+"""Latent diffusion (Rombach et al. 2022; medicaldiffusion's VQ-GAN + DDPM; MONAI's 3D LDM; NVIDIA MAISI) on a
+trained medvol VQ-GAN.
+
+The family on the diffusion core (`DiffusionModule`: schedule, timestep sets, prediction algebra,
+samplers, EMA, per-subject noise, the walk, windowed sampling): it adds the frozen first stage
+(`FirstStage`), the latent scale factor, the network over latents, and its conditioning: an image
+condition encoded by the same first stage and concatenated first (as Fast-DDPM does in pixel
+space), and the voxel spacing of each sample (as MAISI), given to the UNet's cross-attention as a
+one-token context.
+
+Latents are the encoder's continuous output before quantisation, times `scale_factor`: 1/std of the
+training latents (Rombach et al.'s choice, not medicaldiffusion's min-max to the codebook range),
+because the forward process assumes data of about unit variance against N(0, 1) noise, and one
+std over every training latent voxel is robust to a few extreme codes where a min-max is set by
+them. It is computed once, over the whole training split, before the first step (summed over
+ranks), and kept in the checkpoint as a buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import MeanMetric, MetricCollection
+from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
+
+from lightning_modules.diffusion.diffusion_module import Conditioning, DiffusionModule
+from lightning_modules.diffusion.subject_noise import SubjectNoise, subject_names
+from lightning_modules.ldm.first_stage import EncodeLatent, FirstStage, read_first_stage, weights_digest
+from lightning_modules.ldm.metrics import VolumeSetFID, VolumeSetMMD, load_feature_network, sample_msssim
+from medvol.core.errors import MedvolError
+
+SPACING_DIMS = 3
+
+
+def voxel_spacings(affine: torch.Tensor) -> torch.Tensor:
+    """(B, 3) voxel sizes in mm of (B, 4, 4) affines."""
+    return torch.linalg.vector_norm(affine[:, :3, :3].double(), dim=1).float()
+
+
+class LatentDiffusion(DiffusionModule):
+    """Diffusion over the latents of a frozen VQ-GAN.
+
+    Args:
+        network: partial denoiser (MONAI's `DiffusionModelUNet`), called with `in_channels` and
+            `out_channels` (and, with `spacing_conditioning`, `with_conditioning` and `cross_attention_dim`).
+        first_stage_ckpt: the trained VQ-GAN, `<vqgan run>/checkpoints/<file>`; read at construction
+            for training (its settings and weights then travel in this model's checkpoint).
+        first_stage_settings: the VQ-GAN's network settings, recorded in this model's hyperparameters;
+            a module restored from its checkpoint builds the first stage from them and reads no file.
+        cond_channels: channels of the batch's `cond` image (0: unconditional); encoded by the first stage.
+        spacing_conditioning: condition every sample on its voxel spacing (mm, from the batch's `affine`).
+        decode_quantized: snap generated latents to the nearest codes before decoding.
+        decode_slab_elements: decode layer by layer in depth slabs of at most this many values on the
+            device (`slab_decoding`: exactly the whole-volume output, for volumes whose decoder
+            activations do not fit at once); null decodes the whole volume in one call.
+        decode_offload: with slabs, keep each layer's whole activation on the CPU (only slabs on the GPU).
+        sample_size: image size (D, H, W) of unconditional samples (null: the training volume's).
+        mmd_size: volumes are pooled to at most this many voxels per axis for the MMD metric.
+        fid_network: a local TorchScript 3D feature network: 3D FID between samples and real volumes
+            (`fid`); null: no FID (features of an untrained network would not be FID).
+        image_key: batch key of the volume to generate.
+        cond_key: batch key of the condition image.
+        ssim_kernel_size: Gaussian window of the SSIM and MS-SSIM metrics.
+        **diffusion: the diffusion core's settings (`DiffusionModule`).
+    """
+
+    def __init__(
+        self,
+        network: Callable[..., nn.Module],
+        first_stage_ckpt: str | None = None,
+        first_stage_settings: Mapping[str, Any] | None = None,
+        cond_channels: int = 0,
+        spacing_conditioning: bool = False,
+        decode_quantized: bool = True,
+        decode_slab_elements: int | None = None,
+        decode_offload: bool = False,
+        sample_size: Sequence[int] | None = None,
+        mmd_size: int = 16,
+        fid_network: str | None = None,
+        image_key: str = "image",
+        cond_key: str = "cond",
+        ssim_kernel_size: int = 11,
+        **diffusion: Any,
+    ) -> None:
+        super().__init__(**diffusion)
+        self.save_hyperparameters(logger=False)
+        if first_stage_settings is not None:
+            settings, weights = dict(first_stage_settings), None
+        else:
+            settings, weights = read_first_stage(first_stage_ckpt)
+        self.first_stage = FirstStage(**settings)
+        if weights is not None:
+            self.first_stage.load_state_dict(weights)
+        self.hparams["first_stage_settings"] = settings
+        self.cond_channels = int(cond_channels)
+        if self.cond_channels and self.cond_channels != self.first_stage.in_channels:
+            raise MedvolError(
+                f"`model.cond_channels`={self.cond_channels}, but the first stage encodes {self.first_stage.in_channels}-channel "
+                "images; a condition is encoded by the same VQ-GAN, so give it as many channels"
+            )
+        if decode_slab_elements is not None and int(decode_slab_elements) < 1:
+            raise MedvolError(f"`model.decode_slab_elements` must be null or >= 1, got {decode_slab_elements}")
+        self.register_buffer("scale_factor", torch.tensor(0.0))
+        self.register_buffer("training_latent_size", torch.zeros(3, dtype=torch.long))
+        latent = self.first_stage.embedding_dim
+        spacing = {"with_conditioning": True, "cross_attention_dim": SPACING_DIMS} if spacing_conditioning else {}
+        inputs = latent * (2 if self.cond_channels else 1)
+        self.attach_network(network(in_channels=inputs, out_channels=latent, **spacing))
+        image = {
+            "psnr": PeakSignalNoiseRatio(data_range=2.0, reduction="elementwise_mean", dim=(1, 2, 3, 4)),
+            "ssim": StructuralSimilarityIndexMeasure(data_range=2.0, kernel_size=ssim_kernel_size),
+        }
+        fid = {"fid": VolumeSetFID(fid_network)} if fid_network else {}
+        self.set_metrics(
+            ssim_kernel_size, loss=MeanMetric(), recon_psnr=image["psnr"], recon_ssim=image["ssim"],
+            mmd=VolumeSetMMD(mmd_size), recon_mmd=VolumeSetMMD(mmd_size), diversity_msssim=MeanMetric(), **fid,
+        )
+
+    @classmethod
+    def restoring_settings(cls, hyper_parameters: dict[str, Any]) -> dict[str, Any]:
+        # The first stage comes from this checkpoint (its settings here, its weights in the state dict).
+        settings = hyper_parameters.get("first_stage_settings")
+        return {} if settings is None else {"first_stage_settings": dict(settings)}
+
+    @classmethod
+    def check_settings(cls, settings: Mapping[str, Any]) -> None:
+        # Null here is a cascade's stage whose VQ-GAN trains first (a plain run's unset `???` is refused before).
+        if settings.get("first_stage_ckpt") is not None:
+            read_first_stage(settings.get("first_stage_ckpt"))
+        if settings.get("fid_network"):
+            load_feature_network(settings.get("fid_network"))
+
+    @classmethod
+    def generates_from_noise(cls, settings: Mapping[str, Any]) -> bool:
+        return not settings.get("cond_channels")
+
+    # ---- latents ----------------------------------------------------------------------------
+
+    @property
+    def scale(self) -> float:
+        value = float(self.scale_factor)
+        if value <= 0:
+            raise RuntimeError("the latent scale factor is not computed yet (it is, before the first training step)")
+        return value
+
+    def latents(self, images: torch.Tensor) -> torch.Tensor:
+        """Scaled continuous latents of (B, C, D, H, W) images."""
+        return self.first_stage.encode(images) * self.scale
+
+    def raw_latents(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """The unscaled latents of the batch's images: cached by the dataset (`latent`), else encoded now."""
+        if batch.get("latent") is not None:
+            return batch["latent"].float().to(self.device)
+        return self.first_stage.encode(batch[self.hparams.image_key].float().to(self.device))
+
+    def cached_transform(self) -> tuple[EncodeLatent, dict[str, Any]]:
+        """The encoder as a dataset transform, and what its outputs are made from (the first stage's weights), for
+        the run to hand the datamodule: latents are computed once per subject and cached with the images."""
+        return EncodeLatent(self.first_stage, self.hparams.image_key), {"first_stage": weights_digest(self.first_stage)}
+
+    def images(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images decoded from scaled latents (snapped to the codebook with `decode_quantized`), in [-1, 1]."""
+        slab = self.hparams.decode_slab_elements
+        decoded = self.first_stage.decode(
+            latents / self.scale, bool(self.hparams.decode_quantized), None if slab is None else int(slab),
+            bool(self.hparams.decode_offload),
+        )
+        return decoded.clamp(-1.0, 1.0)
+
+    @torch.no_grad()
+    def set_scale_factor(self, batches: Any) -> None:
+        """`scale_factor` = 1/std of the raw latents of every training batch in `batches`, over all ranks."""
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        for batch in batches:
+            z = self.raw_latents(batch).double()
+            if not int(self.training_latent_size.sum()):
+                self.training_latent_size.copy_(torch.tensor(z.shape[2:]))
+            totals += torch.stack([z.sum(), z.square().sum(), torch.tensor(z.numel(), device=z.device).double()])
+        if self._trainer is not None and self.trainer.world_size > 1:
+            totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
+        mean = totals[0] / totals[2]
+        std = (totals[1] / totals[2] - mean.square()).clamp_min(1e-12).sqrt()
+        self.scale_factor.fill_(float(1.0 / std))
+
+    def on_fit_start(self) -> None:
+        # A resumed run restores the factor with the weights: computed once per run.
+        if float(self.scale_factor) > 0:
+            return
+        datamodule = self.trainer.datamodule
+        self.set_scale_factor(datamodule.train_dataloader())
+        sizes = self.training_latent_size.clone()
+        if self.trainer.world_size > 1:
+            # Every rank keeps rank 0's record, so checkpoints agree.
+            sizes = self.trainer.strategy.broadcast(sizes, src=0)
+        self.training_latent_size.copy_(sizes)
+
+    # ---- conditioning -----------------------------------------------------------------------
+
+    def latent_condition(self, batch: Mapping[str, Any]) -> torch.Tensor | None:
+        """The batch's condition image encoded and scaled as the targets are (None when unconditional)."""
+        if not self.cond_channels:
+            return None
+        cond = batch.get(self.hparams.cond_key)
+        if cond is None or cond.shape[1] != self.cond_channels:
+            got = "none" if cond is None else f"{cond.shape[1]} channel(s)"
+            raise MedvolError(
+                f"`model.cond_channels`={self.cond_channels} but the batch's `{self.hparams.cond_key}` has {got}; "
+                "use a dataset with as many `cond_modalities`, or set model.cond_channels=0"
+            )
+        return self.latents(cond.float())
+
+    def spacing(self, batch: Mapping[str, Any], size: int) -> torch.Tensor | None:
+        """(B, 3) voxel sizes of the batch (from its `affine`), when spacing conditions the model."""
+        if not self.hparams.spacing_conditioning:
+            return None
+        affine = batch.get("affine")
+        if affine is None:
+            raise MedvolError("`model.spacing_conditioning` needs each sample's `affine` (its voxel spacing); the batch has none")
+        return voxel_spacings(affine)[:size].to(self.device)
+
+    def conditioning(self, cond: torch.Tensor | None, spacing: torch.Tensor | None) -> Conditioning:
+        """The latent condition (cut to each sampling window) and the spacing (one row per sample)."""
+        return Conditioning(
+            volumes={} if cond is None else {"cond": cond}, per_sample={} if spacing is None else {"spacing": spacing}
+        )
+
+    def network_output(
+        self, network: nn.Module, x_t: torch.Tensor, t: torch.Tensor, cond: torch.Tensor | None = None,
+        spacing: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        # Condition first, as Fast-DDPM concatenates in pixel space.
+        inputs = x_t if cond is None else torch.cat([cond.to(x_t.dtype), x_t], dim=1)
+        if spacing is None:
+            return network(inputs, t)
+        return network(inputs, t, context=spacing[:, None, :].to(inputs.dtype))
+
+    # ---- Lightning steps --------------------------------------------------------------------
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        z0 = self.raw_latents(batch) * self.scale
+        conditioning = self.conditioning(self.latent_condition(batch), self.spacing(batch, z0.shape[0]))
+        t = self.draw_timesteps(z0.shape[0], z0.device)
+        output, target, _ = self.training_prediction(self.network, z0, t, self.noise_like(z0), conditioning)
+        loss = self.regression_loss(output, target)
+        self.log("train/loss", loss.detach(), on_step=True, on_epoch=True, prog_bar=True, batch_size=z0.shape[0])
+        return loss
+
+    def draw(self, batch: Mapping[str, Any], shape: Sequence[int], conditioning: Conditioning, noise: SubjectNoise) -> torch.Tensor:
+        """One seeded sample per subject: latent noise of `shape` walked to a latent, and decoded."""
+        z_T = noise.draw(shape, self.device)
+        z0 = self.sample(z_T, conditioning, noise)
+        return self.images(z0)
+
+    def _evaluate(self, batch: dict[str, Any], batch_idx: int, metrics: MetricCollection) -> dict[str, Any]:
+        x0 = batch[self.hparams.image_key].float()
+        size, prefix = x0.shape[0], metrics.prefix
+        names = subject_names(batch, batch_idx, size)
+        z0 = self.raw_latents(batch) * self.scale
+        cond = self.latent_condition(batch)
+        conditioning = self.conditioning(cond, self.spacing(batch, size))
+        noise = SubjectNoise(names, self.sample_seed, salt="sample")
+        sample = self.draw(batch, z0.shape[1:], conditioning, noise)
+        second = self.draw(batch, z0.shape[1:], conditioning, SubjectNoise(names, self.sample_seed, salt="second"))
+        # A fixed (per-subject) step and noise make the validation loss comparable across epochs and ranks.
+        t = self.train_timesteps[noise.integers(len(self.train_timesteps))].to(x0.device)
+        output, target, _ = self.training_prediction(self.sampling_network, z0, t, self.noise_like(z0, noise), conditioning)
+        reconstruction = self.images(z0)
+        metrics[f"{prefix}loss"].update(self.regression_loss(output, target), weight=size)
+        metrics[f"{prefix}recon_psnr"].update(reconstruction, x0)
+        metrics[f"{prefix}recon_ssim"].update(reconstruction, x0)
+        metrics[f"{prefix}mmd"].update(sample, x0)
+        metrics[f"{prefix}recon_mmd"].update(reconstruction, x0)
+        if f"{prefix}fid" in metrics:
+            metrics[f"{prefix}fid"].update(sample, x0)
+        diversity = sample_msssim(sample, second, int(self.hparams.ssim_kernel_size))
+        metrics[f"{prefix}diversity_msssim"].update(diversity.mean(), weight=size)
+        volumes = {"sample": sample.detach(), "target": x0.detach(), "reconstruction": reconstruction.detach()}
+        if cond is not None:
+            metrics[f"{prefix}psnr"].update(sample, x0)
+            metrics[f"{prefix}ssim"].update(sample, x0)
+            volumes["condition"] = batch[self.hparams.cond_key].detach()
+        # Unconditional samples have no paired target: PSNR/SSIM against one would mean nothing.
+        shown = [name for name in metrics if cond is not None or not name.endswith(("/psnr", "/ssim"))]
+        for name in shown:
+            self.log(name, metrics[name], prog_bar=name.endswith(("psnr", "mmd")), batch_size=size)
+        return {"volumes": volumes, "units": {"condition": "cond"}}
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        return self._evaluate(batch, batch_idx, self.val_metrics)
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        return self._evaluate(batch, batch_idx, self.test_metrics)
+
+    # ---- generation (predict.py) ------------------------------------------------------------
+
+    def generation_inputs(self) -> dict[str, int]:
+        return {self.hparams.cond_key: self.cond_channels} if self.cond_channels else {}
+
+    def grid_multiple(self) -> list[int]:
+        """Image sizes must be multiples of these: the first stage's downsampling times the UNet's halvings."""
+        levels = len(getattr(self.network, "block_out_channels", ())) or 1
+        return [d * 2 ** (levels - 1) for d in self.first_stage.downsample]
+
+    def unconditional_size(self) -> list[int]:
+        """Image size of an unconditional sample: `sample_size`, else the training volume's."""
+        if self.hparams.sample_size:
+            return [int(s) for s in self.hparams.sample_size]
+        return [int(s) * d for s, d in zip(self.training_latent_size.tolist(), self.first_stage.downsample, strict=True)]
+
+    @torch.no_grad()
+    def generate_volumes(self, batch: dict[str, Any], draw: int = 0) -> dict[str, Any]:
+        """Draw `draw` of each subject: from its condition image (on its grid), or from noise alone at
+        `unconditional_size` (the batch then only names the subjects and their `affine`). Draw 0 of a
+        subject with a condition is the sample `test_step` gives it."""
+        names = [str(s) for s in batch["subject"]]
+        noise = SubjectNoise(names, self.sample_seed + draw, salt="sample")
+        spacing = self.spacing(batch, len(names))
+        multiple = self.grid_multiple()
+        if not self.cond_channels:
+            size = self.unconditional_size()
+            bad = [s for s, m in zip(size, multiple, strict=True) if s % m]
+            if bad or len(size) != 3:
+                raise MedvolError(
+                    f"`model.sample_size` {size} must be three multiples of {multiple} (the first stage's downsampling "
+                    "times the denoiser's halvings)"
+                )
+            latent = [s // d for s, d in zip(size, self.first_stage.downsample, strict=True)]
+            shape = [self.first_stage.embedding_dim, *latent]
+            return {"volumes": {"sample": self.draw(batch, shape, self.conditioning(None, spacing), noise)}}
+        cond = batch[self.hparams.cond_key].float().to(self.device)
+        size = cond.shape[2:]
+        # A whole scan of any size: padded at the far end (with its darkest value) to what the grids halve.
+        pad = [-n % m for n, m in zip(size, multiple, strict=True)]
+        cond = F.pad(cond, (0, pad[2], 0, pad[1], 0, pad[0]), value=float(cond.min()))
+        latent_cond = self.latents(cond)
+        sample = self.draw(batch, latent_cond.shape[1:], self.conditioning(latent_cond, spacing), noise)
+        return {"volumes": {"sample": sample[..., : size[0], : size[1], : size[2]]}}
