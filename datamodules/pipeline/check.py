@@ -99,7 +99,9 @@ def _read_series_header(path: Path, series: str | None) -> tuple[_Header | None,
         geometry = series_geometry(path, series)
     except MedvolError as err:
         return None, [f"DICOM series: {str(err).removeprefix(f'{path}: ')}"]
-    findings = [f"{len(geometry.dropped)} localizer image(s) among the slices (dropped when read)"] if geometry.dropped else []
+    findings = (
+        [f"{len(geometry.dropped)} localizer image(s) among the slices (dropped when read)"] if geometry.dropped else []
+    )
     return _Header(geometry.shape, geometry.affine, _SeriesImage(geometry)), findings
 
 

@@ -106,7 +106,8 @@ class PhantomItem(Transform):
             item["cond"] = stack(self.cond_modalities)
         if self.views:
             item["xray"] = phantom_radiographs(
-                self.seed, record["index"], self.field_of_view, self.views, self.xray_size, self.mu_water, self.xray_grid
+                self.seed, record["index"], self.field_of_view, self.views,
+                self.xray_size, self.mu_water, self.xray_grid,
             )
         return item
 

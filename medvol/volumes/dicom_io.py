@@ -285,7 +285,8 @@ def _decoded(item: Slice) -> np.ndarray:
         syntax = dataset.file_meta.get("TransferSyntaxUID")
         name = getattr(syntax, "name", str(syntax))
         raise MedvolError(
-            f"{item.path}: cannot decode its pixels, transfer syntax {name} ({syntax}): {' '.join(str(err).split())[:120]}; "
+            f"{item.path}: cannot decode its pixels, transfer syntax {name} ({syntax}): "
+            f"{' '.join(str(err).split())[:120]}; "
             "decompress it (e.g. gdcmconv --raw) or install its decoder"
         ) from err
 

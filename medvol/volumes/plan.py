@@ -75,7 +75,9 @@ def channel_statistics(values: np.ndarray, minimum: float) -> dict[str, Any]:
     if values.size == 0:
         return {"kind": kind, "mean": 0.0, "std": 1.0, "low": 0.0, "high": 0.0}
     low, high = np.percentile(values, CT_PERCENTILES)
-    return {"kind": kind, "mean": float(values.mean()), "std": float(values.std()), "low": float(low), "high": float(high)}
+    return {
+        "kind": kind, "mean": float(values.mean()), "std": float(values.std()), "low": float(low), "high": float(high)
+    }
 
 
 def target_spacing(spacings: np.ndarray) -> list[float]:
@@ -110,7 +112,10 @@ def topology(patch: Sequence[int], spacing: Sequence[float]) -> tuple[list[int],
     halvings = [0, 0, 0]
     while len(strides) <= MAX_HALVINGS:
         finest = min(current)
-        step = [2 if c <= ANISOTROPY * finest and s >= 2 * MIN_FEATURE_SIZE else 1 for c, s in zip(current, size, strict=True)]
+        step = [
+            2 if c <= ANISOTROPY * finest and s >= 2 * MIN_FEATURE_SIZE else 1
+            for c, s in zip(current, size, strict=True)
+        ]
         if step == [1, 1, 1]:
             break
         size = [s // t for s, t in zip(size, step, strict=True)]
