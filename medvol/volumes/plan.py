@@ -97,7 +97,9 @@ def normalization(channels: Sequence[Mapping[str, Any]], kinds: Sequence[str]) -
         if kind == "mr":
             plan.append({"kind": "mr"})
             continue
-        plan.append({"kind": "ct", "clip": [stats["low"], stats["high"]], "mean": stats["mean"], "std": max(stats["std"], 1e-8)})
+        plan.append(
+            {"kind": "ct", "clip": [stats["low"], stats["high"]], "mean": stats["mean"], "std": max(stats["std"], 1e-8)}
+        )
     return plan
 
 
@@ -132,7 +134,9 @@ def filters(levels: int, base: int) -> list[int]:
     return [min(base * 2**i, MAX_FILTERS) for i in range(levels)]
 
 
-def activation_bytes(patch: Sequence[int], batch: int, strides: Sequence[Sequence[int]], features: Sequence[int]) -> int:
+def activation_bytes(
+    patch: Sequence[int], batch: int, strides: Sequence[Sequence[int]], features: Sequence[int]
+) -> int:
     """Bytes of the activations one training step keeps for backpropagation (float32), level by level."""
     voxels, total = float(np.prod(patch)), 0.0
     for step, width in zip(strides, features, strict=True):
@@ -231,7 +235,8 @@ def describe(plan: Mapping[str, Any]) -> list[str]:
     x = "x".join
     return [
         f"plan: spacing {x(f'{s:g}' for s in plan['spacing'])} mm, normalization per channel [{kinds}], "
-        f"crop to the non-zero region {'on' if plan['crop_foreground'] else 'off'}, median shape {x(map(str, plan['median_shape']))}",
+        f"crop to the non-zero region {'on' if plan['crop_foreground'] else 'off'}, median shape "
+        f"{x(map(str, plan['median_shape']))}",
         f"plan: patch {x(map(str, plan['patch_size']))}, batch {plan['batch_size']} "
         f"(estimate {plan['memory_estimate'] / 2**20:.0f} MiB of a {plan['memory_budget'] / 2**20:.0f} MiB budget), "
         f"{plan['foreground_ratio']:.0%} foreground patches",
