@@ -180,11 +180,9 @@ class CsvDataModule(NiftiDataModule):
         return steps
 
     def _has(self, key: str) -> bool:
-        return {"time": self.time_column, "event": self.event_column, "covariates": self.covariate_columns}[
-            key
-        ] not in (
-            None,
-            [],
+        return (
+            {"time": self.time_column, "event": self.event_column, "covariates": self.covariate_columns}[key]
+            not in (None, [])
         )
 
     def cache_key(self) -> dict[str, Any]:
