@@ -1,4 +1,5 @@
-"""The data doctor: `python check_data.py dataset=brats dataset.root=DIR` reads every file and prints one table of problems."""
+"""The data doctor: `python check_data.py dataset=brats dataset.root=DIR` reads every file and prints one table of
+problems."""
 
 from __future__ import annotations
 

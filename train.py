@@ -52,7 +52,9 @@ def main(cfg: DictConfig) -> float | None:
         sys.stderr.flush()
         sys.exit(2)
     except Exception as err:
-        _to_log_file_only(log.makeRecord(log.name, logging.ERROR, __file__, 0, "run ended by %r", (err,), sys.exc_info()))
+        _to_log_file_only(
+            log.makeRecord(log.name, logging.ERROR, __file__, 0, "run ended by %r", (err,), sys.exc_info())
+        )
         raise
     return sweep_objective(metrics, cfg.get("optimized_metric"), str(cfg.get("optimized_mode", "max")))
 

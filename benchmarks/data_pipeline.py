@@ -1,4 +1,5 @@
-"""Data pipeline speed and memory: `dataset.cache` modes, partitioned caching under DDP, and whole runs with `auto` vs none.
+"""Data pipeline speed and memory: `dataset.cache` modes, partitioned caching under DDP, and whole runs with `auto` vs
+none.
 
     OMP_NUM_THREADS=1 python benchmarks/data_pipeline.py --subjects 64 --size 128
     OMP_NUM_THREADS=1 python benchmarks/data_pipeline.py --parts train --train-runs brats synthetic --work /tmp/bench
@@ -191,7 +192,9 @@ def train_run(root: Path, overrides: list[str], epochs: int, work: Path, label: 
                "callbacks.progress_bar=null", "print_config=false", f"paths.log_dir={folder / 'outputs'}"]
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=folder, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    done = subprocess.run(
+        command, cwd=folder, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}
+    )
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{label}: train.py failed:\n{done.stderr[-3000:]}")
@@ -217,7 +220,9 @@ def train_runs(args: argparse.Namespace, work: Path) -> list[dict]:
             brats = make_brats(args.brats or work / "brats", args.brats_subjects, args.brats_size, args.brats_distinct)
             overrides.append(f"dataset.root={brats}")
         for cache in args.caches:
-            results.append(train_run(ROOT, [*overrides, f"dataset.cache={cache}"], args.train_epochs, work, f"{name}-{cache}"))
+            results.append(
+                train_run(ROOT, [*overrides, f"dataset.cache={cache}"], args.train_epochs, work, f"{name}-{cache}")
+            )
         if name == "synthetic" and args.compare_root:
             results.append(train_run(args.compare_root, overrides, args.train_epochs, work, "synthetic-compare"))
     return results
@@ -234,8 +239,10 @@ def train_table(runs: list[dict]) -> None:
         later_wait = sum(e["data_wait"] for e in later) / len(later) if later else float("nan")
         later_time = sum(e["epoch_s"] or 0 for e in later) / len(later) if later else float("nan")
         print(f"| {run['label']} | {cache.get('mode', '-')} | {sizes} | {cache.get('fill_seconds', '-')} | "
-              f"{100 * first['data_wait']:.1f}%, {first['epoch_s'] or 0:.1f} s | {100 * later_wait:.1f}%, {later_time:.1f} s | "
-              f"{run['samples_per_second']} | {run['peak_host_memory_mb']:.0f} MiB | {run['load'][0]:.1f}-{run['load'][1]:.1f} |")
+              f"{100 * first['data_wait']:.1f}%, {first['epoch_s'] or 0:.1f} s | {100 * later_wait:.1f}%, "
+              f"{later_time:.1f} s | "
+              f"{run['samples_per_second']} | {run['peak_host_memory_mb']:.0f} MiB | "
+              f"{run['load'][0]:.1f}-{run['load'][1]:.1f} |")
 
 
 def busy(milliseconds: float, operand: torch.Tensor) -> None:
@@ -331,7 +338,10 @@ def report(results: dict) -> None:
     if results.get("train"):
         train_table(results["train"])
     if results.get("loader"):
-        print("\n| memory-cached BraTS batch (48 MiB) read by | mean wait between 300 ms steps | steps | load |\n|---|---|---|---|")
+        print(
+            "\n| memory-cached BraTS batch (48 MiB) read by | mean wait between 300 ms steps | steps | load |\n"
+            "|---|---|---|---|"
+        )
         for label, row in results["loader"].items():
             print(f"| {label} | {row['mean_wait_ms']:.0f} ms | {row['steps']} | {row['load']:.1f} |")
     if "one_copy_mib" not in results:
@@ -342,9 +352,12 @@ def report(results: dict) -> None:
         if ranks:
             peak = sum(r["peak"] - r["baseline"] for r in ranks) / 2**20
             steady = sum(r["after"] - r["baseline"] for r in ranks) / 2**20
-            print(f"{world} rank(s): subjects cached per rank {[r['cached'] for r in ranks]}, steps {[r['steps'] for r in ranks]}; "
-                  f"RSS growth peak {peak:.0f} MiB = {peak / results['one_copy_mib']:.2f}x one copy, "
-                  f"after the epoch {steady:.0f} MiB = {steady / results['one_copy_mib']:.2f}x")
+            print(
+                f"{world} rank(s): subjects cached per rank {[r['cached'] for r in ranks]}, steps "
+                f"{[r['steps'] for r in ranks]}; "
+                f"RSS growth peak {peak:.0f} MiB = {peak / results['one_copy_mib']:.2f}x one copy, "
+                f"after the epoch {steady:.0f} MiB = {steady / results['one_copy_mib']:.2f}x"
+            )
 
 
 def throughput_table(modes: dict) -> None:
@@ -352,8 +365,10 @@ def throughput_table(modes: dict) -> None:
     print("\n| cache | first epoch (s) | first epoch vol/s | later epochs vol/s | later vs none |")
     print("|---|---|---|---|---|")
     for mode, row in modes.items():
-        print(f"| {mode} | {row['first_epoch_s']:.1f} | {row['first_volumes_per_s']:.1f} | "
-              f"{row['later_volumes_per_s']:.1f} | {row['later_volumes_per_s'] / base:.1f}x |")
+        print(
+            f"| {mode} | {row['first_epoch_s']:.1f} | {row['first_volumes_per_s']:.1f} | "
+            f"{row['later_volumes_per_s']:.1f} | {row['later_volumes_per_s'] / base:.1f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Fast-DDPM figures: sampling time (10 vs 1000 steps), peak memory of a training step, quality vs baselines.
 
     .venv/bin/python benchmarks/ddpm.py sampling [--size 64] [--channels 8 16]
-    .venv/bin/python benchmarks/ddpm.py memory [--size 64] [--device cpu|cuda] [--precision 32|bf16-mixed] [--checkpointing]
+    .venv/bin/python benchmarks/ddpm.py memory [--size 64] [--device cpu|cuda] [--precision 32|bf16-mixed]
+        [--checkpointing]
     .venv/bin/python benchmarks/ddpm.py quality [--epochs 24] [--size 16] [hydra overrides ...]
 
 `sampling` times one volume through the DDIM update over Fast-DDPM's 10-step set and through
@@ -48,7 +49,9 @@ def network_factory(channels: list[int], attention: list[bool], groups: int, hea
 def build_module(args: argparse.Namespace, **kwargs) -> ConditionalDiffusion:
     attention = [False] * (len(args.channels) - 1) + [args.attention]
     network = network_factory(args.channels, attention, args.groups, args.head_channels)
-    return ConditionalDiffusion(network, image_channels=1, cond_channels=1, activation_checkpointing=args.checkpointing, **kwargs)
+    return ConditionalDiffusion(
+        network, image_channels=1, cond_channels=1, activation_checkpointing=args.checkpointing, **kwargs
+    )
 
 
 def sampling(args: argparse.Namespace) -> None:
@@ -59,7 +62,10 @@ def sampling(args: argparse.Namespace) -> None:
           f"{torch.get_num_threads()} thread(s)")
     print("| sampler | network passes | time |\n|---|---|---|", flush=True)
     rows = []
-    for name, kwargs in (("Fast-DDPM, 10 DDIM steps", {"sampler": "ddim"}), ("DDPM, 1000 ancestral steps", {"sampler": "ddpm"})):
+    for name, kwargs in (
+        ("Fast-DDPM, 10 DDIM steps", {"sampler": "ddim"}),
+        ("DDPM, 1000 ancestral steps", {"sampler": "ddpm"}),
+    ):
         module = build_module(args, **kwargs).eval()
         start = time.perf_counter()
         module.sample(x_T, module.conditioning(cond))
@@ -148,7 +154,9 @@ def quality(args: argparse.Namespace, overrides: list[str]) -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         identity = identity_baseline(common, Path(tmp) / "identity")
-        results = {name: train(name, Path(tmp) / str(i), [*common, *extra]) for i, (name, extra) in enumerate(variants.items())}
+        results = {
+            name: train(name, Path(tmp) / str(i), [*common, *extra]) for i, (name, extra) in enumerate(variants.items())
+        }
     print(f"\nsynthetic T1 -> T2, {args.size}^3, overrides: {overrides or 'none'}")
     print("| model | " + " | ".join(f"epoch {r['epoch']}" for r in next(iter(results.values()))) + " |")
     print("|---" * (1 + len(next(iter(results.values())))) + "|")

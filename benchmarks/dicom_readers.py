@@ -110,7 +110,9 @@ def written_cases(root: Path) -> dict[str, tuple[Path, Truth]]:
 def _single_slice_affine(header: pydicom.Dataset) -> np.ndarray:
     orientation = [float(v) for v in header.ImageOrientationPatient]
     step = float(header.get("SpacingBetweenSlices") or header.get("SliceThickness") or 1.0)
-    return grid(orientation, [float(v) for v in header.PixelSpacing], step, [float(v) for v in header.ImagePositionPatient])
+    return grid(
+        orientation, [float(v) for v in header.PixelSpacing], step, [float(v) for v in header.ImagePositionPatient]
+    )
 
 
 def verdict(reader: Callable, folder: Path, truth: Truth) -> str:

@@ -5,9 +5,9 @@
 A 22 x 13 x 18 phantom written as a shuffled, oblique (12 degrees), anisotropic (1.2 x 0.9 x 2.5 mm) series with
 intercept -1024 and, as an independent copy, SimpleITK's NIfTI export of it. Each goes through the same
 preprocessing (RAS, the native spacing or resampled to 1.5 mm, percentile scaling to [-1, 1]); the identity
-model's output is written with `output_format=both`. Figures (max absolute differences): the two model-grid inputs; the two NIfTI outputs;
-the derived DICOM series read back against the NIfTI output; a two-segment DICOM-SEG of the model-grid
-thresholds read back with highdicom against the thresholds of SimpleITK's values (voxels that differ).
+model's output is written with `output_format=both`. Figures (max absolute differences): the two model-grid inputs; the
+two NIfTI outputs; the derived DICOM series read back against the NIfTI output; a two-segment DICOM-SEG of the
+model-grid thresholds read back with highdicom against the thresholds of SimpleITK's values (voxels that differ).
 """
 
 from __future__ import annotations
@@ -58,15 +58,21 @@ def main() -> None:
                   f"{float((from_dicom['image'] - from_nifti['image']).abs().max()):.3g} "
                   f"(affine {float((from_dicom['affine'] - from_nifti['affine']).abs().max()):.3g} mm)")
             out_dicom, out_nifti = root / f"out_dicom_{spacing is None}", root / f"out_nifti_{spacing is None}"
-            PredictionWriter(out_dicom, output_format="both").write({"volumes": {"reconstruction": from_dicom["image"]}}, from_dicom)
+            PredictionWriter(out_dicom, output_format="both").write(
+                {"volumes": {"reconstruction": from_dicom["image"]}}, from_dicom
+            )
             PredictionWriter(out_nifti).write({"volumes": {"reconstruction": from_nifti["image"]}}, from_nifti)
             a = nib.load(str(out_dicom / "s01_reconstruction.nii.gz"))
             b = nib.load(str(out_nifti / "s01_reconstruction.nii.gz"))
-            print(f"spacing {label}: NIfTI output, DICOM input vs NIfTI input: {np.abs(a.get_fdata() - b.get_fdata()).max():.3g} "
-                  f"(range {np.ptp(b.get_fdata()):.0f}; affine {np.abs(a.affine - b.affine).max():.3g} mm)")
+            print(
+                f"spacing {label}: NIfTI output, DICOM input vs NIfTI input: "
+                f"{np.abs(a.get_fdata() - b.get_fdata()).max():.3g} (range {np.ptp(b.get_fdata()):.0f}; affine "
+                f"{np.abs(a.affine - b.affine).max():.3g} mm)"
+            )
         series, geometry = read_series(out_dicom / "s01_reconstruction")
         print(f"derived series read back vs NIfTI output: {np.abs(series - a.get_fdata()).max():.3g} "
-              f"(RescaleSlope {float(geometry.first.RescaleSlope):.3g}; affine {np.abs(geometry.affine - a.affine).max():.3g} mm)")
+              f"(RescaleSlope {float(geometry.first.RescaleSlope):.3g}; affine "
+              f"{np.abs(geometry.affine - a.affine).max():.3g} mm)")
         seg = (from_dicom["image"] > -0.5).long() + (from_dicom["image"] > 0.2).long()
         # Thresholds back in HU: the writer maps the model grid onto the source slices by nearest neighbour.
         PredictionWriter(root / "out_seg", output_format="dicom").write(

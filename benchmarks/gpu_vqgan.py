@@ -98,8 +98,15 @@ def main() -> None:
     if not args.matrix:
         print(json.dumps(measure(args)))
         return
-    common = [f"--device={args.device}", f"--steps={args.steps}", f"--warmup={args.warmup}", f"--batch={args.batch}", f"--size={args.size}",
-              *(["--no-gan"] if args.no_gan else []), *args.overrides]
+    common = [
+        f"--device={args.device}",
+        f"--steps={args.steps}",
+        f"--warmup={args.warmup}",
+        f"--batch={args.batch}",
+        f"--size={args.size}",
+        *(["--no-gan"] if args.no_gan else []),
+        *args.overrides,
+    ]
     rows = []
     for options in (["--precision=32-true"], [], ["--channels-last"], ["--channels-last", "--compile"]):
         out = subprocess.run([sys.executable, __file__, *options, *common], check=True, capture_output=True, text=True)
@@ -107,8 +114,10 @@ def main() -> None:
     print(f"{rows[0]['device']}, batch {args.batch} x {args.size}^3, median of {args.steps} steps\n")
     print("| options | patches/s per GPU | step | peak memory |\n|---|---|---|---|")
     for row in rows:
-        print(f"| {row['options']} | {row['patches_per_second']:.1f} | {row['step_ms']:.0f} ms | "
-              f"{row['peak_memory_gib']:.1f} GiB |")
+        print(
+            f"| {row['options']} | {row['patches_per_second']:.1f} | {row['step_ms']:.0f} ms | "
+            f"{row['peak_memory_gib']:.1f} GiB |"
+        )
 
 
 if __name__ == "__main__":

@@ -121,7 +121,10 @@ def pytest(copy: Path, tests: Sequence[str]) -> Verdict:
 def check_imports_from(copy: Path) -> None:
     """The tests must import the copy's (mutated) modules, not the editable install of the working tree."""
     env = {**os.environ, "PYTHONPATH": str(copy)}
-    probe = "import medvol, lightning_modules, datamodules; print(medvol.__file__, lightning_modules.__file__, datamodules.__file__)"
+    probe = (
+        "import medvol, lightning_modules, datamodules; print(medvol.__file__, lightning_modules.__file__, "
+        "datamodules.__file__)"
+    )
     files = subprocess.run([sys.executable, "-c", probe], cwd=copy, env=env, capture_output=True, text=True, check=True)
     if any(not Path(f).resolve().is_relative_to(copy.resolve()) for f in files.stdout.split()):
         raise SystemExit(f"the copy does not shadow the installed packages: {files.stdout.strip()}")
@@ -133,7 +136,9 @@ def apply(copy: Path, mutation: Mutation) -> str:
     text = path.read_text()
     count = text.count(mutation.original)
     if count != 1:
-        raise SystemExit(f"{mutation.name}: the original text occurs {count} times in {mutation.file}; update the mutation")
+        raise SystemExit(
+            f"{mutation.name}: the original text occurs {count} times in {mutation.file}; update the mutation"
+        )
     path.write_text(text.replace(mutation.original, mutation.replacement))
     return text
 

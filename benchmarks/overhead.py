@@ -8,8 +8,8 @@ in-memory random volumes (`benchmarks.scaling.RandomVolumes`, so that phantom ge
 not part of the comparison) and validation off. Hand-written side: the same `VQGAN` object
 built from the same config (encoder, codebook, decoder, both discriminators, the same
 `VQGAN.gan_losses` and Adam optimizers), a `DataLoader` over the same kind of volumes with the
-same batch, and a plain loop: the generator's backward and update, then the discriminators'. The discriminators are on from the first step on both sides (`discriminator_iter_start=0`),
-so every timed step is the full GAN step.
+same batch, and a plain loop: the generator's backward and update, then the discriminators'. The discriminators are on
+from the first step on both sides (`discriminator_iter_start=0`), so every timed step is the full GAN step.
 
 A step is timed from the end of the previous one to its own end (data fetch, hooks, logging
 included), the first `--warmup` steps left out; each run gives its median. The two sides run
@@ -115,7 +115,8 @@ def medvol_run(args: argparse.Namespace) -> tuple[float, float]:
 def gan_step(
     model: Any, opt_ae: torch.optim.Optimizer, opt_disc: torch.optim.Optimizer, x: torch.Tensor, gan_on: bool = True
 ) -> None:
-    """One VQ-GAN training step written by hand: the model's losses, the generator's update, then the discriminators'."""
+    """One VQ-GAN training step written by hand: the model's losses, the generator's update, then the
+    discriminators'."""
     step = model.gan_losses(x, gan_on)
     step.generator_objective.backward()
     opt_ae.step()
@@ -155,9 +156,23 @@ def hand_run(args: argparse.Namespace) -> tuple[float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ends.json"
         subprocess.run(
-            [*interpreter(args, "hand"), __file__, "--worker", str(out), "--steps", str(args.steps), "--size", str(args.size),
-             "--batch", str(args.batch), *args.overrides],
-            env=_env(), check=True, capture_output=True, text=True,
+            [
+                *interpreter(args, "hand"),
+                __file__,
+                "--worker",
+                str(out),
+                "--steps",
+                str(args.steps),
+                "--size",
+                str(args.size),
+                "--batch",
+                str(args.batch),
+                *args.overrides,
+            ],
+            env=_env(),
+            check=True,
+            capture_output=True,
+            text=True,
         )
         return median_step_ms(json.loads(out.read_text()), args.warmup)
 
@@ -189,7 +204,9 @@ def main() -> None:
     median = statistics.median
     print(f"{args.repeats} repeats x {args.steps} steps (first {args.warmup} left out), batch {args.batch}, "
           f"{args.size}^3 volumes, one thread, {os.cpu_count()} cores, overrides: {args.overrides or 'none'}\n")
-    print("| median step | medvol `train.py` | hand-written loop | ratio | fixed cost per step |\n|---|---|---|---|---|")
+    print(
+        "| median step | medvol `train.py` | hand-written loop | ratio | fixed cost per step |\n|---|---|---|---|---|"
+    )
     for i, clock in enumerate(("wall clock", "process CPU time")):
         medvol, hand = median(r[i] for r in runs["medvol"]), median(r[i] for r in runs["hand"])
         per_repeat = median(m[i] / h[i] for m, h in zip(runs["medvol"], runs["hand"], strict=True))

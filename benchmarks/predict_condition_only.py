@@ -38,8 +38,17 @@ from datamodules.sources.synthetic import MR_PERCENTILE  # noqa: E402
 
 def train(workdir: Path, size: int, epochs: int, extra: list[str]) -> Path:
     run_dir = workdir / "train_run"
-    command = [sys.executable, str(ROOT / "train.py"), "model=ddpm", f"dataset.size={size}", f"trainer.max_epochs={epochs}",
-               "print_config=false", f"hydra.run.dir={run_dir}", "callbacks.progress_bar=null", *extra]
+    command = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "model=ddpm",
+        f"dataset.size={size}",
+        f"trainer.max_epochs={epochs}",
+        "print_config=false",
+        f"hydra.run.dir={run_dir}",
+        "callbacks.progress_bar=null",
+        *extra,
+    ]
     started = time.perf_counter()
     subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     print(f"train.py model=ddpm, {size}^3, {epochs} epochs: {time.perf_counter() - started:.0f} s -> {run_dir}")

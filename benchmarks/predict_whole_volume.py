@@ -1,7 +1,9 @@
-"""A VQ-GAN trained as `make train` trains it reconstructs an unseen whole scan at its training spacing vs the scan's own.
+"""A VQ-GAN trained as `make train` trains it reconstructs an unseen whole scan at its training spacing vs the scan's
+own.
 
     .venv/bin/pip install --no-deps nilearn     # only its bundled MNI152 template (a real head) is read
-    .venv/bin/python benchmarks/predict_whole_volume.py [--ckpt CKPT] [--epochs 16] [--workdir DIR] [--scan head|phantom]
+    .venv/bin/python benchmarks/predict_whole_volume.py [--ckpt CKPT] [--epochs 16] [--workdir DIR]
+        [--scan head|phantom]
         [--overlap 0.25] [predict.py overrides ...]
 
 Without `--ckpt`, trains `python train.py` with the defaults (`make train`: the VQ-GAN on synthetic
@@ -64,7 +66,9 @@ def template_path() -> Path:
     """nilearn's bundled MNI152 T1 template, found without importing nilearn (a --no-deps install is enough)."""
     spec = importlib.util.find_spec("nilearn")
     if spec is None or not spec.submodule_search_locations:
-        sys.exit("the head scan is nilearn's MNI152 template: .venv/bin/pip install --no-deps nilearn (or --scan phantom)")
+        sys.exit(
+            "the head scan is nilearn's MNI152 template: .venv/bin/pip install --no-deps nilearn (or --scan phantom)"
+        )
     return Path(next(iter(spec.submodule_search_locations))) / TEMPLATE
 
 
@@ -98,12 +102,20 @@ def report(scan: Path, out: Path, seconds: float) -> None:
     psnr = 10 * np.log10(span**2 / float(np.mean((output - raw) ** 2)))
     print(f"  output {written.shape} {''.join(nib.aff2axcodes(written.affine))} spacing {written.header.get_zooms()} "
           f"range [{output.min():.0f}, {output.max():.0f}] dtype {written.get_data_dtype()}; "
-          f"same shape and affine as the source: {written.shape == source.shape and np.allclose(written.affine, source.affine)}")
-    print(f"  on the source grid, source units: correlation {correlation:.3f}, PSNR {psnr:.2f} dB (data range {span:.0f})")
+          "same shape and affine as the source: "
+          f"{written.shape == source.shape and np.allclose(written.affine, source.affine)}")
+    print(
+        f"  on the source grid, source units: correlation {correlation:.3f}, PSNR {psnr:.2f} dB (data range {span:.0f})"
+    )
     with (out / "metrics.csv").open() as handle:
         for row in csv.DictReader(handle):
-            print(f"  predict.py (model units, vs the model's input): PSNR {float(row['psnr']):.2f} dB, SSIM {float(row['ssim']):.3f}")
-    print(f"  predict.py wall time {seconds:.1f} s (process start, model load, preprocessing, sliding windows, writing)")
+            print(
+                f"  predict.py (model units, vs the model's input): PSNR {float(row['psnr']):.2f} dB, SSIM "
+                f"{float(row['ssim']):.3f}"
+            )
+    print(
+        f"  predict.py wall time {seconds:.1f} s (process start, model load, preprocessing, sliding windows, writing)"
+    )
 
 
 def resampling_ceiling(scan: Path, spacing: float) -> float:
@@ -112,7 +124,9 @@ def resampling_ceiling(scan: Path, spacing: float) -> float:
     source = nib.load(str(scan))
     extent = np.asarray(source.shape) * np.asarray(source.header.get_zooms()[:3])
     shape = tuple(int(n) for n in np.ceil(extent / spacing))
-    coarse = resample_from_to(source, (shape, source.affine @ np.diag([*(spacing / np.asarray(source.header.get_zooms()[:3])), 1])), order=1)
+    coarse = resample_from_to(
+        source, (shape, source.affine @ np.diag([*(spacing / np.asarray(source.header.get_zooms()[:3])), 1])), order=1
+    )
     back = resample_from_to(coarse, source, order=1).get_fdata()
     return float(np.corrcoef(source.get_fdata().ravel(), back.ravel())[0, 1])
 

@@ -45,7 +45,8 @@ def fixtures(work: Path, repo: Path) -> dict[str, list[str]]:
     code = (
         "import sys, torch; from datamodules.sources.example_data import write_nifti_folder; "
         "torch.save({'state_dict': {}, 'loops': {}, 'epoch': 0, 'global_step': 0, "
-        "'medvol_model': 'lightning_modules.discriminative.classifier.ClassifierModel'}, sys.argv[1] + '/foreign.ckpt'); "
+        "'medvol_model': 'lightning_modules.discriminative.classifier.ClassifierModel'}, "
+        "sys.argv[1] + '/foreign.ckpt'); "
         "write_nifti_folder(sys.argv[1] + '/scans', 4, 16)"
     )
     subprocess.run([sys.executable, "-c", code, str(work)], cwd=repo, check=True, env=_env(repo))
@@ -59,7 +60,11 @@ def fixtures(work: Path, repo: Path) -> dict[str, list[str]]:
         "`trainer.max_epochs=-5`": ["trainer.max_epochs=-5"],
         "`trainer.limit_train_batches=-1`": ["trainer.limit_train_batches=-1"],
         "`trainer.precision=bf17`": ["trainer.precision=bf17"],
-        "data doctor refuses (a truncated file)": ["dataset=nifti", f"dataset.root={work / 'scans'}", "dataset.image_modalities=[ct]"],
+        "data doctor refuses (a truncated file)": [
+            "dataset=nifti",
+            f"dataset.root={work / 'scans'}",
+            "dataset.image_modalities=[ct]",
+        ],
     }
 
 
@@ -92,7 +97,12 @@ def main() -> None:
     widths = {}
     for width in (80, 120):
         done = subprocess.run(
-            [sys.executable, "-c", CONFIG_LINES, str(width)], cwd=repo, env=_env(repo), capture_output=True, text=True, check=True
+            [sys.executable, "-c", CONFIG_LINES, str(width)],
+            cwd=repo,
+            env=_env(repo),
+            capture_output=True,
+            text=True,
+            check=True,
         )
         widths[width] = int(done.stdout.split()[-1])
     print(f"\ndefault config print: {widths[80]} lines at 80 columns, {widths[120]} at 120")

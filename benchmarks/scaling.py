@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from datamodules.pipeline.volume_datamodule import VolumeDataModule  # noqa: E402 - after the path set-up for direct runs
+# The project's imports come after the path set-up for direct runs.
+from datamodules.pipeline.volume_datamodule import VolumeDataModule  # noqa: E402
 from lightning_modules.base import MedvolModule  # noqa: E402
 
 
@@ -101,7 +102,9 @@ class StepTimer(pl.Callback):
         self.durations: list[float] = []
         self._start = 0.0
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._start = time.perf_counter()
 
     def on_train_batch_end(
@@ -203,7 +206,9 @@ def plain_worker(rank: int, world: int, port: int, args: argparse.Namespace, out
         network = DistributedDataParallel(network, device_ids=[rank] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(network.parameters(), lr=0.01)
     generator = torch.Generator().manual_seed(rank)
-    batches = [torch.rand(args.batch, 1, args.size, args.size, args.size, generator=generator) * 2 - 1 for _ in range(8)]
+    batches = [
+        torch.rand(args.batch, 1, args.size, args.size, args.size, generator=generator) * 2 - 1 for _ in range(8)
+    ]
 
     def steps(count: int, synced: bool) -> list[float]:
         durations = []

@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/segmentation.py dice [hydra overrides ...]
     .venv/bin/python benchmarks/segmentation.py sliding-window [--size 128] [--roi 64 48] [--overlap 0.25 0.5]
     .venv/bin/python benchmarks/segmentation.py gpu [--nets unet swinunetr] [--steps 20]
-    .venv/bin/python benchmarks/segmentation.py real [--subjects 48] [--spacing 2 2 2] [--epochs 60] [--arms medvol monai]
+    .venv/bin/python benchmarks/segmentation.py real [--subjects 48] [--spacing 2 2 2] [--epochs 60]
+        [--arms medvol monai]
 
 `dice` trains `python train.py model=segmentation` on the synthetic phantoms (lesion and core
 regions, FLAIR + T1ce) in a temporary folder and prints the val Dice/HD95 of every epoch.
@@ -64,7 +65,11 @@ def dice(overrides: list[str]) -> None:
     names = [k for k in rows[0] if k.startswith("val/dice_") or k.startswith("val/hd95_")]
     print("| epoch | val/dice | " + " | ".join(names) + " |\n|" + "---|" * (len(names) + 2))
     for r in rows:
-        print(f"| {r['epoch']} | {float(r['val/dice']):.3f} | " + " | ".join(f"{float(r[n]):.3f}" if r[n] else "-" for n in names) + " |")
+        print(
+            f"| {r['epoch']} | {float(r['val/dice']):.3f} | "
+            + " | ".join(f"{float(r[n]):.3f}" if r[n] else "-" for n in names)
+            + " |"
+        )
 
 
 def sliding_window_once(size: int, roi: int, overlap: float, channels: int, repeats: int) -> dict:
@@ -93,7 +98,10 @@ def sliding_window_once(size: int, roi: int, overlap: float, channels: int, repe
 def sliding_window(args: argparse.Namespace) -> None:
     print(f"one {args.channels} x {args.size}^3 volume, UNet [16, 32, 64, 128], sw_batch_size 4, Gaussian blending, "
           f"{torch_threads()} threads, median of {args.repeats}")
-    print("| roi | overlap | windows | seconds | peak RSS (MiB) | RSS growth during inference (MiB) |\n|---|---|---|---|---|---|")
+    print(
+        "| roi | overlap | windows | seconds | peak RSS (MiB) | RSS growth during inference (MiB) |\n"
+        "|---|---|---|---|---|---|"
+    )
     for roi in args.roi:
         for overlap in args.overlap:
             result = subprocess.run(
@@ -138,7 +146,10 @@ def gpu(args: argparse.Namespace) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu: no CUDA device visible")
     device = torch.device("cuda")
-    print(f"{torch.cuda.get_device_name()}; batch {args.batch} of 4 channels x 128^3, bf16-mixed autocast, AdamW, {args.steps} timed steps")
+    print(
+        f"{torch.cuda.get_device_name()}; batch {args.batch} of 4 channels x 128^3, bf16-mixed autocast, AdamW, "
+        f"{args.steps} timed steps"
+    )
     print("| net | parameters (M) | samples/s | step (ms) | peak memory (GiB) |\n|---|---|---|---|---|")
     for net in args.nets:
         torch.manual_seed(0)
@@ -191,11 +202,17 @@ def region_scores(seg: Any, truth: Any, spacing: list[float]) -> dict[str, float
 def mean_scores(rows: list[dict[str, float]]) -> dict[str, float]:
     import math
 
-    return {k: sum(r[k] for r in rows if math.isfinite(r[k])) / max(1, sum(math.isfinite(r[k]) for r in rows)) for k in rows[0]}
+    return {
+        k: sum(r[k] for r in rows if math.isfinite(r[k])) / max(1, sum(math.isfinite(r[k]) for r in rows))
+        for k in rows[0]
+    }
 
 
-def medvol_arm(root: Path, split_file: Path, out: Path, epochs: int, test: list[str]) -> tuple[dict[str, float], float, str]:
-    """`python train.py model=segmentation dataset=brats ...` as a user types it (the plan by default); test masks scored."""
+def medvol_arm(
+    root: Path, split_file: Path, out: Path, epochs: int, test: list[str]
+) -> tuple[dict[str, float], float, str]:
+    """`python train.py model=segmentation dataset=brats ...` as a user types it (the plan by default); test masks
+    scored."""
     import nibabel as nib
     import numpy as np
 
@@ -205,7 +222,9 @@ def medvol_arm(root: Path, split_file: Path, out: Path, epochs: int, test: list[
         f"dataset.split_file={split_file}", "callbacks.progress_bar=null", "logger=csv", f"hydra.run.dir={out}",
     ]
     start = time.perf_counter()
-    result = subprocess.run(command, cwd=out.parent, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    result = subprocess.run(
+        command, cwd=out.parent, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     wall = time.perf_counter() - start
     (out / "train.stdout").write_text(result.stdout + result.stderr)
     if result.returncode:
@@ -220,7 +239,9 @@ def medvol_arm(root: Path, split_file: Path, out: Path, epochs: int, test: list[
     return mean_scores(rows), wall, plan
 
 
-def plain_monai_arm(root: Path, split: dict[str, list[str]], epochs: int, spacing: float) -> tuple[dict[str, float], float]:
+def plain_monai_arm(
+    root: Path, split: dict[str, list[str]], epochs: int, spacing: float
+) -> tuple[dict[str, float], float]:
     """The plain MONAI script of issue 28: UNet 16-32-64-128 (residual units), z-score per channel over the brain,
     whole volumes at `spacing` mm, DiceCE, Adam 1e-3, batch 2; the best validation epoch's weights are tested."""
     import copy
@@ -255,8 +276,10 @@ def plain_monai_arm(root: Path, split: dict[str, list[str]], epochs: int, spacin
     ])
 
     def items(subjects: list[str]) -> list[dict]:
-        return [{"image": [case_files(root, s)[m] for m in MODALITIES], "label": case_files(root, s)["seg"], "subject": s}
-                for s in subjects]
+        return [
+            {"image": [case_files(root, s)[m] for m in MODALITIES], "label": case_files(root, s)["seg"], "subject": s}
+            for s in subjects
+        ]
 
     start = time.perf_counter()
     train = DataLoader(Dataset(items(split["train"]), chain), batch_size=2, shuffle=True, drop_last=True)
@@ -283,7 +306,9 @@ def plain_monai_arm(root: Path, split: dict[str, list[str]], epochs: int, spacin
     rows = []
     with torch.no_grad():
         for item in evaluation["test"]:
-            masks = (torch.sigmoid(sliding_window_inference(item["image"][None], item["image"].shape[1:], 1, net)) > 0.5)[0]
+            masks = (
+                torch.sigmoid(sliding_window_inference(item["image"][None], item["image"].shape[1:], 1, net)) > 0.5
+            )[0]
             tc, wt, et = masks.numpy()
             seg = np.where(wt, 2, 0)
             seg[tc] = 1
@@ -291,7 +316,11 @@ def plain_monai_arm(root: Path, split: dict[str, list[str]], epochs: int, spacin
             files = case_files(root, item["subject"])
             truth = nib.load(files["seg"])
             on_source = to_source_grid(torch.from_numpy(seg[None].astype(np.int64)), files["seg"], item["image"].affine)
-            rows.append(region_scores(on_source[0].numpy(), np.asarray(truth.dataobj), [float(z) for z in truth.header.get_zooms()[:3]]))
+            rows.append(
+                region_scores(
+                    on_source[0].numpy(), np.asarray(truth.dataobj), [float(z) for z in truth.header.get_zooms()[:3]]
+                )
+            )
     return mean_scores(rows), time.perf_counter() - start
 
 
@@ -314,13 +343,18 @@ def real(args: argparse.Namespace) -> None:
     save_split(split_file, split, args.seed)
     lines = []
     if "medvol" in args.arms:
-        scores, wall, plan = medvol_arm(root, split_file, out / f"medvol-{tag}-{args.epochs}ep", args.epochs, split["test"])
+        scores, wall, plan = medvol_arm(
+            root, split_file, out / f"medvol-{tag}-{args.epochs}ep", args.epochs, split["test"]
+        )
         lines.append(row(f"medvol planned default ({tag})", scores, wall))
         print(f"plan for {tag}: {plan}")
     if "monai" in args.arms:
         scores, wall = plain_monai_arm(root, split, args.epochs, args.monai_spacing)
         lines.append(row(f"plain MONAI script ({tag}, {args.monai_spacing:g} mm)", scores, wall))
-    header = "| arm | epochs | Dice WT | Dice TC | Dice ET | HD95 WT | HD95 TC | HD95 ET | wall |\n|---|---|---|---|---|---|---|---|---|"
+    header = (
+        "| arm | epochs | Dice WT | Dice TC | Dice ET | HD95 WT | HD95 TC | HD95 ET | wall |\n"
+        "|---|---|---|---|---|---|---|---|---|"
+    )
     table = "\n".join([header, *[line.replace("EPOCHS", str(args.epochs)) for line in lines]])
     print(table)
     with (out / "results.md").open("a") as handle:

@@ -1,4 +1,5 @@
-"""Baselines for `model=survival` on the synthetic phantoms: a Cox model on the lesion fraction (oracle) and random risks.
+"""Baselines for `model=survival` on the synthetic phantoms: a Cox model on the lesion fraction (oracle) and random
+risks.
 
     python benchmarks/survival_baselines.py --subjects 512 --size 32 --split /tmp/survival_run/split.json
 

@@ -27,7 +27,13 @@ def one_run(overrides: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         subprocess.run(
-            [sys.executable, str(ROOT / "train.py"), "logger=[tensorboard,csv]", "callbacks.progress_bar=null", *overrides],
+            [
+                sys.executable,
+                str(ROOT / "train.py"),
+                "logger=[tensorboard,csv]",
+                "callbacks.progress_bar=null",
+                *overrides,
+            ],
             cwd=tmp,
             check=True,
             capture_output=True,

@@ -59,7 +59,11 @@ def figures(guess: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
         ssim.append(float(structural_similarity_index_measure(g[None], t[None], data_range=2.0, kernel_size=5)))
         for metric in body.values():
             metric.update(g[None], t[None])
-    return {"psnr": sum(psnr) / len(psnr), "ssim": sum(ssim) / len(ssim), **{k: float(m.compute()) for k, m in body.items()}}
+    return {
+        "psnr": sum(psnr) / len(psnr),
+        "ssim": sum(ssim) / len(ssim),
+        **{k: float(m.compute()) for k, m in body.items()},
+    }
 
 
 def test_batch(stage_dir: Path) -> tuple[dict, dict]:
@@ -128,7 +132,8 @@ def main() -> None:
         crops = f" ({crop}^3 crops)" if int(cfg.model.stage) > 1 and crop and int(crop) < int(cfg.dataset.size) else ""
         print(
             f"| {stage_dir.name} | {cfg.dataset.size}^3{crops} | {cfg.trainer.max_epochs} | {speed} | {memory} MiB | "
-            f"{physics:.3f} ({found['floor']:.3f}) | {cells('psnr', 2)} | {cells('ssim', 3)} | {cells('body_psnr', 2)} | {cells('body_ssim', 3)} "
+            f"{physics:.3f} ({found['floor']:.3f}) | {cells('psnr', 2)} | {cells('ssim', 3)} | {cells('body_psnr', 2)} "
+            f"| {cells('body_ssim', 3)} "
             f"| {cells('mae', 0)} |"
         )
 

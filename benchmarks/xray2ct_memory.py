@@ -87,9 +87,13 @@ def stage_settings(stage: int, reduce: int, checkpointing: bool, steps: int) -> 
     """The preset's stage `stage` with its volume, crop and views divided by `reduce`."""
     preset, _ = STAGES[stage - 1]
     return {
-        **{key: value for key, value in preset.items() if key not in RUN_SETTINGS}, "stage": stage,
-        "size": [s // reduce for s in as_size(preset["size"])], "crop_size": [c // reduce for c in as_size(preset["crop_size"])],
-        "xray_size": [s // reduce for s in preset["xray_size"]], "activation_checkpointing": checkpointing, "timesteps": steps,
+        **{key: value for key, value in preset.items() if key not in RUN_SETTINGS},
+        "stage": stage,
+        "size": [s // reduce for s in as_size(preset["size"])],
+        "crop_size": [c // reduce for c in as_size(preset["crop_size"])],
+        "xray_size": [s // reduce for s in preset["xray_size"]],
+        "activation_checkpointing": checkpointing,
+        "timesteps": steps,
     }
 
 
@@ -99,7 +103,8 @@ def volume_of(stage: int) -> int:
 
 
 def crop_edge(stage: int) -> int:
-    """The edge of the (cubic) volume stage `stage` trains on in the preset: its crop, or the whole volume at stage 1."""
+    """The edge of the (cubic) volume stage `stage` trains on in the preset: its crop, or the whole volume
+    at stage 1."""
     settings, _ = STAGES[stage - 1]
     return volume_of(stage) if stage == 1 else min(as_size(settings["crop_size"])[0], volume_of(stage))
 
@@ -183,13 +188,20 @@ def sample_whole(args: argparse.Namespace, device: torch.device, folder: Path) -
 
 
 def saved_mib(size: int, checkpointing: bool) -> float:
-    """MiB of distinct storages autograd keeps for the backward pass of the preset's stage 2 network on one size^3 input."""
+    """MiB of distinct storages autograd keeps for the backward pass of the preset's stage 2 network on one size^3
+    input."""
     torch.manual_seed(0)
     preset = STAGES[1][0]
-    settings = {k: v for k, v in preset.items() if k in NETWORK_SETTINGS and k not in ("xray_size", "activation_checkpointing")}
+    settings = {
+        k: v for k, v in preset.items() if k in NETWORK_SETTINGS and k not in ("xray_size", "activation_checkpointing")
+    }
     views = [s // 4 for s in preset["xray_size"]]
     network = ViewConditionedDenoiser(
-        num_views=len(preset["views"]), xray_size=views, cascaded=True, activation_checkpointing=checkpointing, **settings,
+        num_views=len(preset["views"]),
+        xray_size=views,
+        cascaded=True,
+        activation_checkpointing=checkpointing,
+        **settings,
     )
     kept: dict[int, int] = {}
 
@@ -218,8 +230,10 @@ def activations() -> None:
         small, large, per_voxel = saved_per_voxel(checkpointing)
         crop = per_voxel * 64**3 / 1024
         stages = " / ".join(f"{crop * batch:.1f}" for _, batch in STAGES)
-        print(f"| {'on' if checkpointing else 'off'} | {small:.0f} MiB | {large:.0f} MiB | {per_voxel * 1024:.2f} KiB | "
-              f"{crop:.2f} GiB | {stages} GiB (estimate) |")
+        print(
+            f"| {'on' if checkpointing else 'off'} | {small:.0f} MiB | {large:.0f} MiB | {per_voxel * 1024:.2f} KiB | "
+            f"{crop:.2f} GiB | {stages} GiB (estimate) |"
+        )
 
 
 def measure(
@@ -240,11 +254,15 @@ def measure(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--reduce", type=int, default=None, help="divide sizes, crops and views by this (CPU default 4)")
+    parser.add_argument(
+        "--reduce", type=int, default=None, help="divide sizes, crops and views by this (CPU default 4)"
+    )
     parser.add_argument("--batch-divisor", type=int, default=None, help="divide the preset's batches (CPU default 8)")
     parser.add_argument("--steps", type=int, default=None, help="sampling steps per stage (CPU 2, GPU 10)")
     parser.add_argument("--repeats", type=int, default=None, help="timed training steps (CPU 1, GPU 5)")
-    parser.add_argument("--modes", default=None, help="activation checkpointing: off,on (GPU default) or on (CPU default)")
+    parser.add_argument(
+        "--modes", default=None, help="activation checkpointing: off,on (GPU default) or on (CPU default)"
+    )
     parser.add_argument("--activations", action="store_true", help="only the saved activations per voxel (CPU)")
     parser.add_argument("--one", choices=["train", "sample"], help=argparse.SUPPRESS)
     parser.add_argument("--stage", type=int, default=1, help=argparse.SUPPRESS)
@@ -270,7 +288,10 @@ def main() -> None:
         print(json.dumps(result))
         return
     with tempfile.TemporaryDirectory() as folder:
-        print(f"device {args.device}, sizes / {args.reduce}, batches / {args.batch_divisor}, {args.steps} sampling steps a stage")
+        print(
+            f"device {args.device}, sizes / {args.reduce}, batches / {args.batch_divisor}, "
+            f"{args.steps} sampling steps a stage"
+        )
         print("| stage | volume | trained on | batch | activation checkpointing | peak memory | samples/s | "
               "estimate at the preset (64^3 crops, full batch) |")
         print("|---|---|---|---|---|---|---|---|")
@@ -283,8 +304,10 @@ def main() -> None:
                 row = measure(args, "train", stage, checkpointing, Path(folder))
                 if "out_of_memory" in row:
                     batch = args.batch or max(1, preset_batch // args.batch_divisor)
-                    print(f"| {stage} | {size // args.reduce}^3 | {trained}^3 {'crops' if stage > 1 else 'whole'} | "
-                          f"{batch} | {'on' if checkpointing else 'off'} | out of memory | - | {row['out_of_memory']} |")
+                    print(
+                        f"| {stage} | {size // args.reduce}^3 | {trained}^3 {'crops' if stage > 1 else 'whole'} | "
+                        f"{batch} | {'on' if checkpointing else 'off'} | out of memory | - | {row['out_of_memory']} |"
+                    )
                     continue
                 memory = row["peak_mib"] if not cpu else row["grown_mib"]
                 estimate = "measured"

@@ -45,12 +45,20 @@ class BlockSummary(ModelSummary):
         frozen = any(trainable != params for _, _, params, trainable, _ in rows)
         buffered = any(buffers for *_, buffers in rows)
         table = Table(title=f"{type(pl_module).__name__}: parameters per block", title_justify="left")
-        for column in ["block", "type", "parameters", *(["trainable"] if frozen else []), *(["buffers"] if buffered else [])]:
+        for column in [
+            "block",
+            "type",
+            "parameters",
+            *(["trainable"] if frozen else []),
+            *(["buffers"] if buffered else []),
+        ]:
             table.add_column(column, justify="left" if column in ("block", "type") else "right")
         for name, kind, params, trainable, buffers in rows:
             extra = ([_count(trainable)] if frozen else []) + ([_count(buffers)] if buffered else [])
             table.add_row(name, kind, _count(params), *extra)
         total = sum(r[2] for r in rows)
-        extra = ([_count(sum(r[3] for r in rows))] if frozen else []) + ([_count(sum(r[4] for r in rows))] if buffered else [])
+        extra = ([_count(sum(r[3] for r in rows))] if frozen else []) + (
+            [_count(sum(r[4] for r in rows))] if buffered else []
+        )
         table.add_row("total", "", _count(total), *extra, style="bold")
         Console().print(table)

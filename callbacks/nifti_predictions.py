@@ -33,7 +33,13 @@ class NiftiPredictionWriter(pl.Callback):
         self.writer.rows = []
 
     def on_test_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
     ) -> None:
         if isinstance(outputs, dict) and isinstance(batch, dict):
             self.writer.write(outputs, batch)

@@ -59,7 +59,9 @@ class RunSummary(pl.Callback):
         self._pending: tuple[dict[str, Any], str] | None = None
         self.started = datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._batch_start = time.perf_counter()
 
     def on_train_batch_end(
@@ -92,7 +94,9 @@ class RunSummary(pl.Callback):
 
     @staticmethod
     def _metrics(trainer: pl.Trainer) -> dict[str, float]:
-        return {k: float(v) for k, v in sorted(trainer.callback_metrics.items()) if torch.is_tensor(v) and v.numel() == 1}
+        return {
+            k: float(v) for k, v in sorted(trainer.callback_metrics.items()) if torch.is_tensor(v) and v.numel() == 1
+        }
 
     def summary(self, trainer: pl.Trainer) -> dict[str, Any]:
         checkpoint = trainer.checkpoint_callback
@@ -101,16 +105,23 @@ class RunSummary(pl.Callback):
         peak_gpu = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
         # Callbacks that measure the run (callbacks/telemetry.py) add their own fields, and so does the
         # datamodule (what its cache chose).
-        extra = {k: v for cb in trainer.callbacks if hasattr(cb, "summary_fields")
-                 for k, v in cb.summary_fields(trainer.lightning_module).items()}
+        extra = {
+            k: v
+            for cb in trainer.callbacks
+            if hasattr(cb, "summary_fields")
+            for k, v in cb.summary_fields(trainer.lightning_module).items()
+        }
         datamodule = getattr(trainer, "datamodule", None)
         if hasattr(datamodule, "summary_fields"):
             extra.update(datamodule.summary_fields())
         return {
             "run_dir": str(self.output_dir),
             "best_checkpoint": getattr(checkpoint, "best_model_path", None) or None,
-            "best_score": float(checkpoint.best_model_score) if getattr(checkpoint, "best_model_score", None) is not None else None,
-            # The metric the best checkpoint was chosen by: `optimized_metric`, or its fallback where that was undefined.
+            "best_score": float(checkpoint.best_model_score)
+            if getattr(checkpoint, "best_model_score", None) is not None
+            else None,
+            # The metric the best checkpoint was chosen by: `optimized_metric`,
+            # or its fallback where that was undefined.
             "best_by": getattr(checkpoint, "monitor", None),
             "last_checkpoint": getattr(checkpoint, "last_model_path", None) or None,
             "tensorboard": tensorboard,

@@ -33,7 +33,9 @@ class StepCheckpoint(ModelCheckpoint):
         *args, **kwargs: `ModelCheckpoint`'s.
     """
 
-    def __init__(self, *args: Any, fallback_monitor: str | None = None, fallback_mode: str = "min", **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, fallback_monitor: str | None = None, fallback_mode: str = "min", **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._validated_at: int | None = None
         self.fallback_monitor = fallback_monitor

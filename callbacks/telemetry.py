@@ -63,9 +63,10 @@ class Telemetry(pl.Callback):
     `medvol.core.step`, like `train/*_epoch`), and warns when the data or the GPU memory is the limit.
 
     Figures (TensorBoard and `summary.json`): `samples_per_second` (all ranks), `step_time_ms`,
-    `epoch_seconds` (wall time of a training epoch, its validation included), `data_wait_fraction`, `gpu_max_memory_mb` and `gpu_memory_fraction` of the card (CUDA only),
-    `host_peak_rss_mb` (rank 0's process). The warnings are judged on the epochs after the first
-    (cache filling and worker start-up make the first one slow), or on the first when it is the only one.
+    `epoch_seconds` (wall time of a training epoch, its validation included), `data_wait_fraction`, `gpu_max_memory_mb`
+    and `gpu_memory_fraction` of the card (CUDA only), `host_peak_rss_mb` (rank 0's process). The warnings are judged on
+    the epochs after the first (cache filling and worker start-up make the first one slow), or on the first when it is
+    the only one.
 
     Args:
         data_wait_warning: warn when the data-wait fraction exceeds this.
@@ -111,7 +112,9 @@ class Telemetry(pl.Callback):
         if trainer.current_epoch > 0 or self.run.steps:
             self._mark_end(pl_module)
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._step_from = self._last_end
         if self._last_end is None:
             return
@@ -175,7 +178,10 @@ class Telemetry(pl.Callback):
 
     def summary_fields(self, pl_module: pl.LightningModule) -> dict[str, Any]:
         """The whole run's figures for `summary.json` (rounded)."""
-        return {"telemetry": {k: round(v, 4) for k, v in self.figures(self.run, pl_module).items()} | {"steps": self.run.steps}}
+        return {
+            "telemetry": {k: round(v, 4) for k, v in self.figures(self.run, pl_module).items()}
+            | {"steps": self.run.steps}
+        }
 
     def _warn(self, trainer: pl.Trainer, pl_module: pl.LightningModule, totals: Totals) -> None:
         if self._warned or not trainer.is_global_zero or not totals.steps:

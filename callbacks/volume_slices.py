@@ -31,7 +31,9 @@ class VolumeSliceLogger(pl.Callback):
         colorbar: draw the error map's colour scale next to it.
     """
 
-    def __init__(self, every_n_epochs: int = 1, max_samples: int = 2, panel_size: int = 256, colorbar: bool = True) -> None:
+    def __init__(
+        self, every_n_epochs: int = 1, max_samples: int = 2, panel_size: int = 256, colorbar: bool = True
+    ) -> None:
         self.every_n_epochs = every_n_epochs
         self.max_samples = max_samples
         self.panel_size = panel_size
@@ -53,7 +55,13 @@ class VolumeSliceLogger(pl.Callback):
 
     @rank_zero_only
     def on_validation_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
     ) -> None:
         if not self._due(trainer) or not isinstance(outputs, dict) or "volumes" not in outputs:
             return

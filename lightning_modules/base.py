@@ -37,7 +37,10 @@ class MedvolModule(pl.LightningModule):
     training_data: dict[str, Any] | None = None
 
     def set_manual_step_policy(
-        self, accumulate_grad_batches: int = 1, gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm"
+        self,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
     ) -> None:
         if int(accumulate_grad_batches) < 1:
             raise ValueError(f"`trainer.accumulate_grad_batches` must be >= 1, got {accumulate_grad_batches}")
@@ -65,7 +68,9 @@ class MedvolModule(pl.LightningModule):
                 gradient_clip_algorithm=self.gradient_clip_algorithm,
             )
 
-    def predict_volumes(self, batch: dict[str, Any], window: SlidingWindow, extras: Sequence[str] = ()) -> dict[str, Any]:
+    def predict_volumes(
+        self, batch: dict[str, Any], window: SlidingWindow, extras: Sequence[str] = ()
+    ) -> dict[str, Any]:
         """Outputs for one batch of whole volumes of any size (`predict.py`), in the `test_step` contract.
 
         Families whose forward maps a volume to a volume run it through `window` (the training patch

@@ -146,7 +146,9 @@ def _in_memory(
             records, head, replace_rate=replace_rate, cache_rate=cache_rate, num_init_workers=max(1, workers),
             num_replace_workers=max(1, workers), progress=False, shuffle=False, copy_cache=False,
         )
-    return CacheDataset(records, head, cache_rate=cache_rate, num_workers=max(1, workers), progress=False, copy_cache=False)
+    return CacheDataset(
+        records, head, cache_rate=cache_rate, num_workers=max(1, workers), progress=False, copy_cache=False
+    )
 
 
 class PartitionSampler(DistributedSampler):

@@ -118,11 +118,13 @@ def check_cache_folder(folder: Path) -> None:
     """A folder the disk cache can create and write into; else `MedvolError`. Creates nothing."""
     existing = existing_folder(folder)
     if not existing.is_dir():
-        raise MedvolError(f"`dataset.cache_dir`: {folder} cannot be a folder ({existing} is a file); expected a writable folder")
+        raise MedvolError(
+            f"`dataset.cache_dir`: {folder} cannot be a folder ({existing} is a file); expected a writable folder"
+        )
     if not os.access(existing, os.W_OK | os.X_OK):
         raise MedvolError(
-            f"`dataset.cache_dir`: {folder} is not writable ({existing} refuses new files); expected a writable folder, "
-            "or dataset.cache=memory|none"
+            f"`dataset.cache_dir`: {folder} is not writable ({existing} refuses new files); "
+            "expected a writable folder, or dataset.cache=memory|none"
         )
 
 
@@ -170,8 +172,8 @@ class CachePlan:
     def describe(self) -> str:
         where = f" in {self.folder}" if self.mode == "disk" else ""
         return (
-            f"dataset.cache=auto: {self.mode}{where}: this rank's {self.subjects} subjects are ~{size_text(self.estimate)} cached; "
-            f"{self.reason}"
+            f"dataset.cache=auto: {self.mode}{where}: this rank's {self.subjects} subjects are "
+            f"~{size_text(self.estimate)} cached; {self.reason}"
         )
 
     def summary(self) -> dict[str, Any]:
@@ -197,7 +199,7 @@ def plan_cache(
         reason = f"over the {fits}), within half the free disk space ({size_text(disk_room)})"
         return CachePlan("disk", reason, subjects, estimate, budget, budget_text, folder, disk_room)
     reason = (
-        f"over the {fits}) and over half the free disk space under {folder.parent} ({size_text(disk_room)}): not cached; "
-        "raise `dataset.cache_budget` or free disk space"
+        f"over the {fits}) and over half the free disk space under {folder.parent} ({size_text(disk_room)}): not "
+        "cached; raise `dataset.cache_budget` or free disk space"
     )
     return CachePlan("none", reason, subjects, estimate, budget, budget_text, folder, disk_room)

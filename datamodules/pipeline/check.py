@@ -99,7 +99,9 @@ def _read_series_header(path: Path, series: str | None) -> tuple[_Header | None,
         geometry = series_geometry(path, series)
     except MedvolError as err:
         return None, [f"DICOM series: {str(err).removeprefix(f'{path}: ')}"]
-    findings = [f"{len(geometry.dropped)} localizer image(s) among the slices (dropped when read)"] if geometry.dropped else []
+    findings = (
+        [f"{len(geometry.dropped)} localizer image(s) among the slices (dropped when read)"] if geometry.dropped else []
+    )
     return _Header(geometry.shape, geometry.affine, _SeriesImage(geometry)), findings
 
 
@@ -173,13 +175,21 @@ def _grid_mismatches(subject: str, record: dict[str, Any], headers: dict[str, _H
             continue
         path = str(record["files"][name])
         if header.shape[:3] != reference.shape[:3]:
-            problems.append(Problem(
-                subject, path, f"shape mismatch: {name} is {header.shape[:3]}, {reference_name} is {reference.shape[:3]}"
-            ))
+            problems.append(
+                Problem(
+                    subject,
+                    path,
+                    f"shape mismatch: {name} is {header.shape[:3]}, {reference_name} is {reference.shape[:3]}",
+                )
+            )
         elif not np.allclose(header.affine, reference.affine, atol=1e-3, rtol=1e-4):
-            problems.append(Problem(
-                subject, path, f"affine mismatch: {name} and {reference_name} lie on different voxel grids (resample them)"
-            ))
+            problems.append(
+                Problem(
+                    subject,
+                    path,
+                    f"affine mismatch: {name} and {reference_name} lie on different voxel grids (resample them)",
+                )
+            )
     return problems
 
 
@@ -207,7 +217,9 @@ def _voxel_problems(
         if np.any(values != np.round(values)):
             problems.append(Problem(subject, path, "label map holds non-integer values"))
     elif (not image_names or name in image_names) and data.size and data.min() == data.max():
-        problems.append(Problem(subject, path, f"constant volume (every voxel is {data.flat[0]:g}): no signal to learn"))
+        problems.append(
+            Problem(subject, path, f"constant volume (every voxel is {data.flat[0]:g}): no signal to learn")
+        )
     return problems
 
 

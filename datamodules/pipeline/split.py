@@ -15,7 +15,11 @@ STAGES = ("train", "val", "test")
 
 
 def make_split(
-    subjects: Sequence[str], val_fraction: float, test_fraction: float, seed: int, strata: Sequence[Hashable] | None = None,
+    subjects: Sequence[str],
+    val_fraction: float,
+    test_fraction: float,
+    seed: int,
+    strata: Sequence[Hashable] | None = None,
 ) -> dict[str, list[str]]:
     """Shuffle unique subject ids with `seed` and cut them into train/val/test.
 
@@ -68,7 +72,9 @@ def load_split(path: Path, subjects: Sequence[str]) -> dict[str, list[str]]:
     try:
         split = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise MedvolError(f"`dataset.split_file`: cannot read {path} ({err}); expected JSON with train/val/test lists") from err
+        raise MedvolError(
+            f"`dataset.split_file`: cannot read {path} ({err}); expected JSON with train/val/test lists"
+        ) from err
     if not isinstance(split, dict) or any(not isinstance(split.get(s), list) for s in STAGES):
         raise MedvolError(f"`dataset.split_file`: {path} must hold lists under 'train', 'val' and 'test'")
     listed = [s for stage in STAGES for s in split[stage]]

@@ -93,16 +93,22 @@ class TransformSettings:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(config) - known)
         if unknown:
-            raise MedvolError(f"`dataset.transforms.{unknown[0]}` is not a transform setting; expected one of {sorted(known)}")
+            raise MedvolError(
+                f"`dataset.transforms.{unknown[0]}` is not a transform setting; expected one of {sorted(known)}"
+            )
         settings = cls(**{k: plain(v) for k, v in config.items()})
         if settings.intensity not in INTENSITY_MODES:
-            raise MedvolError(f"`dataset.transforms.intensity` is {settings.intensity!r}; expected one of {list(INTENSITY_MODES)}")
+            raise MedvolError(
+                f"`dataset.transforms.intensity` is {settings.intensity!r}; expected one of {list(INTENSITY_MODES)}"
+            )
         for name in ("percentiles", "window", "output_range"):
             low, high = _pair(getattr(settings, name), name)
             if not low < high:
                 raise MedvolError(f"`dataset.transforms.{name}` must be [low, high] with low < high, got {[low, high]}")
         if settings.output_range not in ([-1.0, 1.0], [0.0, 1.0]):
-            raise MedvolError(f"`dataset.transforms.output_range` is {settings.output_range}; expected [-1, 1] or [0, 1]")
+            raise MedvolError(
+                f"`dataset.transforms.output_range` is {settings.output_range}; expected [-1, 1] or [0, 1]"
+            )
         if not 0 <= settings.percentiles[0] < settings.percentiles[1] <= 100:
             raise MedvolError(f"`dataset.transforms.percentiles` must lie in [0, 100], got {settings.percentiles}")
         check_normalization(settings.normalization)
@@ -200,7 +206,9 @@ class SafeScaleIntensityd(MapTransform):
         for key in self.key_iterator(d):
             volume = convert_to_tensor(d[key], track_meta=False)
             bounds = [self._bounds(c.cpu()) for c in volume]
-            scaled = torch.stack([scale_to_range(c, *b, self.output_range) for c, b in zip(volume, bounds, strict=True)])
+            scaled = torch.stack(
+                [scale_to_range(c, *b, self.output_range) for c, b in zip(volume, bounds, strict=True)]
+            )
             low_key, high_key = intensity_keys(str(key))
             d[low_key] = torch.tensor([b[0] for b in bounds], dtype=torch.float64)
             d[high_key] = torch.tensor([b[1] for b in bounds], dtype=torch.float64)
@@ -242,7 +250,8 @@ class PlannedNormalized(MapTransform):
             plans = self.channels or [{"kind": "mr"}] * volume.shape[0]
             if len(plans) != volume.shape[0]:
                 raise MedvolError(
-                    f"`dataset.transforms.normalization` lists {len(plans)} channels; the `{key}` volume has {volume.shape[0]}"
+                    f"`dataset.transforms.normalization` lists {len(plans)} channels; "
+                    f"the `{key}` volume has {volume.shape[0]}"
                 )
             normalized = torch.stack([self._channel(c, p) for c, p in zip(volume, plans, strict=True)])
             d[key] = convert_to_dst_type(normalized, d[key], dtype=torch.float32)[0]
@@ -270,7 +279,8 @@ def deterministic_transforms(
     before_intensity: Sequence[Callable] = (),
     series: str | None = None,
 ) -> list[Callable]:
-    """Load (NIfTI files or DICOM series folders) -> channel-first -> orientation -> spacing -> (label mapping) -> intensity -> crop/pad -> plain tensors.
+    """Load (NIfTI files or DICOM series folders) -> channel-first -> orientation -> spacing -> (label mapping) ->
+    intensity -> crop/pad -> plain tensors.
 
     Args:
         settings: the validated `dataset.transforms`.
@@ -300,7 +310,9 @@ def deterministic_transforms(
         chain.append(PlannedNormalized(image_keys[:1], settings.normalization or []))
     elif settings.intensity != "none":
         chain.append(
-            SafeScaleIntensityd(image_keys, settings.intensity, settings.percentiles, settings.window, settings.output_range)
+            SafeScaleIntensityd(
+                image_keys, settings.intensity, settings.percentiles, settings.window, settings.output_range
+            )
         )
     for size, pad_only in ((settings.spatial_size, False), (settings.pad_to, True)):
         if size:

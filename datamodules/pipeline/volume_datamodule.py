@@ -384,8 +384,8 @@ class VolumeDataModule(pl.LightningDataModule):
         if self.cache_mode == "smart" and workers > 0 and torch.multiprocessing.get_start_method() != "fork":
             raise MedvolError(
                 f"`dataset.cache=smart` with `dataset.num_workers`={workers} needs forked worker processes, but this "
-                f"platform starts them with {torch.multiprocessing.get_start_method()!r} (each worker would get a stale "
-                "copy of the cache); set dataset.num_workers=0 or use dataset.cache=memory"
+                f"platform starts them with {torch.multiprocessing.get_start_method()!r} (each worker would get a "
+                "stale copy of the cache); set dataset.num_workers=0 or use dataset.cache=memory"
             )
         loader_class = ThreadDataLoader if threaded else DataLoader
         return loader_class(

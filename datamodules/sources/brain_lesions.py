@@ -92,7 +92,9 @@ def contrast(name: str, tissues: Sequence[np.ndarray], rng: np.random.Generator)
     values = CONTRASTS[name]
     image = sum(v * t for v, t in zip(values, tissues, strict=True))
     bias = 1.0 + 0.15 * ndimage.gaussian_filter(rng.standard_normal(image.shape).astype(np.float32), 12.0) * 20
-    noisy = image * rng.uniform(0.7, 1.4) * np.clip(bias, 0.7, 1.3) + rng.normal(0.0, rng.uniform(0.02, 0.05), image.shape)
+    noisy = image * rng.uniform(0.7, 1.4) * np.clip(bias, 0.7, 1.3) + rng.normal(
+        0.0, rng.uniform(0.02, 0.05), image.shape
+    )
     return np.where(sum(tissues) > 0.05, np.clip(noisy, 0.0, None), 0.0).astype(np.float32) * 1000.0
 
 

@@ -1,4 +1,5 @@
-"""BraTS case folders, 2021 (`*_t1, _t1ce, _t2, _flair, _seg`) or 2023 (`-t1n, -t1c, -t2w, -t2f, -seg`), detected automatically.
+"""BraTS case folders, 2021 (`*_t1, _t1ce, _t2, _flair, _seg`) or 2023 (`-t1n, -t1c, -t2w, -t2f, -seg`), detected
+automatically.
 
 Modalities use one set of names for both years: t1, t1ce, t2, flair. Labels come out with
 one numbering for both years: 0 background, 1 necrotic core, 2 oedema, 3 enhancing tumour
@@ -68,7 +69,9 @@ class BratsLabelsd(MapTransform):
             label = torch.where(label == 4, torch.full_like(label, 3), label)
         if self.regions:
             values = convert_to_tensor(label[0], track_meta=False)
-            regions = torch.stack([torch.isin(values, torch.tensor(REGIONS[r], dtype=values.dtype)) for r in self.regions])
+            regions = torch.stack(
+                [torch.isin(values, torch.tensor(REGIONS[r], dtype=values.dtype)) for r in self.regions]
+            )
             label = convert_to_dst_type(regions, label, dtype=label.dtype)[0]
         d[self.keys[0]] = label
         d["label_values"] = torch.tensor(LABEL_VALUES[self.year], dtype=torch.int64)
@@ -101,11 +104,15 @@ class BratsDataModule(NiftiDataModule):
         for key, names in (("image_modalities", image_modalities), ("cond_modalities", cond_modalities)):
             unknown = [n for n in names if n not in MODALITIES]
             if unknown:
-                raise MedvolError(f"`dataset.{key}`: unknown BraTS modality {unknown[0]!r}; expected some of {list(MODALITIES)}")
+                raise MedvolError(
+                    f"`dataset.{key}`: unknown BraTS modality {unknown[0]!r}; expected some of {list(MODALITIES)}"
+                )
         regions = list(label_regions or [])
         unknown = [r for r in regions if r not in REGIONS]
         if unknown:
-            raise MedvolError(f"`dataset.label_regions`: unknown region {unknown[0]!r}; expected some of {list(REGIONS)}")
+            raise MedvolError(
+                f"`dataset.label_regions`: unknown region {unknown[0]!r}; expected some of {list(REGIONS)}"
+            )
         if str(year) not in ("auto", "2021", "2023"):
             raise MedvolError(f"`dataset.year` is {year!r}; expected auto, 2021 or 2023")
         super().__init__(root=root, image_modalities=image_modalities, cond_modalities=cond_modalities, **kwargs)

@@ -84,7 +84,9 @@ class CsvDataModule(NiftiDataModule):
             raise MedvolError(f"`dataset.csv_path`: cannot read {self.csv_path} ({err})") from err
         missing = [c for c in self._columns() if c not in header]
         if missing:
-            raise MedvolError(f"`dataset.csv_path`: {self.csv_path} has no column {missing[0]!r}; its columns are {header}")
+            raise MedvolError(
+                f"`dataset.csv_path`: {self.csv_path} has no column {missing[0]!r}; its columns are {header}"
+            )
         records, problems = [], []
         for number, row in enumerate(rows, start=2):  # row 1 is the header
             where = f"{self.csv_path.name}:{number}"
@@ -106,12 +108,16 @@ class CsvDataModule(NiftiDataModule):
         if self.time_column:
             time = _number(row[self.time_column])
             if time is None or time < 0:
-                problems.append(Problem(subject, where, f"{self.time_column}={row[self.time_column]!r}: expected a number >= 0"))
+                problems.append(
+                    Problem(subject, where, f"{self.time_column}={row[self.time_column]!r}: expected a number >= 0")
+                )
             record["time"] = time if time is not None else float("nan")
         if self.event_column:
             event = _number(row[self.event_column])
             if event not in (0.0, 1.0):
-                problems.append(Problem(subject, where, f"{self.event_column}={row[self.event_column]!r}: expected 0 or 1"))
+                problems.append(
+                    Problem(subject, where, f"{self.event_column}={row[self.event_column]!r}: expected 0 or 1")
+                )
             record["event"] = event if event is not None else float("nan")
         if self.covariate_columns:
             values = [_number(row[c]) for c in self.covariate_columns]
@@ -122,7 +128,11 @@ class CsvDataModule(NiftiDataModule):
         if self.class_column:
             value = _number(row[self.class_column])
             if value is None or value != int(value) or value < 0:
-                problems.append(Problem(subject, where, f"{self.class_column}={row[self.class_column]!r}: expected a class index >= 0"))
+                problems.append(
+                    Problem(
+                        subject, where, f"{self.class_column}={row[self.class_column]!r}: expected a class index >= 0"
+                    )
+                )
             record["class_label"] = int(value) if value is not None and value == int(value) else -1
         for name, path in record["files"].items():
             if path is None:
@@ -170,8 +180,9 @@ class CsvDataModule(NiftiDataModule):
         return steps
 
     def _has(self, key: str) -> bool:
-        return {"time": self.time_column, "event": self.event_column, "covariates": self.covariate_columns}[key] not in (
-            None, [],
+        return (
+            {"time": self.time_column, "event": self.event_column, "covariates": self.covariate_columns}[key]
+            not in (None, [])
         )
 
     def cache_key(self) -> dict[str, Any]:

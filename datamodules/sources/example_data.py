@@ -56,7 +56,8 @@ def write_nifti_folder(
 
 
 def write_brats(root: Path, subjects: int, year: int = 2023, size: int | Sequence[int] = 32, seed: int = 0) -> Path:
-    """BraTS case folders: 2021 `BraTS2021_00000/BraTS2021_00000_t1.nii.gz`, 2023 `BraTS-GLI-00000-000/...-t1n.nii.gz`."""
+    """BraTS case folders: 2021 `BraTS2021_00000/BraTS2021_00000_t1.nii.gz`, 2023
+    `BraTS-GLI-00000-000/...-t1n.nii.gz`."""
     shape = _shape(size)
     affine = phantom_affine(shape, 1.0)
     suffixes = BRATS_SUFFIXES[year]
@@ -115,7 +116,8 @@ def write_xray_ct(
     root: Path, subjects: int, size: int = 32, field_of_view: float = 192.0, xray_size: Sequence[int] = (32, 32),
     mu_water: float = 0.02, seed: int = 0, xray_grid: int = 64,
 ) -> Path:
-    """`root/<subject>_ct.nii.gz` (HU, RAS, centred) with `<subject>_ap.nii.gz` and `<subject>_lateral.nii.gz` beside it.
+    """`root/<subject>_ct.nii.gz` (HU, RAS, centred) with `<subject>_ap.nii.gz` and `<subject>_lateral.nii.gz` beside
+    it.
 
     The radiographs are what `dataset=synthetic dataset.views=[ap,lateral]` computes from the same
     phantom (`datamodules.sources.synthetic.phantom_radiographs`: the phantom at `xray_grid`^3 over the
@@ -135,7 +137,9 @@ def write_xray_ct(
         ct = make_phantom(seed, i, shape).channels["ct"]
         subject = f"phantom-{seed}-{i:04d}"  # the name dataset=synthetic gives the same phantom
         write_volume(Path(root) / f"{subject}_ct.nii.gz", ct, affine)
-        views = phantom_radiographs(seed, i, extent, ["ap", "lateral"], (rows, columns), mu_water, xray_grid, (0.0, 1.0))
+        views = phantom_radiographs(
+            seed, i, extent, ["ap", "lateral"], (rows, columns), mu_water, xray_grid, (0.0, 1.0)
+        )
         for name, view in zip(("ap", "lateral"), views, strict=True):
             pixels = radiograph_affine(name, *view_pixel_spacing(name, extent, (rows, columns)), extent)
             write_volume(Path(root) / f"{subject}_{name}.nii.gz", view.numpy().astype(np.float32), pixels)

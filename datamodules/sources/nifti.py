@@ -47,8 +47,9 @@ from medvol.volumes.volume_reader import SERIES_KEY, volume_grid
 
 # The keys a file-based dataset puts in its batch dicts (others in a record are bookkeeping).
 # `source_affine` (4x4 float64), `source_shape` (3 ints) and `source_file` (path) describe the voxel grid of
-# the first image file as stored (`source_series`: the SeriesInstanceUID of a DICOM series, else ''), so outputs can be mapped back onto it (`medvol.volumes.source_grid`); the
-# `*intensity_*` keys say how the intensities were scaled, so outputs go back into the scan's units.
+# the first image file as stored (`source_series`: the SeriesInstanceUID of a DICOM series, else ''), so outputs can be
+# mapped back onto it (`medvol.volumes.source_grid`); the `*intensity_*` keys say how the intensities were scaled, so
+# outputs go back into the scan's units.
 BATCH_KEYS = (
     "image", "cond", "label", "time", "event", "covariates", "class_label", "subject", "affine",
     "source_affine", "source_shape", "source_file", "source_series",
@@ -81,7 +82,9 @@ def match_files(root: Path, pattern: str) -> dict[str, list[Path]]:
     or, for a pattern of NIfTI files, its name without .nii.gz (`{subject}/t1/` for `{subject}/t1.nii.gz`).
     """
     if "{subject}" not in pattern:
-        raise MedvolError(f"file pattern {pattern!r} has no `{{subject}}` part, so files cannot be told apart by subject")
+        raise MedvolError(
+            f"file pattern {pattern!r} has no `{{subject}}` part, so files cannot be told apart by subject"
+        )
     found: dict[str, list[Path]] = {}
     folders = series_pattern(pattern)
     for candidate in [pattern, *([folders] if folders else [])]:
@@ -230,7 +233,9 @@ class NiftiDataModule(VolumeDataModule):
             raise MedvolError("set `dataset.root` (a folder of NIfTI files) or `dataset.list_file` (a CSV/JSON list)")
         if not self.root.is_dir():
             raise MedvolError(f"`dataset.root`: {self.root} is not a folder")
-        patterns = {name: self.files.get(name, self.pattern.replace("{modality}", name)) for name in self.channel_names()}
+        patterns = {
+            name: self.files.get(name, self.pattern.replace("{modality}", name)) for name in self.channel_names()
+        }
         if self.label_file:
             patterns[LABEL_KEY] = self.label_file
         return self._from_patterns(self.root, patterns)
@@ -245,7 +250,9 @@ class NiftiDataModule(VolumeDataModule):
             for name, found in matches.items():
                 paths = found.get(subject, [])
                 if len(paths) > 1:
-                    problems.append(Problem(subject, str(paths[1]), f"duplicate subject: {len(paths)} {name} files match"))
+                    problems.append(
+                        Problem(subject, str(paths[1]), f"duplicate subject: {len(paths)} {name} files match")
+                    )
                 files[name] = str(paths[0]) if paths else None
             records.append(self.make_record(subject, files))
         return records, problems
@@ -264,12 +271,15 @@ class NiftiDataModule(VolumeDataModule):
         except (OSError, json.JSONDecodeError, csv.Error) as err:
             raise MedvolError(f"`dataset.list_file`: cannot read {path} ({err})") from err
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise MedvolError(f"`dataset.list_file`: {path} must be a list of objects (JSON) or a table with a header (CSV)")
+            raise MedvolError(
+                f"`dataset.list_file`: {path} must be a list of objects (JSON) or a table with a header (CSV)"
+            )
         needed = ["subject", *self.channel_names()]
         missing = [c for c in needed if rows and c not in rows[0]]
         if missing:
             raise MedvolError(
-                f"`dataset.list_file`: {path} has no column {missing[0]!r}; expected columns {needed} (+ optional label)"
+                f"`dataset.list_file`: {path} has no column {missing[0]!r}; "
+                f"expected columns {needed} (+ optional label)"
             )
         has_label = bool(rows) and LABEL_KEY in rows[0]
         records = []
@@ -319,7 +329,9 @@ class NiftiDataModule(VolumeDataModule):
         problems = list(problems) + duplicate_subjects(records, self.source())
         problems = list(dict.fromkeys(problems))
         for record in records:
-            problems += check_record(record, self.label_values, full, image_names=self.channel_names(), series=self.series)
+            problems += check_record(
+                record, self.label_values, full, image_names=self.channel_names(), series=self.series
+            )
             problems += self.record_problems(record)
         return problems, len(records)
 
@@ -330,7 +342,9 @@ class NiftiDataModule(VolumeDataModule):
     def preflight(self) -> None:
         records, _ = self._listed()
         if not records:
-            raise MedvolError(f"no subjects found in {self.source()}; check `dataset.root` and `dataset.pattern`, or the list")
+            raise MedvolError(
+                f"no subjects found in {self.source()}; check `dataset.root` and `dataset.pattern`, or the list"
+            )
         problems, _ = self.data_problems(full=False)
         if problems:
             raise preflight_error(problems, dataset_overrides())
@@ -350,7 +364,9 @@ class NiftiDataModule(VolumeDataModule):
         orientation = self.settings.orientation
         spacing = self.settings.spacing
         spacings = (
-            [oriented_spacing(volume_grid(r["image"][0], self.series)[1], orientation) for r in records] if spacing is None else []
+            [oriented_spacing(volume_grid(r["image"][0], self.series)[1], orientation) for r in records]
+            if spacing is None
+            else []
         )
         return {
             "spacing": [float(s) for s in spacing or np.median(np.asarray(spacings), axis=0)],
@@ -367,7 +383,9 @@ class NiftiDataModule(VolumeDataModule):
         self.assign_split()
         records = self.training_records()
         orientation = self.settings.orientation
-        spacings = np.asarray([oriented_spacing(volume_grid(r["image"][0], self.series)[1], orientation) for r in records])
+        spacings = np.asarray(
+            [oriented_spacing(volume_grid(r["image"][0], self.series)[1], orientation) for r in records]
+        )
         shapes, shape_spacings, values = [], [], [[] for _ in self.image_modalities]
         minima = [np.inf for _ in self.image_modalities]
         for record in fingerprint_sample(records):
@@ -392,7 +410,11 @@ class NiftiDataModule(VolumeDataModule):
         if settings.intensity == "window":
             low, high = [settings.window[0]] * channels, [settings.window[1]] * channels
         else:
-            chain = Compose(deterministic_transforms(TransformSettings(**{**asdict(settings), "spatial_size": None}), ["image"], None, series=self.series))
+            chain = Compose(
+                deterministic_transforms(
+                    TransformSettings(**{**asdict(settings), "spatial_size": None}), ["image"], None, series=self.series
+                )
+            )
             low_key, high_key = intensity_keys("image")
             items = [chain({"image": record["image"]}) for record in fingerprint_sample(records)]
             low = np.median([item[low_key].tolist() for item in items], axis=0).tolist()
@@ -421,7 +443,12 @@ class NiftiDataModule(VolumeDataModule):
 
     def deterministic(self, stage: str) -> list[Callable]:
         chain = deterministic_transforms(
-            self.settings, self.image_keys(), self.label_key, self.label_transform(), self.extra_deterministic(), self.series
+            self.settings,
+            self.image_keys(),
+            self.label_key,
+            self.label_transform(),
+            self.extra_deterministic(),
+            self.series,
         )
         # After loading (the first step), before anything changes the grid.
         chain.insert(1, StoreSourceGridd(self.image_keys()[0]))

@@ -90,7 +90,9 @@ class PhantomItem(Transform):
         phantom = make_phantom(self.seed, record["index"], self.size)
 
         def stack(names: Sequence[str]) -> torch.Tensor:
-            return torch.from_numpy(np.stack([_to_unit_range(phantom.channels[n], n, self.ct_window, self.mr_scale) for n in names]))
+            return torch.from_numpy(
+                np.stack([_to_unit_range(phantom.channels[n], n, self.ct_window, self.mr_scale) for n in names])
+            )
 
         item: dict[str, Any] = {
             "image": stack(self.image_modalities),
@@ -106,7 +108,8 @@ class PhantomItem(Transform):
             item["cond"] = stack(self.cond_modalities)
         if self.views:
             item["xray"] = phantom_radiographs(
-                self.seed, record["index"], self.field_of_view, self.views, self.xray_size, self.mu_water, self.xray_grid
+                self.seed, record["index"], self.field_of_view, self.views,
+                self.xray_size, self.mu_water, self.xray_grid,
             )
         return item
 
@@ -160,18 +163,25 @@ class SyntheticDataModule(VolumeDataModule):
         for key, names in (("image_modalities", image_modalities), ("cond_modalities", cond_modalities)):
             unknown = [n for n in names if n not in MODALITIES]
             if unknown:
-                raise MedvolError(f"`dataset.{key}`: unknown modality {unknown[0]!r}; expected some of {list(MODALITIES)}")
+                raise MedvolError(
+                    f"`dataset.{key}`: unknown modality {unknown[0]!r}; expected some of {list(MODALITIES)}"
+                )
         if not image_modalities:
             raise MedvolError("`dataset.image_modalities` is empty; name at least one of " + str(list(MODALITIES)))
         unknown_views = [v for v in views if v not in VIEW_AXES]
         if unknown_views:
             raise MedvolError(f"`dataset.views`: {list(views)}; expected some of {list(VIEW_AXES)}")
         if views and "ct" not in image_modalities:
-            raise MedvolError(f"`dataset.views` needs the ct channel in `dataset.image_modalities`, got {list(image_modalities)}")
+            raise MedvolError(
+                f"`dataset.views` needs the ct channel in `dataset.image_modalities`, got {list(image_modalities)}"
+            )
         if len(xray_size) != 2 or min(xray_size) < 1:
             raise MedvolError(f"`dataset.xray_size` must be two positive ints (H, W), got {list(xray_size)}")
         if isinstance(xray_grid, bool) or not isinstance(xray_grid, int) or xray_grid < 8:
-            raise MedvolError(f"`dataset.xray_grid` must be an int >= 8 (voxels per axis the views are projected from), got {xray_grid!r}")
+            raise MedvolError(
+                "`dataset.xray_grid` must be an int >= 8 (voxels per axis the views are projected from), "
+                f"got {xray_grid!r}"
+            )
         if mr_scale is not None and not mr_scale > 0:
             raise MedvolError(f"`dataset.mr_scale` must be null or a positive number, got {mr_scale}")
         if num_subjects < 1:
@@ -190,7 +200,9 @@ class SyntheticDataModule(VolumeDataModule):
         self.xray_grid = xray_grid
 
     def subjects(self) -> list[Record]:
-        records: list[Record] = [{"subject": f"phantom-{self.seed}-{i:04d}", "index": i} for i in range(self.num_subjects)]
+        records: list[Record] = [
+            {"subject": f"phantom-{self.seed}-{i:04d}", "index": i} for i in range(self.num_subjects)
+        ]
         if self.stratify_by == "class_label":
             # Costs one small phantom per subject, so only when the split asks for the classes.
             for record in records:

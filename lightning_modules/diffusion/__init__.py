@@ -1,2 +1,3 @@
 """The diffusion core every diffusion family derives from (`DiffusionModule`: schedule, timestep sets, prediction
-algebra, samplers, EMA, per-subject noise, the walk, windowed sampling) and Fast-DDPM's `ConditionalDiffusion` (`fast_ddpm.py`)."""
+algebra, samplers, EMA, per-subject noise, the walk, windowed sampling) and Fast-DDPM's `ConditionalDiffusion`
+(`fast_ddpm.py`)."""

@@ -1,4 +1,5 @@
-"""The diffusion core every diffusion family derives from (Fast-DDPM's `ConditionalDiffusion`, X-ray-to-CT's `XrayToCT`).
+"""The diffusion core every diffusion family derives from (Fast-DDPM's `ConditionalDiffusion`, X-ray-to-CT's
+`XrayToCT`).
 
 `DiffusionModule` holds the forward process (fp32 schedule), the training and sampling timestep
 sets, the prediction target and its algebra, the sampler (DDIM over any set, DDPM ancestral),
@@ -154,7 +155,9 @@ class DiffusionModule(MedvolModule, ABC):
         if sampler not in SAMPLERS:
             raise MedvolError(f"`model.sampler`: got {sampler!r}; expected one of {list(SAMPLERS)}")
         if loss_reduction not in LOSS_REDUCTIONS:
-            raise MedvolError(f"`model.loss_reduction`: got {loss_reduction!r}; expected one of {list(LOSS_REDUCTIONS)}")
+            raise MedvolError(
+                f"`model.loss_reduction`: got {loss_reduction!r}; expected one of {list(LOSS_REDUCTIONS)}"
+            )
         if not 0.0 <= float(sampling_window_overlap) < 1.0:
             raise MedvolError(f"`model.sampling_window_overlap` must be in [0, 1), got {sampling_window_overlap}")
         if int(sampling_window_batch_size) < 1:
@@ -190,7 +193,9 @@ class DiffusionModule(MedvolModule, ABC):
         self.ema = EMA(network, self.ema_decay, self.ema_warmup) if self.ema_decay else None
 
     @abstractmethod
-    def network_output(self, network: nn.Module, x_t: torch.Tensor, t: torch.Tensor, **conditioning: torch.Tensor) -> torch.Tensor:
+    def network_output(
+        self, network: nn.Module, x_t: torch.Tensor, t: torch.Tensor, **conditioning: torch.Tensor
+    ) -> torch.Tensor:
         """`network`'s prediction at x_t (a whole volume or one window) and steps t, given the family's conditioning."""
 
     def set_metrics(self, ssim_kernel_size: int, **others: Metric) -> None:

@@ -78,7 +78,9 @@ class ConditionalDiffusion(DiffusionModule):
             self.cond_channels = 0
         else:
             self.cond_channels = int(cond_channels) if self.cond_from_batch else self.image_channels
-        self.attach_network(network(in_channels=self.cond_channels + self.image_channels, out_channels=self.image_channels))
+        self.attach_network(
+            network(in_channels=self.cond_channels + self.image_channels, out_channels=self.image_channels)
+        )
         if activation_checkpointing:
             checkpoint_blocks(unet_blocks(self.network))
         self.set_metrics(ssim_kernel_size, loss=MeanMetric())
@@ -99,8 +101,8 @@ class ConditionalDiffusion(DiffusionModule):
                 )
             if cond.shape[1] != self.cond_channels or cond.shape[2:] != image.shape[2:]:
                 raise MedvolError(
-                    f"`{self.hparams.cond_key}` has shape {tuple(cond.shape)}, expected {self.cond_channels} channels on the "
-                    f"image grid {tuple(image.shape[2:])}; match model.cond_channels and the dataset"
+                    f"`{self.hparams.cond_key}` has shape {tuple(cond.shape)}, expected {self.cond_channels} channels "
+                    f"on the image grid {tuple(image.shape[2:])}; match model.cond_channels and the dataset"
                 )
             return cond.float()
         if self.task == "denoising":

@@ -47,7 +47,9 @@ def to_x0_and_epsilon(
     return output, (x_t - sa * output) / s1a.clamp(min=1e-12)
 
 
-def clip_x0(x0: torch.Tensor, x_t: torch.Tensor, alpha_bar: torch.Tensor, limit: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def clip_x0(
+    x0: torch.Tensor, x_t: torch.Tensor, alpha_bar: torch.Tensor, limit: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x0 clamped to [-limit, limit] and the eps that goes with it at x_t (DDPM/DDIM's `clip_denoised`)."""
     a = broadcast(alpha_bar, x_t).to(x0.dtype)
     x0 = x0.clamp(-limit, limit)

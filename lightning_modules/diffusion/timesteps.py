@@ -37,7 +37,9 @@ def non_uniform_set(count: int, num_train_timesteps: int = 1000) -> list[int]:
     low = int(0.4 * count)
     high = count - low
     low_steps = [math.ceil(v) for v in torch.linspace(0, split, low + 1, dtype=torch.float64)[:-1].tolist()]
-    high_steps = [math.ceil(v) for v in torch.linspace(split, num_train_timesteps - 1, high, dtype=torch.float64).tolist()]
+    high_steps = [
+        math.ceil(v) for v in torch.linspace(split, num_train_timesteps - 1, high, dtype=torch.float64).tolist()
+    ]
     return low_steps + high_steps
 
 
@@ -48,16 +50,23 @@ def check_timesteps(values: Sequence[int], num_train_timesteps: int, key: str) -
         raise MedvolError(f"`{key}` is empty; expected at least one step in [0, {num_train_timesteps})")
     if len(set(steps)) != len(steps):
         repeated = sorted({s for s in steps if steps.count(s) > 1})
-        raise MedvolError(f"`{key}` repeats steps {repeated} (set {steps}); expected distinct steps, e.g. fewer of them")
+        raise MedvolError(
+            f"`{key}` repeats steps {repeated} (set {steps}); expected distinct steps, e.g. fewer of them"
+        )
     if steps != sorted(steps):
         raise MedvolError(f"`{key}` is not sorted: {steps}; expected increasing steps")
     if steps[0] < 0 or steps[-1] >= num_train_timesteps:
-        raise MedvolError(f"`{key}` leaves [0, {num_train_timesteps}): {steps}; expected steps in [0, {num_train_timesteps})")
+        raise MedvolError(
+            f"`{key}` leaves [0, {num_train_timesteps}): {steps}; expected steps in [0, {num_train_timesteps})"
+        )
     return steps
 
 
 def timestep_set(
-    timesteps: int | Sequence[int], spacing: str = "non_uniform", num_train_timesteps: int = 1000, key: str = "model.timesteps"
+    timesteps: int | Sequence[int],
+    spacing: str = "non_uniform",
+    num_train_timesteps: int = 1000,
+    key: str = "model.timesteps",
 ) -> torch.Tensor:
     """The checked set as a sorted int64 tensor: T steps with `spacing`, or an explicit list of steps."""
     if isinstance(timesteps, int):
@@ -68,7 +77,9 @@ def timestep_set(
         elif spacing == "non_uniform":
             values = non_uniform_set(timesteps, num_train_timesteps)
         else:
-            raise MedvolError(f"`{key.rsplit('.', 1)[0]}.timestep_spacing`: got {spacing!r}; expected one of {list(SPACINGS)}")
+            raise MedvolError(
+                f"`{key.rsplit('.', 1)[0]}.timestep_spacing`: got {spacing!r}; expected one of {list(SPACINGS)}"
+            )
     else:
         values = list(timesteps)
     return torch.tensor(check_timesteps(values, num_train_timesteps, key), dtype=torch.long)

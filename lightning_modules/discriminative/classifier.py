@@ -72,8 +72,8 @@ class ClassifierModel(OutcomeModule):
         classes = sorted({int(v) for v in labels.tolist()})
         if len(classes) < 2:
             raise MedvolError(
-                f"`dataset.class_column`: all {len(labels)} training rows of {table['source']} have class {classes[0]}; "
-                "a classifier needs at least two classes"
+                f"`dataset.class_column`: all {len(labels)} training rows of {table['source']} have class "
+                f"{classes[0]}; a classifier needs at least two classes"
             )
         if classes[-1] >= self.num_classes:
             raise MedvolError(
@@ -98,7 +98,8 @@ class ClassifierModel(OutcomeModule):
         return probabilities
 
     def _log_epoch(self, stage: str) -> None:
-        """The set's metrics (computed over all ranks), AUROC over the classes present; one warning for a one-class set."""
+        """The set's metrics (computed over all ranks), AUROC over the classes present; one warning for a one-class
+        set."""
         counts = getattr(self, f"{stage}_counts").compute()
         auroc = set_auroc(getattr(self, f"{stage}_auroc").compute(), counts)
         if not torch.isfinite(auroc) and stage not in self._warned and not self.trainer.sanity_checking:

@@ -30,4 +30,6 @@ def cox_loss(log_risk: torch.Tensor, time: torch.Tensor, event: torch.Tensor, ti
     with warnings.catch_warnings():
         # torchsurv warns whenever times tie; ties are what `ties` is for.
         warnings.simplefilter("ignore")
-        return neg_partial_log_likelihood(log_risk, observed, time.flatten().float(), ties_method=ties, reduction="mean")
+        return neg_partial_log_likelihood(
+            log_risk, observed, time.flatten().float(), ties_method=ties, reduction="mean"
+        )

@@ -78,8 +78,8 @@ class OutcomeModule(MedvolModule, ABC):
         if self.net.covariates is not None:
             if "covariates" not in batch:
                 raise MedvolError(
-                    f"`model.num_covariates` is {self.net.covariates.mean.numel()} but the batches have no `covariates`; "
-                    "set `dataset.covariate_columns` or model.num_covariates=0"
+                    f"`model.num_covariates` is {self.net.covariates.mean.numel()} but the batches have no "
+                    "`covariates`; set `dataset.covariate_columns` or model.num_covariates=0"
                 )
             covariates = batch["covariates"]
         return self.net(batch[self.image_key], covariates)
@@ -116,7 +116,8 @@ class OutcomeModule(MedvolModule, ABC):
         covariates = table["covariates"]
         if covariates.shape[1] != scaler.mean.numel():
             raise MedvolError(
-                f"`model.num_covariates` is {scaler.mean.numel()} but `dataset.covariate_columns` has {covariates.shape[1]}"
+                f"`model.num_covariates` is {scaler.mean.numel()} but `dataset.covariate_columns` has "
+                f"{covariates.shape[1]}"
             )
         # Fitted before a resumed checkpoint is loaded, which then puts the original statistics back.
         scaler.fit(covariates)
@@ -127,7 +128,9 @@ class OutcomeModule(MedvolModule, ABC):
     def prediction_rows(self, batch: dict[str, Any], split: str) -> list[dict[str, Any]]:
         """One row per subject of the batch (its prediction, and its reference where the batch has one)."""
 
-    def predict_volumes(self, batch: dict[str, Any], window: SlidingWindow, extras: Sequence[str] = ()) -> dict[str, Any]:
+    def predict_volumes(
+        self, batch: dict[str, Any], window: SlidingWindow, extras: Sequence[str] = ()
+    ) -> dict[str, Any]:
         """The rows of `predictions.csv` for whole volumes (`predict.py`): the network sees the whole volume."""
         return {"rows": self.prediction_rows(move_data_to_device(batch, self.device), "predict")}
 

@@ -83,4 +83,6 @@ class SurvivalMetrics(Metric):
         self.event.append(event.detach().flatten().to(torch.float64))
 
     def compute(self) -> dict[str, torch.Tensor]:
-        return survival_metrics(dim_zero_cat(self.risk), dim_zero_cat(self.time), dim_zero_cat(self.event), self.horizons)
+        return survival_metrics(
+            dim_zero_cat(self.risk), dim_zero_cat(self.time), dim_zero_cat(self.event), self.horizons
+        )

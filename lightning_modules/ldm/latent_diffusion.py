@@ -99,8 +99,9 @@ class LatentDiffusion(DiffusionModule):
         self.cond_channels = int(cond_channels)
         if self.cond_channels and self.cond_channels != self.first_stage.in_channels:
             raise MedvolError(
-                f"`model.cond_channels`={self.cond_channels}, but the first stage encodes {self.first_stage.in_channels}-channel "
-                "images; a condition is encoded by the same VQ-GAN, so give it as many channels"
+                f"`model.cond_channels`={self.cond_channels}, but the first stage encodes "
+                f"{self.first_stage.in_channels}-channel images; a condition is encoded by the same VQ-GAN, "
+                "so give it as many channels"
             )
         if decode_slab_elements is not None and int(decode_slab_elements) < 1:
             raise MedvolError(f"`model.decode_slab_elements` must be null or >= 1, got {decode_slab_elements}")
@@ -219,7 +220,9 @@ class LatentDiffusion(DiffusionModule):
             return None
         affine = batch.get("affine")
         if affine is None:
-            raise MedvolError("`model.spacing_conditioning` needs each sample's `affine` (its voxel spacing); the batch has none")
+            raise MedvolError(
+                "`model.spacing_conditioning` needs each sample's `affine` (its voxel spacing); the batch has none"
+            )
         return voxel_spacings(affine)[:size].to(self.device)
 
     def conditioning(self, cond: torch.Tensor | None, spacing: torch.Tensor | None) -> Conditioning:
@@ -249,7 +252,9 @@ class LatentDiffusion(DiffusionModule):
         self.log("train/loss", loss.detach(), on_step=True, on_epoch=True, prog_bar=True, batch_size=z0.shape[0])
         return loss
 
-    def draw(self, batch: Mapping[str, Any], shape: Sequence[int], conditioning: Conditioning, noise: SubjectNoise) -> torch.Tensor:
+    def draw(
+        self, batch: Mapping[str, Any], shape: Sequence[int], conditioning: Conditioning, noise: SubjectNoise
+    ) -> torch.Tensor:
         """One seeded sample per subject: latent noise of `shape` walked to a latent, and decoded."""
         z_T = noise.draw(shape, self.device)
         z0 = self.sample(z_T, conditioning, noise)
@@ -267,7 +272,9 @@ class LatentDiffusion(DiffusionModule):
         second = self.draw(batch, z0.shape[1:], conditioning, SubjectNoise(names, self.sample_seed, salt="second"))
         # A fixed (per-subject) step and noise make the validation loss comparable across epochs and ranks.
         t = self.train_timesteps[noise.integers(len(self.train_timesteps))].to(x0.device)
-        output, target, _ = self.training_prediction(self.sampling_network, z0, t, self.noise_like(z0, noise), conditioning)
+        output, target, _ = self.training_prediction(
+            self.sampling_network, z0, t, self.noise_like(z0, noise), conditioning
+        )
         reconstruction = self.images(z0)
         metrics[f"{prefix}loss"].update(self.regression_loss(output, target), weight=size)
         metrics[f"{prefix}recon_psnr"].update(reconstruction, x0)
@@ -309,7 +316,9 @@ class LatentDiffusion(DiffusionModule):
         """Image size of an unconditional sample: `sample_size`, else the training volume's."""
         if self.hparams.sample_size:
             return [int(s) for s in self.hparams.sample_size]
-        return [int(s) * d for s, d in zip(self.training_latent_size.tolist(), self.first_stage.downsample, strict=True)]
+        return [
+            int(s) * d for s, d in zip(self.training_latent_size.tolist(), self.first_stage.downsample, strict=True)
+        ]
 
     @torch.no_grad()
     def generate_volumes(self, batch: dict[str, Any], draw: int = 0) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Generation metrics over sets of volumes: MMD and 3D FID between generated and real (MONAI), sample diversity (MS-SSIM)."""
+"""Generation metrics over sets of volumes: MMD and 3D FID between generated and real (MONAI), sample diversity
+(MS-SSIM)."""
 
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ def load_feature_network(path: str) -> torch.jit.ScriptModule:
     file = Path(str(path)).expanduser()
     if not file.is_file():
         raise MedvolError(
-            f"`model.fid_network`: no file at {file}; expected a TorchScript 3D feature network saved with torch.jit.save "
-            "(e.g. MedicalNet weights you have; medvol downloads none), or null for no FID"
+            f"`model.fid_network`: no file at {file}; expected a TorchScript 3D feature network saved with "
+            "torch.jit.save (e.g. MedicalNet weights you have; medvol downloads none), or null for no FID"
         )
     try:
         network = torch.jit.load(str(file), map_location="cpu")
@@ -102,7 +103,9 @@ class VolumeSetFID(Metric):
 
 def msssim_weights(size: int, kernel_size: int) -> tuple[float, ...]:
     """MONAI's scale weights for as many scales as a volume of `size` voxels per axis allows, renormalised."""
-    scales = max(1, max(n for n in range(1, 6) if size > (kernel_size - 1) * 2 ** (n - 1)) if size > kernel_size - 1 else 1)
+    scales = max(
+        1, max(n for n in range(1, 6) if size > (kernel_size - 1) * 2 ** (n - 1)) if size > kernel_size - 1 else 1
+    )
     weights = MSSSIM_WEIGHTS[:scales]
     return tuple(w / sum(weights) for w in weights)
 

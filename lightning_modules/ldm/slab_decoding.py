@@ -3,8 +3,8 @@
 Windows decoded apart and blended differ from the whole: the decoder's GroupNorms normalise each
 window by its own statistics, and its convolutions pad at each window's edge (a phantom's latent
 through an untrained first stage, decoded by 8^3 Gaussian-blended windows of its 12^3 latent, was
-off by 0.07 on average where the output's std was 0.3). Here the decoder runs layer by layer over the whole volume, as MAISI's
-split convolutions do: each convolution sees one slab along the depth axis plus the rows its
+off by 0.07 on average where the output's std was 0.3). Here the decoder runs layer by layer over the whole volume, as
+MAISI's split convolutions do: each convolution sees one slab along the depth axis plus the rows its
 kernel reaches beyond it (so it pads only at the volume's true edges), and each GroupNorm takes
 its statistics over the whole volume (summed slab by slab) before it normalises slab by slab.
 Only a slab and its halo are on `device`; the whole activations stay on the output's device.
@@ -29,7 +29,9 @@ def slab_rows(x: torch.Tensor, elements: int) -> int:
     return max(1, int(elements) // max(per_row, 1))
 
 
-def _each_slab(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+def _each_slab(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int, device: torch.device
+) -> torch.Tensor:
     out = torch.empty_like(x)
     for start in range(0, x.shape[2], rows):
         out[:, :, start : start + rows] = fn(x[:, :, start : start + rows].to(device)).to(out.device)
@@ -75,7 +77,9 @@ def _output_offset(conv: nn.Conv3d | nn.ConvTranspose3d, lo: int) -> int:
     return lo
 
 
-def _convolution(conv: nn.Conv3d | nn.ConvTranspose3d, x: torch.Tensor, rows: int, device: torch.device) -> torch.Tensor:
+def _convolution(
+    conv: nn.Conv3d | nn.ConvTranspose3d, x: torch.Tensor, rows: int, device: torch.device
+) -> torch.Tensor:
     """`conv` over the whole volume, slab by slab with the halo its kernel reaches: the whole-volume output."""
     if isinstance(conv, nn.Conv3d) and conv.stride[0] != 1:
         raise ValueError(f"slab decoding runs stride-1 convolutions along the depth axis, got {conv}")

@@ -46,7 +46,9 @@ class LabelScheme:
             if int(num_classes) < 2:
                 raise MedvolError(f"`model.num_classes` must be >= 2 (background and one class), got {num_classes}")
             self.num_classes = int(num_classes)
-        self.class_names = [str(n) for n in class_names] if class_names else [f"class{k}" for k in range(1, self.num_classes)]
+        self.class_names = (
+            [str(n) for n in class_names] if class_names else [f"class{k}" for k in range(1, self.num_classes)]
+        )
         if not self.regions and len(self.class_names) != self.num_classes - 1:
             raise MedvolError(
                 f"`model.class_names` has {len(self.class_names)} names; expected one per foreground class "
@@ -73,7 +75,9 @@ class LabelScheme:
         if not self.is_regions:
             return {name: [k] for k, name in enumerate(self.class_names, start=1)}
         return {
-            name: sorted(value for inner, value in self.region_values.items() if set(self.regions[inner]) <= set(members))
+            name: sorted(
+                value for inner, value in self.region_values.items() if set(self.regions[inner]) <= set(members)
+            )
             for name, members in self.regions.items()
         }
 
@@ -111,7 +115,9 @@ class LabelScheme:
                 + (f" or {self.out_channels} region channels" if self.is_regions else "")
             )
         values = torch.unique(label).tolist()
-        allowed = set(range(self.num_classes)) if not self.is_regions else {0, *(v for r in self.regions.values() for v in r)}
+        allowed = (
+            set(range(self.num_classes)) if not self.is_regions else {0, *(v for r in self.regions.values() for v in r)}
+        )
         outside = [v for v in values if v not in allowed]
         if outside:
             key = "model.regions" if self.is_regions else "model.num_classes"
@@ -124,7 +130,10 @@ class LabelScheme:
         """The loss target: the (B, 1, ...) label map for classes, (B, R, ...) binary channels for regions."""
         if not self.is_regions or label.shape[1] == self.out_channels and label.shape[1] > 1:
             return label
-        channels = [torch.isin(label[:, 0], torch.tensor(v, device=label.device, dtype=label.dtype)) for v in self.regions.values()]
+        channels = [
+            torch.isin(label[:, 0], torch.tensor(v, device=label.device, dtype=label.dtype))
+            for v in self.regions.values()
+        ]
         return torch.stack(channels, 1).to(torch.uint8)
 
     def discretise(self, logits: torch.Tensor) -> torch.Tensor:

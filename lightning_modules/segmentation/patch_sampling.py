@@ -39,5 +39,8 @@ def patch_origins(
 def cut_patches(volume: torch.Tensor, origins: Sequence[Sequence[int]], size: Sequence[int]) -> torch.Tensor:
     """(B, C, *size) patches of a (B, C, D, H, W) volume at the given corners."""
     return torch.stack(
-        [volume[b, :, o[0] : o[0] + size[0], o[1] : o[1] + size[1], o[2] : o[2] + size[2]] for b, o in enumerate(origins)]
+        [
+            volume[b, :, o[0] : o[0] + size[0], o[1] : o[1] + size[1], o[2] : o[2] + size[2]]
+            for b, o in enumerate(origins)
+        ]
     )

@@ -109,14 +109,18 @@ class Segmenter(MedvolModule):
         self.patch_size = [int(p) for p in patch_size] if patch_size else None
         if self.patch_size is not None:
             if len(self.patch_size) != 3 or min(self.patch_size) < 1:
-                raise MedvolError(f"`model.patch_size` must be three positive ints or null, got {list(patch_size or [])}")
+                raise MedvolError(
+                    f"`model.patch_size` must be three positive ints or null, got {list(patch_size or [])}"
+                )
             check_size(net, self.features, self.patch_size, "model.patch_size", strides)
         if patch_sampling not in SAMPLINGS:
             raise MedvolError(f"`model.patch_sampling` is {patch_sampling!r}; expected one of {list(SAMPLINGS)}")
         if not 0.0 <= overlap < 1.0:
             raise MedvolError(f"`model.overlap` must be in [0, 1), got {overlap}")
         if deep_supervision and (net != "dynunet" or len(self.features) < 3):
-            raise MedvolError("`model.deep_supervision` needs model.net=dynunet with at least three `model.features` levels")
+            raise MedvolError(
+                "`model.deep_supervision` needs model.net=dynunet with at least three `model.features` levels"
+            )
         self.net = build_network(
             net, in_channels, self.scheme.out_channels, self.features, feature_size, kernels, strides, deep_supervision
         )
@@ -160,7 +164,13 @@ class Segmenter(MedvolModule):
             origins = patch_origins(image.shape[0], balanced, shape, self.patch_size, self.hparams.pos_ratio)
             image, label = cut_patches(image, origins, self.patch_size), cut_patches(label, origins, self.patch_size)
         else:
-            check_size(self.hparams.net, self.features, shape, "dataset volume size (model.patch_size is null)", self.hparams.strides)
+            check_size(
+                self.hparams.net,
+                self.features,
+                shape,
+                "dataset volume size (model.patch_size is null)",
+                self.hparams.strides,
+            )
         loss = self.training_loss(self(image), self.scheme.target(label))
         self.log("train/loss", loss.detach(), on_step=True, on_epoch=True, prog_bar=True, batch_size=image.shape[0])
         return loss
@@ -170,7 +180,9 @@ class Segmenter(MedvolModule):
         (DynUNet stacks them on dim 1, already upsampled to the patch)."""
         if self.supervision_weights is None or output.dim() == target.dim():
             return self.loss(output, target)
-        return sum(w * self.loss(output[:, i], target) for i, w in enumerate(self.supervision_weights))  # type: ignore[return-value]
+        return sum(  # type: ignore[return-value]
+            w * self.loss(output[:, i], target) for i, w in enumerate(self.supervision_weights)
+        )
 
     def sliding_window(self, image: torch.Tensor) -> torch.Tensor:
         """Logits for whole volumes: windows of the training patch, overlap, Gaussian blending; windows past a
@@ -242,13 +254,18 @@ class Segmenter(MedvolModule):
     def on_test_epoch_end(self) -> None:
         self._log_epoch("test")
 
-    def predict_volumes(self, batch: dict[str, Any], window: SlidingWindow, extras: Sequence[str] = ()) -> dict[str, Any]:
+    def predict_volumes(
+        self, batch: dict[str, Any], window: SlidingWindow, extras: Sequence[str] = ()
+    ) -> dict[str, Any]:
         """Masks of whole volumes window by window; Dice and HD95 per subject where the batch has a label."""
         image = batch[self.hparams.image_key]
         if window.pad_value is None:
             window = dataclasses.replace(window, pad_value=self.pad_value)
         masks = self.postprocess(window(self.net, image))
-        outputs: dict[str, Any] = {"volumes": {"input": image, "seg": self.scheme.label_map(masks)}, "segments": self.scheme.segments}
+        outputs: dict[str, Any] = {
+            "volumes": {"input": image, "seg": self.scheme.label_map(masks)},
+            "segments": self.scheme.segments,
+        }
         if batch.get("label") is not None:
             target = self.scheme.target(batch["label"])
             target_masks = target if self.scheme.is_regions else self.scheme.one_hot(target)

@@ -66,7 +66,10 @@ class Encoder3d(nn.Module):
             stride = tuple(2 if s > level else 1 for s in steps)
             kernel = tuple(4 if s == 2 else 3 for s in stride)
             out = channels * 2
-            blocks += [nn.Conv3d(channels, out, kernel, stride=stride, padding=1, padding_mode="replicate"), ResBlock3d(out)]
+            blocks += [
+                nn.Conv3d(channels, out, kernel, stride=stride, padding=1, padding_mode="replicate"),
+                ResBlock3d(out),
+            ]
             channels = out
         self.down = nn.Sequential(*blocks)
         self.out = nn.Sequential(_norm(channels), nn.SiLU(), nn.Conv3d(channels, embedding_dim, 1))

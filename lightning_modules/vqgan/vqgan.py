@@ -156,7 +156,9 @@ class VQGAN(MedvolModule):
         self.codebook = EMACodebook(
             n_codes, embedding_dim, codebook_decay, commitment_weight, restart_threshold, random_restart
         )
-        self.image_discriminator, self.video_discriminator = build_discriminators(in_channels, disc_channels, disc_layers)
+        self.image_discriminator, self.video_discriminator = build_discriminators(
+            in_channels, disc_channels, disc_layers
+        )
         self.adversarial = AdversarialLoss(_LOSS_TYPES[disc_loss_type])
         self.perceptual = SlicePerceptualLoss(perceptual_model_path) if perceptual_model_path else None
         self.optimizer_factory = optimizer or (lambda params: torch.optim.Adam(params, lr=3e-4, betas=(0.5, 0.9)))
@@ -264,7 +266,10 @@ class VQGAN(MedvolModule):
             return GANStep(terms, torch.stack(list(terms.values())).sum(), None, quantized)
 
         fake = x_rec.detach().requires_grad_()
-        image_real, image_fake = self.image_discriminator(frames), self.image_discriminator(random_slices(fake, slice_index))
+        image_real, image_fake = (
+            self.image_discriminator(frames),
+            self.image_discriminator(random_slices(fake, slice_index)),
+        )
         video_real, video_fake = self.video_discriminator(x), self.video_discriminator(fake)
         terms["g_adv_loss"] = hp.image_gan_weight * self.adversarial.generator(image_fake[-1]) + (
             hp.video_gan_weight * self.adversarial.generator(video_fake[-1])
@@ -340,7 +345,11 @@ class VQGAN(MedvolModule):
         medvol's fixed cost per step (docs/BENCHMARKS.md, overhead). Here a step only adds the
         detached values to running sums.
         """
-        names = {"g_adv_loss": "gan_generator", "gan_feat_loss": "gan_feature_matching", "disc_loss": "gan_discriminator"}
+        names = {
+            "g_adv_loss": "gan_generator",
+            "gan_feat_loss": "gan_feature_matching",
+            "disc_loss": "gan_discriminator",
+        }
         values = {names.get(k, k): v.detach() for k, v in losses.items()}
         values["loss"] = sum(v.detach() for k, v in losses.items() if k not in names)
         values["generator_loss"] = generator_loss.detach()
@@ -381,7 +390,10 @@ class VQGAN(MedvolModule):
         metrics[f"{prefix}perplexity"].update(quantized.perplexity, weight=batch_size)
         for name, metric in metrics.items():
             self.log(name, metric, prog_bar=name in ("val/psnr", "val/ssim"), batch_size=batch_size)
-        return {"volumes": {"input": x.detach(), "reconstruction": x_rec.detach()}, "difference": ("reconstruction", "input")}
+        return {
+            "volumes": {"input": x.detach(), "reconstruction": x_rec.detach()},
+            "difference": ("reconstruction", "input"),
+        }
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         return self._evaluate(batch, self.val_metrics)
@@ -389,7 +401,9 @@ class VQGAN(MedvolModule):
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         return self._evaluate(batch, self.test_metrics)
 
-    def predict_volumes(self, batch: dict[str, Any], window: SlidingWindow, extras: Sequence[str] = ()) -> dict[str, Any]:
+    def predict_volumes(
+        self, batch: dict[str, Any], window: SlidingWindow, extras: Sequence[str] = ()
+    ) -> dict[str, Any]:
         """The reconstruction of whole volumes window by window; PSNR and SSIM against the input per subject.
 
         With `codes` in `extras`, also the codebook index of every latent voxel of the whole volume,

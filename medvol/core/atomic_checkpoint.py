@@ -87,7 +87,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     only once it is complete.
     """
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any | None = None
+    ) -> None:
         """Write `checkpoint` to `path` so that a crash leaves either the previous file or the new one."""
         if storage_options is not None or not isinstance(get_filesystem(path), LocalFileSystem):
             super().save_checkpoint(checkpoint, path, storage_options)

@@ -52,7 +52,9 @@ def quiet_console() -> None:
         logger.propagate = True
     logging.captureWarnings(True)
     for handler in logging.getLogger().handlers:
-        if not isinstance(handler, logging.FileHandler) and not any(isinstance(f, ConsoleFilter) for f in handler.filters):
+        if not isinstance(handler, logging.FileHandler) and not any(
+            isinstance(f, ConsoleFilter) for f in handler.filters
+        ):
             handler.addFilter(ConsoleFilter())
 
 
@@ -100,7 +102,8 @@ def log_file(path: Path) -> Iterator[None]:
 
 
 def flow_item(key: str, value: Any) -> str:
-    """`key: value` as an entry of a flow-style YAML mapping: `downsample: [4, 4, 4]`, `filename: 'epoch{epoch:03d}'`."""
+    """`key: value` as an entry of a flow-style YAML mapping: `downsample: [4, 4, 4]`,
+    `filename: 'epoch{epoch:03d}'`."""
     return yaml.safe_dump({key: value}, default_flow_style=True, width=float("inf"), sort_keys=False).strip()[1:-1]
 
 

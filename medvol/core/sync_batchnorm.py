@@ -60,10 +60,14 @@ def _convert(module: nn.Module, to_global: bool) -> nn.Module:
     """`module` with its batch norms swapped to `GlobalBatchNorm` (or back to their own class), state kept."""
     replacement = module
     if to_global and isinstance(module, _BatchNorm) and not isinstance(module, GlobalBatchNorm):
-        replacement = GlobalBatchNorm(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+        replacement = GlobalBatchNorm(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+        )
         replacement.restore_as = type(module)
     elif not to_global and isinstance(module, GlobalBatchNorm):
-        replacement = module.restore_as(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+        replacement = module.restore_as(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+        )
     if replacement is not module:
         replacement.load_state_dict(module.state_dict())
         replacement.train(module.training)

@@ -89,5 +89,7 @@ def scale_learning_rates(model_cfg: DictConfig, rule: str, world_size: int) -> t
     for path, optimizer in optimizers:
         base = float(optimizer.lr)
         optimizer.lr = base * factor
-        lines.append(f"{path}.lr: {base:g}" + (f" x {factor:g} ({rule} lr_scaling) = {base * factor:g}" if factor != 1 else ""))
+        lines.append(
+            f"{path}.lr: {base:g}" + (f" x {factor:g} ({rule} lr_scaling) = {base * factor:g}" if factor != 1 else "")
+        )
     return scaled, lines

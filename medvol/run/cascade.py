@@ -64,8 +64,8 @@ def best_checkpoint(stage_dir: Path) -> tuple[Path, float | None]:
     if best and not found:
         # Handing on last.ckpt instead would give the next stage weights other than the ones validation chose.
         raise MedvolError(
-            f"cascade: stage {stage_dir.name}'s best checkpoint {best} (recorded in {last}) does not exist; restore it, "
-            "or re-run the stage"
+            f"cascade: stage {stage_dir.name}'s best checkpoint {best} (recorded in {last}) does not exist; "
+            "restore it, or re-run the stage"
         )
     if not best:
         log.info("cascade: %s recorded no best checkpoint (no monitored metric): handing on %s", stage_dir.name, last)
@@ -155,13 +155,17 @@ def run_cascade(
     resumed = stage_of_checkpoint(cfg.get("ckpt_path"))
     if cfg.get("ckpt_path") and resumed is None:
         raise MedvolError(
-            f"`ckpt_path` {cfg.ckpt_path} is not a cascade stage's checkpoint; expected <run>/stage<k>/checkpoints/<file>"
+            f"`ckpt_path` {cfg.ckpt_path} is not a cascade stage's checkpoint; expected "
+            "<run>/stage<k>/checkpoints/<file>"
         )
     if resumed is not None:
         root, resume_stage = resumed
         stages = [s for s in stages if s >= resume_stage]
         if not stages or stages[0] != resume_stage:
-            raise MedvolError(f"`ckpt_path` resumes stage {resume_stage}, which `cascade.stages` {list(cfg.cascade.stages)} does not run")
+            raise MedvolError(
+                f"`ckpt_path` resumes stage {resume_stage}, "
+                f"which `cascade.stages` {list(cfg.cascade.stages)} does not run"
+            )
     _check_sizes(cfg, sorted(int(s) for s in cfg.cascade.stages))
     earlier = Path(str(cfg.cascade.from_run)) if cfg.cascade.get("from_run") else root
     previous: list[Path] = []
@@ -169,8 +173,8 @@ def run_cascade(
         best = earlier / f"stage{stage}" / "best.ckpt"
         if not best.is_file():
             raise MedvolError(
-                f"stage {stages[0]} needs stage {stage}'s best.ckpt, but {best} does not exist; run stage {stage} first or set "
-                "`cascade.from_run` to a cascade run that has it"
+                f"stage {stages[0]} needs stage {stage}'s best.ckpt, but {best} does not exist; "
+                f"run stage {stage} first or set `cascade.from_run` to a cascade run that has it"
             )
         previous.append(best)
 

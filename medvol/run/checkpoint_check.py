@@ -38,7 +38,9 @@ def read_checkpoint(ckpt_path: str) -> tuple[Path, dict[str, Any]]:
             f"`ckpt_path`: {path} is not a readable checkpoint ({type(err).__name__}: {reason}); expected {EXPECTED}"
         ) from err
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "loops" not in checkpoint:
-        raise MedvolError(f"`ckpt_path`: {path} is not a Lightning training checkpoint (no state_dict/loops); expected {EXPECTED}")
+        raise MedvolError(
+            f"`ckpt_path`: {path} is not a Lightning training checkpoint (no state_dict/loops); expected {EXPECTED}"
+        )
     return path, checkpoint
 
 
@@ -61,7 +63,9 @@ def _same_shapes(path: Path, checkpoint: dict[str, Any], module: torch.nn.Module
             )
     missing = sorted(set(own) - set(checkpoint["state_dict"]))
     if missing:
-        raise MedvolError(f"`ckpt_path`: {path} lacks weights the model needs (first: {missing[0]}); expected {EXPECTED}")
+        raise MedvolError(
+            f"`ckpt_path`: {path} lacks weights the model needs (first: {missing[0]}); expected {EXPECTED}"
+        )
 
 
 def check_checkpoint_family(ckpt_path: str | None, model_target: str) -> dict[str, Any] | None:

@@ -53,8 +53,9 @@ def without_targets(config: DictConfig, generation: Mapping[str, int]) -> DictCo
         field = modality_field(key)
         if not config.get(field):
             raise MedvolError(
-                f"the model generates from `{key}`, but the dataset has no target files and lists no `dataset.{field}`; "
-                f"name the condition modalities the model was trained on, or give the scans with `input=`"
+                f"the model generates from `{key}`, but the dataset has no target files and lists no "
+                f"`dataset.{field}`; name the condition modalities the model was trained on, "
+                "or give the scans with `input=`"
             )
     config = config.copy()
     with open_dict(config):
@@ -66,12 +67,16 @@ def without_targets(config: DictConfig, generation: Mapping[str, int]) -> DictCo
     return config
 
 
-def check_condition_files(records: Sequence[Mapping[str, Any]], config: DictConfig, generation: Mapping[str, int]) -> None:
+def check_condition_files(
+    records: Sequence[Mapping[str, Any]], config: DictConfig, generation: Mapping[str, int]
+) -> None:
     """Every subject must have every condition modality's file."""
     names = [name for key in generation for name in config.get(modality_field(key))]
     where = config.get("root") or config.get("list_file")
     if not records:
-        raise MedvolError(f"`dataset.root`: {where} holds none of the condition files ({', '.join(names)}) the model generates from")
+        raise MedvolError(
+            f"`dataset.root`: {where} holds none of the condition files ({', '.join(names)}) the model generates from"
+        )
     for record in records:
         for name in names:
             if record["files"].get(name) is None:
@@ -107,8 +112,8 @@ def check_input_channels(records: Sequence[Mapping[str, Any]], expected: Mapping
                 what = "image" if key == "image" else "condition"
                 listed = ", ".join(str(f) for f in files)
                 raise MedvolError(
-                    f"`{where}`: subject {record['subject']} has {got} {what} channel{'s' if got != 1 else ''} ({listed}), "
-                    f"but the model was trained on {channels}; give {channels}-channel {what} volumes "
+                    f"`{where}`: subject {record['subject']} has {got} {what} channel{'s' if got != 1 else ''} "
+                    f"({listed}), but the model was trained on {channels}; give {channels}-channel {what} volumes "
                     f"({'one file per channel, or a 4D file' if key == 'image' else 'as many condition modalities'})"
                 )
 

@@ -39,7 +39,8 @@ def write_noise_samples(module: MedvolModule, geometry: Mapping[str, Any], num_s
     spacing = geometry.get("spacing")
     if not spacing:
         raise MedvolError(
-            "`spacing`: samples from noise need a voxel size, and the checkpoint records none; give `spacing=[x,y,z]` in mm"
+            "`spacing`: samples from noise need a voxel size, and the checkpoint records none; "
+            "give `spacing=[x,y,z]` in mm"
         )
     writer = PredictionWriter(output_dir)
     for draw in range(num_samples):

@@ -37,9 +37,15 @@ def override_error(config_dir: Path, config_name: str, argv: Sequence[str]) -> s
         chosen = next((o for o in overrides if o.split("=")[0].lstrip("+~") == key), key)
         reason = str(err.__cause__ or "").splitlines()
         detail = f" ({reason[0]})" if reason else ""
-        return f"`{chosen}`: cannot set this key{detail}; `python train.py --cfg job` lists the keys, `+key=value` adds one"
+        return (
+            f"`{chosen}`: cannot set this key{detail}; `python train.py --cfg job` lists the keys, "
+            "`+key=value` adds one"
+        )
     except OverrideParseException as err:
-        return f"cannot read the overrides {' '.join(overrides)!r} ({str(err).splitlines()[0]}); expected key=value or group=option"
+        return (
+            f"cannot read the overrides {' '.join(overrides)!r} ({str(err).splitlines()[0]}); "
+            "expected key=value or group=option"
+        )
     except Exception:  # noqa: BLE001 - anything else is reported by Hydra as usual, when it composes for the run
         return None
     finally:

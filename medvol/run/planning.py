@@ -139,7 +139,9 @@ def poly_decay(cfg: DictConfig, power: float) -> dict[str, Any]:
     """nnU-Net's polynomial learning-rate decay to 0 over the run's epochs (stepped per epoch)."""
     epochs = cfg.trainer.get("max_epochs")
     epochs = int(epochs) if epochs is not None and int(epochs) > 0 else DEFAULT_EPOCHS
-    return {"_target_": "torch.optim.lr_scheduler.PolynomialLR", "_partial_": True, "total_iters": epochs, "power": power}
+    return {
+        "_target_": "torch.optim.lr_scheduler.PolynomialLR", "_partial_": True, "total_iters": epochs, "power": power
+    }
 
 
 def with_run_plan(run: DictConfig) -> DictConfig:

@@ -27,7 +27,9 @@ def run_config(ckpt_path: str) -> DictConfig:
     """The composed config of the run a checkpoint belongs to, with `paths.output_dir` pointed at that run."""
     path = Path(ckpt_path).expanduser()
     if not path.is_file():
-        raise MedvolError(f"`ckpt_path`: no file at {path}; expected a .ckpt file of a medvol run, e.g. <run>/checkpoints/last.ckpt")
+        raise MedvolError(
+            f"`ckpt_path`: no file at {path}; expected a .ckpt file of a medvol run, e.g. <run>/checkpoints/last.ckpt"
+        )
     run_dir = run_dir_of_checkpoint(str(path))
     if run_dir is None and path.name == "best.ckpt" and re.fullmatch(r"stage\d+", path.parent.name):
         run_dir = path.parent.parent
@@ -36,9 +38,14 @@ def run_config(ckpt_path: str) -> DictConfig:
             f"`ckpt_path`: {path} is not in a medvol run directory (no <run>/.hydra/config.yaml next to its "
             "checkpoints/ folder); expected a checkpoint written by train.py"
         )
-    # A cascade stage's checkpoint (`<run>/stage<k>/best.ckpt` or `.../stage<k>/checkpoints/`) runs with that stage's config.
+    # A cascade stage's checkpoint (`<run>/stage<k>/best.ckpt` or
+    # `.../stage<k>/checkpoints/`) runs with that stage's config.
     stage_dir = next(
-        (p for p in (path.parent, path.parent.parent) if re.fullmatch(r"stage\d+", p.name) and (p / "config.yaml").is_file()),
+        (
+            p
+            for p in (path.parent, path.parent.parent)
+            if re.fullmatch(r"stage\d+", p.name) and (p / "config.yaml").is_file()
+        ),
         None,
     )
     cfg = OmegaConf.load((stage_dir / "config.yaml") if stage_dir is not None else run_dir / ".hydra" / "config.yaml")
@@ -101,7 +108,12 @@ def window_size(cfg: DictConfig) -> list[int]:
     """The training patch or volume size of a run: the sliding window for whole volumes."""
     dataset, model = cfg.dataset, cfg.model
     transforms = dataset.get("transforms") or {}
-    for size in (model.get("patch_size"), transforms.get("random_crop"), dataset.get("patch_size"), transforms.get("spatial_size")):
+    for size in (
+        model.get("patch_size"),
+        transforms.get("random_crop"),
+        dataset.get("patch_size"),
+        transforms.get("spatial_size"),
+    ):
         if size:
             return [int(s) for s in size]
     if dataset.get("size"):
@@ -120,9 +132,13 @@ def input_geometry(spacing: Any, record: Mapping[str, Any] | None, refines: bool
         return {**geometry, "spacing": record["spacing"]} if record.get("spacing") and not kept else geometry
     if spacing == "native":
         return {**geometry, "spacing": None}
-    values = [spacing] * 3 if isinstance(spacing, (int, float)) else list(spacing) if OmegaConf.is_list(spacing) else None
+    values = (
+        [spacing] * 3 if isinstance(spacing, (int, float)) else list(spacing) if OmegaConf.is_list(spacing) else None
+    )
     if values is None or len(values) != 3 or not all(isinstance(v, (int, float)) and v > 0 for v in values):
-        raise MedvolError(f"`spacing` is {spacing}; expected null (the model's training spacing), native, a voxel size in mm or three")
+        raise MedvolError(
+            f"`spacing` is {spacing}; expected null (the model's training spacing), native, a voxel size in mm or three"
+        )
     return {**geometry, "spacing": [float(v) for v in values]}
 
 

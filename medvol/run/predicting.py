@@ -74,7 +74,9 @@ def predict(cfg: DictConfig) -> dict[str, float]:
         writer = PredictionWriter(output_dir, protected=inputs.protected, output_format=output_format)
         with log_file(output_dir / LOG_FILE):
             log.info("predict: %s on %d subject(s) from %s", cfg.ckpt_path, len(inputs.dataset), inputs.where)
-            count = predict_subjects(module, inputs, window, writer, num_samples, refine, ["codes"] if cfg.codes else [])
+            count = predict_subjects(
+                module, inputs, window, writer, num_samples, refine, ["codes"] if cfg.codes else []
+            )
             writer.write_metrics()
             writer.write_predictions()
             log.info(summary_line(writer.rows, count, output_dir))
@@ -133,7 +135,9 @@ def load_module(run: DictConfig, ckpt_path: str, device: torch.device) -> Medvol
     checkpoint = check_checkpoint_family(ckpt_path, run.model._target_)
     assert checkpoint is not None
     family = target_class(run.model._target_)
-    module: MedvolModule = build_model(run.model, **family.restoring_settings(dict(checkpoint.get("hyper_parameters") or {})))
+    module: MedvolModule = build_model(
+        run.model, **family.restoring_settings(dict(checkpoint.get("hyper_parameters") or {}))
+    )
     check_checkpoint_shapes(ckpt_path, module, checkpoint)
     module.on_load_checkpoint(checkpoint)
     module.load_state_dict(checkpoint["state_dict"])

@@ -86,7 +86,10 @@ def view_geometry(run: DictConfig) -> ViewGeometry:
         )
     rows, columns = (int(s) for s in dataset.xray_size)
     return ViewGeometry(
-        list(dataset.views), (rows, columns), tuple(int(g) for g in grid), tuple(float(s) for s in spacing),  # type: ignore[arg-type]
+        list(dataset.views),
+        (rows, columns),
+        tuple(int(g) for g in grid),
+        tuple(float(s) for s in spacing),  # type: ignore[arg-type]
         (float(output_range[0]), float(output_range[1])),
     )
 
@@ -108,8 +111,9 @@ def radiograph_subjects(folder: Path, geometry: ViewGeometry) -> dict[str, dict[
         missing = [v for v in geometry.views if v not in views]
         if missing:
             raise MedvolError(
-                f"`input`: subject {subject} has no {' or '.join(missing)} view ({', '.join(f'{subject}_{m}.nii.gz' for m in missing)}); "
-                f"the model generates from the views {geometry.views} of every subject"
+                f"`input`: subject {subject} has no {' or '.join(missing)} view "
+                f"({', '.join(f'{subject}_{m}.nii.gz' for m in missing)}); the model generates from the views "
+                f"{geometry.views} of every subject"
             )
     return found
 
@@ -123,26 +127,32 @@ def _direction(vector: np.ndarray) -> tuple[int, int] | None:
     return (axis, int(np.sign(vector[axis]))) if abs(vector[axis]) / length >= ALIGNMENT else None
 
 
-def in_view_frame(image: nib.Nifti1Image, data: np.ndarray, path: Path, view: str) -> tuple[np.ndarray, tuple[float, float]]:
+def in_view_frame(
+    image: nib.Nifti1Image, data: np.ndarray, path: Path, view: str
+) -> tuple[np.ndarray, tuple[float, float]]:
     """The pixels turned into the projector's frame for `view` (`VIEW_FRAME`) and their (row, column) spacing in mm,
     from the file's affine; refused when the file has no usable orientation, another plane, or a mirrored one."""
     if int(image.header["sform_code"]) == 0 and int(image.header["qform_code"]) == 0:
         raise MedvolError(
             f"`input`: {path.name} has no orientation (sform and qform codes 0); expected a 2D NIfTI whose affine says "
-            f"where its rows and columns run in the patient, as `python -m datamodules.sources.example_data xray_ct` writes"
+            "where its rows and columns run in the patient, as `python -m datamodules.sources.example_data xray_ct` "
+            "writes"
         )
     affine = np.asarray(image.affine, dtype=np.float64)
     axes = [_direction(affine[:3, 0]), _direction(affine[:3, 1])]
     if None in axes:
-        raise MedvolError(f"`input`: {path.name}'s rows or columns run obliquely to the patient's axes; expected them along "
-                          "the head-feet axis and one other patient axis")
+        raise MedvolError(
+            f"`input`: {path.name}'s rows or columns run obliquely to the patient's axes; expected them along "
+            "the head-feet axis and one other patient axis"
+        )
     rows, columns = axes[0], axes[1]
     expected = VIEW_FRAME[view]
     plane = frozenset({rows[0], columns[0]})
     if plane != frozenset({expected[0][0], expected[1][0]}):
         raise MedvolError(
-            f"`input`: {path.name} is named a {view} view but its orientation puts it in the {PLANES.get(plane, 'an odd')} "
-            f"plane (rows toward the {TOWARD[rows]}, columns toward the {TOWARD[columns]}); give the view its own name"
+            f"`input`: {path.name} is named a {view} view but its orientation puts it in the "
+            f"{PLANES.get(plane, 'an odd')} plane (rows toward the {TOWARD[rows]}, columns toward the "
+            f"{TOWARD[columns]}); give the view its own name"
         )
     spacing = (float(np.linalg.norm(affine[:3, 0])), float(np.linalg.norm(affine[:3, 1])))
     transposed = rows[0] != expected[0][0]
@@ -175,8 +185,9 @@ def read_view(path: Path, view: str, geometry: ViewGeometry) -> np.ndarray:
     expected = geometry.pixel_spacing(view)
     if not np.allclose(spacing, expected, rtol=SPACING_TOLERANCE, atol=0.0):
         raise MedvolError(
-            f"`input`: {path.name} has pixels of {spacing[0]:g} x {spacing[1]:g} mm; the model's {view} radiographs have "
-            f"{expected[0]:g} x {expected[1]:g} mm (rows x columns); resample the view to that spacing"
+            f"`input`: {path.name} has pixels of {spacing[0]:g} x {spacing[1]:g} mm; "
+            f"the model's {view} radiographs have {expected[0]:g} x {expected[1]:g} mm (rows x columns); "
+            "resample the view to that spacing"
         )
     return data
 
@@ -191,7 +202,9 @@ def model_views(folder: Path, geometry: ViewGeometry) -> dict[str, torch.Tensor]
     return views
 
 
-def in_hounsfield(volume: torch.Tensor, window: Sequence[float], output_range: Sequence[float], spread: bool) -> np.ndarray:
+def in_hounsfield(
+    volume: torch.Tensor, window: Sequence[float], output_range: Sequence[float], spread: bool
+) -> np.ndarray:
     """Model units -> HU by the window's linear map, unclamped; a spread (std) takes the scale without the offset."""
     scale = (float(window[1]) - float(window[0])) / (float(output_range[1]) - float(output_range[0]))
     if spread:

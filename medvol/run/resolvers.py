@@ -35,7 +35,8 @@ def run_stamp() -> str:
 
 
 def run_dir_of_checkpoint(ckpt_path: str | None) -> Path | None:
-    """The run directory a checkpoint belongs to (`<run>/checkpoints/<file>`, or a cascade's `<run>/stage<k>/checkpoints/<file>`), or None."""
+    """The run directory a checkpoint belongs to (`<run>/checkpoints/<file>`, or a cascade's
+    `<run>/stage<k>/checkpoints/<file>`), or None."""
     if not ckpt_path:
         return None
     path = Path(str(ckpt_path)).expanduser().resolve()

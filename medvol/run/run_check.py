@@ -1,4 +1,5 @@
-"""Checks the values that only Lightning, PyTorch or a loader would reject, so they cost one line before anything runs."""
+"""Checks the values that only Lightning, PyTorch or a loader would reject, so they cost one line before anything
+runs."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ from medvol.core.errors import MedvolError
 from medvol.run.resolvers import label_regions
 
 PRECISIONS = ("64-true", "32-true", "16-true", "16-mixed", "bf16-true", "bf16-mixed", "64", "32", "16", "bf16")
-_BATCH_LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches", "overfit_batches")
+_BATCH_LIMITS = (
+    "limit_train_batches",
+    "limit_val_batches",
+    "limit_test_batches",
+    "limit_predict_batches",
+    "overfit_batches",
+)
 # key -> (smallest whole number allowed, whether null is allowed, what it means)
 _COUNTS = {
     "max_epochs": (-1, True, "-1 for no limit"),
@@ -53,12 +60,16 @@ def check_trainer(trainer: Mapping[str, Any], accelerator: str) -> None:
         if value is None or (_whole(value) and value >= 0) or (isinstance(value, float) and 0.0 <= value <= 1.0):
             continue
         raise MedvolError(
-            f"`trainer.{key}`: got {value!r}; expected a fraction in [0, 1], a whole number of batches >= 0, or null for all"
+            f"`trainer.{key}`: got {value!r}; expected a fraction in [0, 1], a whole number of batches >= 0, "
+            "or null for all"
         )
     interval = trainer.get("val_check_interval")
-    if not (interval is None or (_whole(interval) and interval > 0) or (isinstance(interval, float) and 0 < interval <= 1)):
+    if not (
+        interval is None or (_whole(interval) and interval > 0) or (isinstance(interval, float) and 0 < interval <= 1)
+    ):
         raise MedvolError(
-            f"`trainer.val_check_interval`: got {interval!r}; expected a fraction of an epoch in (0, 1] or a number of batches > 0"
+            f"`trainer.val_check_interval`: got {interval!r}; expected a fraction of an epoch in (0, "
+            "1] or a number of batches > 0"
         )
     clip = trainer.get("gradient_clip_val")
     if not (clip is None or (_number(clip) and clip >= 0)):
@@ -117,7 +128,9 @@ def check_run(cfg: DictConfig) -> None:
         raise MedvolError(f"`optimized_mode`: got {mode!r}; expected `min` or `max`")
     workers = cfg.dataset.get("num_workers") if cfg.get("dataset") is not None else None
     if workers is not None and not (_whole(workers) and workers >= 0):
-        raise MedvolError(f"`dataset.num_workers`: got {workers!r}; expected a whole number >= 0 (0: load in the main process)")
+        raise MedvolError(
+            f"`dataset.num_workers`: got {workers!r}; expected a whole number >= 0 (0: load in the main process)"
+        )
     optimizer = cfg.model.get("optimizer") if cfg.get("model") is not None else None
     if isinstance(optimizer, DictConfig) and "_target_" in optimizer and optimizer.get("_partial_"):
         # PyTorch checks lr, betas, weight decay ... only when the module builds its optimizers inside `fit`.

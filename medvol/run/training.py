@@ -69,7 +69,8 @@ def trainer_settings(cfg: DictConfig, module: MedvolModule) -> dict[str, Any]:
 
 
 def check_config(cfg: DictConfig) -> World:
-    """Every check that needs no data or model built: bad values and checkpoints stop here, before anything is written."""
+    """Every check that needs no data or model built: bad values and checkpoints stop here, before anything is
+    written."""
     world = plan_world(cfg.trainer)
     check_trainer(OmegaConf.to_container(cfg.trainer, resolve=True), world.accelerator)
     check_run(cfg)
@@ -94,7 +95,9 @@ def sweep_objective(metrics: dict[str, float], metric: str | None, mode: str = "
     value = float(metrics[metric])
     if not math.isnan(value):
         return value
-    log.warning("`%s` is undefined (NaN) for this run: the sweeper receives %s", metric, "-inf" if mode == "max" else "inf")
+    log.warning(
+        "`%s` is undefined (NaN) for this run: the sweeper receives %s", metric, "-inf" if mode == "max" else "inf"
+    )
     return -math.inf if mode == "max" else math.inf
 
 

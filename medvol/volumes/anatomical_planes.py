@@ -1,4 +1,5 @@
-"""The three orthogonal mid-planes of a volume, named by anatomy (from its affine) and oriented as radiologists read them.
+"""The three orthogonal mid-planes of a volume, named by anatomy (from its affine) and oriented as radiologists read
+them.
 
 Radiological convention: axial and coronal planes show the patient's right on the image's
 left (viewed from the feet / from the front), anterior (axial) or superior (coronal,

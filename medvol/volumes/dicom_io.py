@@ -1,4 +1,5 @@
-"""Read a DICOM series folder as one volume on its patient grid, as nibabel reads a NIfTI file, or refuse it in one line.
+"""Read a DICOM series folder as one volume on its patient grid, as nibabel reads a NIfTI file, or refuse it in one
+line.
 
 A series is the image files of a folder that share a SeriesInstanceUID. Its slices are ordered by their
 position along the slice normal (ImagePositionPatient projected on the cross product of the two
@@ -116,7 +117,9 @@ def refuse_non_series_subjects(records: Sequence[Mapping[str, Any]]) -> None:
         first = next(iter(record.get("image") or record.get("cond") or []), None)
         if first is None or not is_dicom_series(first):
             source = f"comes from {first}, not a DICOM series" if first else "comes from no file"
-            raise MedvolError(f"`output_format`: dicom, but subject {record.get('subject')} {source}; use output_format=nifti or both")
+            raise MedvolError(
+                f"`output_format`: dicom, but subject {record.get('subject')} {source}; use output_format=nifti or both"
+            )
 
 
 def _image_slices(folder: Path) -> list[Slice]:
@@ -144,7 +147,8 @@ def list_series(folder: str | Path) -> dict[str, list[Slice]]:
 def describe_series(grouped: dict[str, list[Slice]]) -> str:
     """`UID ('description', N slices)` for every series, as the refusal and the data doctor list them."""
     return "; ".join(
-        f"{uid} ({str(items[0].header.get('SeriesDescription', ''))!r}, {len(items)} slices)" for uid, items in grouped.items()
+        f"{uid} ({str(items[0].header.get('SeriesDescription', ''))!r}, {len(items)} slices)"
+        for uid, items in grouped.items()
     )
 
 
@@ -187,11 +191,17 @@ def _check_uniform(folder: Path, slices: Sequence[Slice]) -> np.ndarray:
     for item in slices:
         header = item.header
         if int(header.get("NumberOfFrames", 1) or 1) > 1:
-            raise MedvolError(f"{item.path}: a multi-frame (enhanced) DICOM image; export the series as single-frame slices")
+            raise MedvolError(
+                f"{item.path}: a multi-frame (enhanced) DICOM image; export the series as single-frame slices"
+            )
         if int(header.get("SamplesPerPixel", 1)) != 1:
-            raise MedvolError(f"{item.path}: a colour image ({header.get('PhotometricInterpretation')}); expected greyscale slices")
+            raise MedvolError(
+                f"{item.path}: a colour image ({header.get('PhotometricInterpretation')}); expected greyscale slices"
+            )
         if not np.allclose(_orientation(item), orientation, atol=ORIENTATION_TOLERANCE):
-            raise MedvolError(f"{folder}: mixed slice orientations ({first.path.name} and {item.path.name}); one volume needs one")
+            raise MedvolError(
+                f"{folder}: mixed slice orientations ({first.path.name} and {item.path.name}); one volume needs one"
+            )
         if (header.Rows, header.Columns) != (first.header.Rows, first.header.Columns):
             raise MedvolError(
                 f"{folder}: mixed slice sizes ({first.header.Rows}x{first.header.Columns} in {first.path.name}, "
@@ -285,7 +295,8 @@ def _decoded(item: Slice) -> np.ndarray:
         syntax = dataset.file_meta.get("TransferSyntaxUID")
         name = getattr(syntax, "name", str(syntax))
         raise MedvolError(
-            f"{item.path}: cannot decode its pixels, transfer syntax {name} ({syntax}): {' '.join(str(err).split())[:120]}; "
+            f"{item.path}: cannot decode its pixels, transfer syntax {name} ({syntax}): "
+            f"{' '.join(str(err).split())[:120]}; "
             "decompress it (e.g. gdcmconv --raw) or install its decoder"
         ) from err
 

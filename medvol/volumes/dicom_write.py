@@ -62,7 +62,9 @@ def write_segmentation(
     frames = np.stack([np.isin(mask, values) for values in segments.values()], axis=-1).transpose(2, 1, 0, 3)
     # The headers suffice: a SEG references its source slices, it does not copy their pixels.
     sources = [item.header for item in geometry.slices]
-    algorithm = hd.AlgorithmIdentificationSequence(name="medvol", version="0.1.0", family=codes.cid7162.ArtificialIntelligence)
+    algorithm = hd.AlgorithmIdentificationSequence(
+        name="medvol", version="0.1.0", family=codes.cid7162.ArtificialIntelligence
+    )
     descriptions = [
         hd.seg.SegmentDescription(
             segment_number=number, segment_label=name, segmented_property_category=codes.SCT.Tissue,
@@ -72,10 +74,20 @@ def write_segmentation(
         for number, name in enumerate(segments, start=1)
     ]
     seg = hd.seg.Segmentation(
-        source_images=sources, pixel_array=frames.astype(np.uint8), segmentation_type=hd.seg.SegmentationTypeValues.BINARY,
-        segment_descriptions=descriptions, series_instance_uid=generate_uid(), series_number=_new_series_number(sources[0]),
-        sop_instance_uid=generate_uid(), instance_number=1, manufacturer=MANUFACTURER, manufacturer_model_name="medvol",
-        software_versions="0.1.0", device_serial_number="0", series_description=description, omit_empty_frames=True,
+        source_images=sources,
+        pixel_array=frames.astype(np.uint8),
+        segmentation_type=hd.seg.SegmentationTypeValues.BINARY,
+        segment_descriptions=descriptions,
+        series_instance_uid=generate_uid(),
+        series_number=_new_series_number(sources[0]),
+        sop_instance_uid=generate_uid(),
+        instance_number=1,
+        manufacturer=MANUFACTURER,
+        manufacturer_model_name="medvol",
+        software_versions="0.1.0",
+        device_serial_number="0",
+        series_description=description,
+        omit_empty_frames=True,
     )
     _keep_only_the_patient_module(seg, sources[0])
     path = Path(path)
@@ -102,7 +114,9 @@ def rescale_for(volume: np.ndarray) -> tuple[float, float]:
     return slope, intercept
 
 
-def write_derived_series(volume: np.ndarray, geometry: SeriesGeometry, folder: str | Path, description: str) -> list[Path]:
+def write_derived_series(
+    volume: np.ndarray, geometry: SeriesGeometry, folder: str | Path, description: str
+) -> list[Path]:
     """Write a (columns, rows, slices) volume in the source's units as a derived series, one file per source slice.
 
     Args:
@@ -149,7 +163,9 @@ def _derived_slice(
     out.ImageType = ["DERIVED", "SECONDARY"]
     out.DerivationDescription = f"medvol {description}"
     out.ReferencedSeriesSequence = [_reference(source)]
-    for keyword in ("ImagePositionPatient", "ImageOrientationPatient", "PixelSpacing", "SliceThickness", "SliceLocation"):
+    for keyword in (
+        "ImagePositionPatient", "ImageOrientationPatient", "PixelSpacing", "SliceThickness", "SliceLocation"
+    ):
         if keyword in source:
             setattr(out, keyword, source.data_element(keyword).value)
     out.Rows, out.Columns = stored.shape

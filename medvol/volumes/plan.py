@@ -75,7 +75,9 @@ def channel_statistics(values: np.ndarray, minimum: float) -> dict[str, Any]:
     if values.size == 0:
         return {"kind": kind, "mean": 0.0, "std": 1.0, "low": 0.0, "high": 0.0}
     low, high = np.percentile(values, CT_PERCENTILES)
-    return {"kind": kind, "mean": float(values.mean()), "std": float(values.std()), "low": float(low), "high": float(high)}
+    return {
+        "kind": kind, "mean": float(values.mean()), "std": float(values.std()), "low": float(low), "high": float(high)
+    }
 
 
 def target_spacing(spacings: np.ndarray) -> list[float]:
@@ -95,7 +97,9 @@ def normalization(channels: Sequence[Mapping[str, Any]], kinds: Sequence[str]) -
         if kind == "mr":
             plan.append({"kind": "mr"})
             continue
-        plan.append({"kind": "ct", "clip": [stats["low"], stats["high"]], "mean": stats["mean"], "std": max(stats["std"], 1e-8)})
+        plan.append(
+            {"kind": "ct", "clip": [stats["low"], stats["high"]], "mean": stats["mean"], "std": max(stats["std"], 1e-8)}
+        )
     return plan
 
 
@@ -110,7 +114,10 @@ def topology(patch: Sequence[int], spacing: Sequence[float]) -> tuple[list[int],
     halvings = [0, 0, 0]
     while len(strides) <= MAX_HALVINGS:
         finest = min(current)
-        step = [2 if c <= ANISOTROPY * finest and s >= 2 * MIN_FEATURE_SIZE else 1 for c, s in zip(current, size, strict=True)]
+        step = [
+            2 if c <= ANISOTROPY * finest and s >= 2 * MIN_FEATURE_SIZE else 1
+            for c, s in zip(current, size, strict=True)
+        ]
         if step == [1, 1, 1]:
             break
         size = [s // t for s, t in zip(size, step, strict=True)]
@@ -127,7 +134,9 @@ def filters(levels: int, base: int) -> list[int]:
     return [min(base * 2**i, MAX_FILTERS) for i in range(levels)]
 
 
-def activation_bytes(patch: Sequence[int], batch: int, strides: Sequence[Sequence[int]], features: Sequence[int]) -> int:
+def activation_bytes(
+    patch: Sequence[int], batch: int, strides: Sequence[Sequence[int]], features: Sequence[int]
+) -> int:
     """Bytes of the activations one training step keeps for backpropagation (float32), level by level."""
     voxels, total = float(np.prod(patch)), 0.0
     for step, width in zip(strides, features, strict=True):
@@ -226,7 +235,8 @@ def describe(plan: Mapping[str, Any]) -> list[str]:
     x = "x".join
     return [
         f"plan: spacing {x(f'{s:g}' for s in plan['spacing'])} mm, normalization per channel [{kinds}], "
-        f"crop to the non-zero region {'on' if plan['crop_foreground'] else 'off'}, median shape {x(map(str, plan['median_shape']))}",
+        f"crop to the non-zero region {'on' if plan['crop_foreground'] else 'off'}, median shape "
+        f"{x(map(str, plan['median_shape']))}",
         f"plan: patch {x(map(str, plan['patch_size']))}, batch {plan['batch_size']} "
         f"(estimate {plan['memory_estimate'] / 2**20:.0f} MiB of a {plan['memory_budget'] / 2**20:.0f} MiB budget), "
         f"{plan['foreground_ratio']:.0%} foreground patches",

@@ -78,7 +78,9 @@ def to_source_units(
         if len(lows) == 1:
             lows, highs = lows * volume.shape[0], highs * volume.shape[0]
         if len(lows) != volume.shape[0]:
-            raise ValueError(f"a {volume.shape[0]}-channel output cannot take the scaling of {len(lows)} `{key}` channels")
+            raise ValueError(
+                f"a {volume.shape[0]}-channel output cannot take the scaling of {len(lows)} `{key}` channels"
+            )
         return torch.stack([convert(c, lo, hi, out_range) for c, lo, hi in zip(volume, lows, highs, strict=True)])
     if window is not None:
         return convert(volume, float(window[0]), float(window[1]), (-1.0, 1.0))
@@ -159,8 +161,8 @@ class PredictionWriter:
         for planned in volumes:
             if not planned.source_series:
                 raise MedvolError(
-                    f"`output_format`: dicom, but {planned.path.name} comes from no DICOM series (a NIfTI input, or a patch); "
-                    "DICOM outputs need a DICOM source series: use output_format=nifti or both"
+                    f"`output_format`: dicom, but {planned.path.name} comes from no DICOM series (a NIfTI input, "
+                    "or a patch); DICOM outputs need a DICOM source series: use output_format=nifti or both"
                 )
 
     def _write_dicom(self, planned: PlannedVolume) -> list[Path]:
@@ -175,13 +177,16 @@ class PredictionWriter:
             self._refuse_replacing_an_input(target)
             return [write_segmentation(volume, geometry, target, segments, f"medvol {planned.name}")]
         if volume.ndim != 3:
-            raise MedvolError(f"`output_format`: {stem} has {volume.shape[0]} channels; a derived DICOM series holds one")
+            raise MedvolError(
+                f"`output_format`: {stem} has {volume.shape[0]} channels; a derived DICOM series holds one"
+            )
         return write_derived_series(volume, geometry, self.output_dir / stem, f"medvol {planned.name}")
 
     def _refuse_replacing_an_input(self, path: Path) -> None:
         if path.expanduser().resolve() in self.protected:
             raise MedvolError(
-                f"`output_dir`: the output {path} would replace the input file {path.resolve()}; choose another `output_dir`"
+                f"`output_dir`: the output {path} would replace the input file {path.resolve()}; "
+                "choose another `output_dir`"
             )
 
     @staticmethod
@@ -190,7 +195,9 @@ class PredictionWriter:
         np.save(path, array.detach().cpu().numpy())
         return path
 
-    def _volumes(self, outputs: Mapping[str, Any], batch: Mapping[str, Any], subjects: list[str]) -> list[PlannedVolume]:
+    def _volumes(
+        self, outputs: Mapping[str, Any], batch: Mapping[str, Any], subjects: list[str]
+    ) -> list[PlannedVolume]:
         """Every volume to write, on the source grid and in source units."""
         affines, origins = batch["affine"], batch.get("patch_origin")
         on_source = origins is None and all(batch.get(k) is not None for k in SOURCE_KEYS)
@@ -214,7 +221,12 @@ class PredictionWriter:
                     volume = lookup[volume.long().clamp(0, len(lookup) - 1)]
                 elif not is_label:
                     volume = to_source_units(
-                        volume.float(), batch, i, units.get(name, "image"), outputs.get("window"), spread=name in spreads,
+                        volume.float(),
+                        batch,
+                        i,
+                        units.get(name, "image"),
+                        outputs.get("window"),
+                        spread=name in spreads,
                         clamp=not outputs.get("unclamped", False),
                     )
                 affine, header, segments = affines[i], None, outputs.get("segments")
@@ -230,10 +242,18 @@ class PredictionWriter:
                     header = source_file if source_file and Path(source_file).is_file() else None
                 source_series = str(series[i]) if on_source and series is not None else ""
                 source_folder = str(sources[i]) if source_series and sources is not None else ""
-                planned.append(PlannedVolume(
-                    self.output_dir / f"{stem}_{name}.nii.gz", volume, affine, header, name, source_series, source_folder,
-                    dict(segments) if is_label and segments else None,
-                ))
+                planned.append(
+                    PlannedVolume(
+                        self.output_dir / f"{stem}_{name}.nii.gz",
+                        volume,
+                        affine,
+                        header,
+                        name,
+                        source_series,
+                        source_folder,
+                        dict(segments) if is_label and segments else None,
+                    )
+                )
         return planned
 
     def write_metrics(self, rows: list[dict[str, Any]] | None = None) -> Path | None:

@@ -81,7 +81,9 @@ def radiographs(
     for view in views:
         axis = VIEW_AXES[view]
         image = drr(hounsfield, spacing[:, axis], axis, mu_water)
-        images.append(F.interpolate(image[:, None], size=tuple(int(s) for s in size), mode="bilinear", antialias=True)[:, 0])
+        images.append(
+            F.interpolate(image[:, None], size=tuple(int(s) for s in size), mode="bilinear", antialias=True)[:, 0]
+        )
     return torch.stack(images, dim=1).clamp(0, 1) * (high - low) + low
 
 

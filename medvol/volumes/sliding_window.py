@@ -22,8 +22,8 @@ class SlidingWindow:
     is kept on `output_device` (the CPU by default), so only the windows need to fit on the device.
     Volumes smaller than `roi` along an axis are padded (symmetrically, as MONAI pads) and the output
     is cropped back to the input's shape; the padding takes `pad_value` per channel, the value
-    training gave the background (MONAI pads with 0, mid-grey for inputs in [-1, 1]). A window that is exactly the volume is the whole-volume call itself: nothing
-    to blend, so the output is the network's own, bit for bit.
+    training gave the background (MONAI pads with 0, mid-grey for inputs in [-1, 1]). A window that is exactly the
+    volume is the whole-volume call itself: nothing to blend, so the output is the network's own, bit for bit.
 
     The network may take more inputs than the volume: `volumes` (B, C', D, H, W) on the same grid
     are cut to each window alongside it (a condition volume, coordinate channels), and
@@ -112,7 +112,11 @@ class SlidingWindow:
         """The volume padded up to the window with `pad_value` per channel, run, and cropped back."""
         before = [s // 2 for s in short]
         flat = [p for b, s in zip(reversed(before), reversed(short), strict=True) for p in (b, s - b)]
-        values = self.pad_value if len(self.pad_value or ()) == volume.shape[1] else (self.pad_value or (0.0,))[:1] * volume.shape[1]
+        values = (
+            self.pad_value
+            if len(self.pad_value or ()) == volume.shape[1]
+            else (self.pad_value or (0.0,))[:1] * volume.shape[1]
+        )
         padded = torch.stack([F.pad(volume[:, c], flat, value=float(v)) for c, v in enumerate(values)], dim=1)
         extras = {name: F.pad(extra, flat, value=0.0) for name, extra in volumes.items()}
         output = self(network, padded, extras, per_sample)

@@ -50,7 +50,8 @@ class SourceGrid:
 def as_source_grid(
     source: SourceGrid | str | Path | tuple[torch.Tensor | np.ndarray, Sequence[int] | torch.Tensor],
 ) -> SourceGrid:
-    """A `SourceGrid` from a grid, a NIfTI path, or an (affine, shape) pair such as a batch's `source_affine`/`source_shape`."""
+    """A `SourceGrid` from a grid, a NIfTI path, or an (affine, shape) pair such as a batch's
+    `source_affine`/`source_shape`."""
     if isinstance(source, SourceGrid):
         return source
     if isinstance(source, (str, Path)):
@@ -110,7 +111,11 @@ def to_source_grid(
     if mode == "linear" and not torch.is_floating_point(volume):
         raise ValueError(f"`mode` linear needs a floating-point volume, got {volume.dtype}; use nearest for label maps")
     grid = as_source_grid(source)
-    model_affine = transformed_affine.detach().cpu().numpy() if isinstance(transformed_affine, torch.Tensor) else transformed_affine
+    model_affine = (
+        transformed_affine.detach().cpu().numpy()
+        if isinstance(transformed_affine, torch.Tensor)
+        else transformed_affine
+    )
     # Source voxel index -> model voxel index.
     mapping = np.linalg.inv(np.asarray(model_affine, dtype=np.float64)) @ grid.affine
     channels = volume if volume.ndim == 4 else volume[None]
