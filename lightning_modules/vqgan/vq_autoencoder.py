@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from medvol.core.errors import MedvolError
+
 
 def _groups(channels: int, max_groups: int = 32) -> int:
     return math.gcd(channels, max_groups)
@@ -37,13 +39,11 @@ class ResBlock3d(nn.Module):
 
 
 def _halvings(downsample: Sequence[int]) -> list[int]:
-    out = []
-    for factor in downsample:
-        steps = int(round(math.log2(factor)))
-        if factor < 1 or 2**steps != factor:
-            raise ValueError(f"`downsample` factors must be powers of two, got {list(downsample)}")
-        out.append(steps)
-    return out
+    """The halvings of each axis (log2 of its factor); a factor that is no power of two is refused."""
+    # `f < 1` first: log2 has no value at 0 or below.
+    if any(f < 1 or 2 ** round(math.log2(f)) != f for f in downsample):
+        raise MedvolError(f"`downsample` factors must be powers of two, got {list(downsample)}")
+    return [round(math.log2(f)) for f in downsample]
 
 
 class Encoder3d(nn.Module):

@@ -45,7 +45,9 @@ def ssim_map(preds: torch.Tensor, target: torch.Tensor, data_range: float) -> to
     return ((2 * mu_x * mu_y + c1) * (2 * cov + c2)) / ((mu_x**2 + mu_y**2 + c1) * (var_x + var_y + c2))
 
 
-def to_hounsfield(volume: torch.Tensor, window: Sequence[float], output_range: Sequence[float] = (-1.0, 1.0)) -> torch.Tensor:
+def to_hounsfield(
+    volume: torch.Tensor, window: Sequence[float], output_range: Sequence[float] = (-1.0, 1.0)
+) -> torch.Tensor:
     """Model units -> HU by the window's linear map, unclamped (so values beyond the window stay beyond it)."""
     low, high = float(window[0]), float(window[1])
     out_low, out_high = float(output_range[0]), float(output_range[1])

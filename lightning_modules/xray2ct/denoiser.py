@@ -42,7 +42,8 @@ CONDITION_CHANNELS = 4
 
 
 class ViewConditionedDenoiser(nn.Module):
-    """Predicts the diffusion target of a CT stage from x_t, the step, the X-ray tokens and (stage >= 2) the previous stage.
+    """Predicts the diffusion target of a CT stage from x_t, the step, the X-ray tokens and (stage >= 2) the
+    previous stage.
 
     The input is `cat([previous, coordinates, x_t])` on channels from stage 2 on (the condition
     first, as in Fast-DDPM; `coordinates` are the three global-coordinate channels that tell a crop
@@ -89,12 +90,14 @@ class ViewConditionedDenoiser(nn.Module):
         super().__init__()
         if attention_levels and bool(attention_levels[0]):
             raise MedvolError(
-                f"`model.attention_levels` {list(attention_levels)} puts attention at level 0, where MONAI's transformer "
-                "block self-attends over every voxel; expected attention at the coarser levels only (e.g. "
+                f"`model.attention_levels` {list(attention_levels)} puts attention at level 0, where MONAI's "
+                "transformer block self-attends over every voxel; expected attention at the coarser levels only (e.g. "
                 "[false, false, true, true])"
             )
         self.cascaded = bool(cascaded)
-        self.encoder = ViewEncoder(num_views, (int(xray_size[0]), int(xray_size[1])), token_dim, tuple(encoder_channels))
+        self.encoder = ViewEncoder(
+            num_views, (int(xray_size[0]), int(xray_size[1])), token_dim, tuple(encoder_channels)
+        )
         self.unet = DiffusionModelUNet(
             spatial_dims=3,
             in_channels=1 + CONDITION_CHANNELS if self.cascaded else 1,
@@ -128,11 +131,14 @@ class ViewConditionedDenoiser(nn.Module):
 
 # What a stage's data fixes; every other argument of the denoiser is a setting of `model=xray2ct`.
 FROM_THE_STAGE = ("num_views", "xray_size", "cascaded")
-NETWORK_SETTINGS = tuple(name for name in inspect.signature(ViewConditionedDenoiser).parameters if name not in FROM_THE_STAGE)
+NETWORK_SETTINGS = tuple(
+    name for name in inspect.signature(ViewConditionedDenoiser).parameters if name not in FROM_THE_STAGE
+)
 
 
 def network_settings(hparams: Mapping[str, Any]) -> dict[str, Any]:
-    """The `ViewConditionedDenoiser` arguments of a stage, from its hyperparameters (the denoiser's defaults for any left out)."""
+    """The `ViewConditionedDenoiser` arguments of a stage, from its hyperparameters (the denoiser's defaults for
+    any left out)."""
     settings = {key: hparams[key] for key in NETWORK_SETTINGS if key in hparams}
     settings["num_views"] = len(hparams["views"])
     settings["xray_size"] = hparams["xray_size"]
@@ -142,7 +148,8 @@ def network_settings(hparams: Mapping[str, Any]) -> dict[str, Any]:
 
 @torch.no_grad()
 def load_from_previous_stage(network: ViewConditionedDenoiser, previous: ViewConditionedDenoiser) -> list[str]:
-    """Start `network` from `previous`'s weights; the new condition input channels (previous, coordinates) start at zero.
+    """Start `network` from `previous`'s weights; the new condition input channels (previous, coordinates) start
+    at zero.
 
     Returns the names of the tensors that could not be copied (shape mismatch other than the
     first convolution's input channels), which the caller reports.

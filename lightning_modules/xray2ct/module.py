@@ -25,22 +25,15 @@ recovered from the network's output, plus the base at a residual stage) with the
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
 
-from lightning_modules.diffusion.diffusion_module import (
-    Conditioning,
-    DiffusionModule,
-    SamplingPlan,
-    sampling_window_size,
-)
+from lightning_modules.diffusion.diffusion_module import Conditioning, DiffusionModule, SamplingPlan
 from lightning_modules.diffusion.prediction import check_prediction_type
 from lightning_modules.diffusion.samplers import SAMPLERS
 from lightning_modules.diffusion.schedule import NoiseSchedule
@@ -51,36 +44,22 @@ from lightning_modules.xray2ct.crops import coordinate_channels, random_crops
 from lightning_modules.xray2ct.denoiser import (
     NETWORK_SETTINGS,
     ViewConditionedDenoiser,
-    load_from_previous_stage,
     network_settings,
     zero_output,
 )
+from lightning_modules.xray2ct.earlier_stages import (
+    EarlierStage,
+    check_same_views,
+    read_stages,
+    rebuilt_stages,
+    start_from_stage,
+)
 from lightning_modules.xray2ct.physics import ProjectionLoss
+from lightning_modules.xray2ct.stage_settings import as_size, check_grids, check_stage, crop_of, window_of
 from medvol.core.errors import MedvolError
-
-log = logging.getLogger("medvol")
 
 # The diffusion core's settings where X-ray-to-CT's defaults differ from Fast-DDPM's.
 DIFFUSION_DEFAULTS = {"beta_schedule": "cosine", "prediction_type": "v", "timestep_spacing": "uniform"}
-
-
-def as_size(size: int | Sequence[int]) -> list[int]:
-    """A volume size as three ints (an int means a cube)."""
-    return [int(size)] * 3 if isinstance(size, int) else [int(s) for s in size]
-
-
-def crop_of(settings: dict[str, Any]) -> list[int]:
-    """The volume a stage's network trains on: its whole grid at stage 1, else `crop_size` (null: whole) within the grid."""
-    size = as_size(settings["size"])
-    crop = settings.get("crop_size")
-    if int(settings["stage"]) == 1 or crop is None:
-        return size
-    return [min(c, s) for c, s in zip(as_size(crop), size, strict=True)]
-
-
-def window_of(settings: dict[str, Any]) -> list[int]:
-    """The window a stage samples with: its `sampling_window`, by default the volume its network trained on."""
-    return list(sampling_window_size(settings.get("sampling_window")) or crop_of(settings))
 
 
 # The forward process and the walk a stage was sampled with, recorded in its checkpoint's hyperparameters; a cascade
@@ -131,46 +110,10 @@ def stage_plan(settings: dict[str, Any], source: str) -> tuple[SamplingPlan, flo
     return plan, noise
 
 
-def _container(value: Any) -> Any:
-    """A config node as plain Python (a checkpoint's or Hydra's lists and dicts); other values as they are."""
-    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
-
-
 def is_residual(settings: dict[str, Any]) -> bool:
     """Whether a stage diffuses the residual over its previous-stage input (stage >= 2 with `residual`; stages
     saved before the setting existed diffuse the CT itself)."""
     return int(settings["stage"]) > 1 and bool(settings.get("residual", False))
-
-
-def _frozen(settings: dict[str, Any]) -> ViewConditionedDenoiser:
-    """An earlier stage's network as its settings build it, in eval mode and without gradients."""
-    return ViewConditionedDenoiser(**network_settings(settings)).eval().requires_grad_(False)
-
-
-def _stage_weights(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The weights a stage sampled with: its EMA copy, or its trained network where it kept none (`ema_decay=null`)."""
-    prefix = "ema.module." if any(k.startswith("ema.module.") for k in state_dict) else "network."
-    return {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-
-
-def _load_stage(path: str) -> tuple[dict[str, Any], ViewConditionedDenoiser]:
-    """A finished stage's hyperparameters and the network it sampled with (EMA, else raw), from its checkpoint."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except FileNotFoundError:
-        raise MedvolError(f"`model.previous_stages`: {path} does not exist; expected a finished stage's best.ckpt") from None
-    hparams = dict(checkpoint.get("hyper_parameters", {}))
-    if "stage" not in hparams or "views" not in hparams:
-        raise MedvolError(f"`model.previous_stages`: {path} is not an X-ray-to-CT stage checkpoint")
-    network = _frozen(hparams)
-    try:
-        network.load_state_dict(_stage_weights(checkpoint["state_dict"]))
-    except RuntimeError:
-        raise MedvolError(
-            f"`model.previous_stages`: {path} does not hold the network its settings describe (stage {hparams['stage']}: "
-            "neither EMA weights `ema.module.*` nor raw weights `network.*` fit); expected a finished stage's best.ckpt"
-        ) from None
-    return hparams, network
 
 
 class XrayToCT(DiffusionModule):
@@ -234,79 +177,44 @@ class XrayToCT(DiffusionModule):
         diffusion = {key: value for key, value in settings.items() if key not in NETWORK_SETTINGS}
         super().__init__(**{**DIFFUSION_DEFAULTS, **diffusion})
         self.save_hyperparameters(logger=False, ignore=["optimizer", "scheduler"])
-        if int(stage) < 1:
-            raise MedvolError(f"`model.stage` must be >= 1, got {stage}")
-        restoring = previous_settings is not None
-        if restoring:
-            previous_settings = [_container(s) for s in _container(previous_settings)]
-            if len(previous_settings) != int(stage) - 1:
-                raise MedvolError(
-                    f"`model.previous_settings` holds {len(previous_settings)} earlier stage(s) for stage {stage}; "
-                    f"expected {int(stage) - 1}, as a stage's checkpoint records them"
-                )
-        elif len(previous_stages) != int(stage) - 1:
-            raise MedvolError(
-                f"`model.previous_stages` lists {len(previous_stages)} checkpoint(s) for stage {stage}; expected the best "
-                f"checkpoints of stages 1..{int(stage) - 1} (run the cascade with `experiment=xray2ct_cascade`)"
-            )
+        check_stage(stage, previous_stages, previous_settings, previous_sampling_noise)
         network = ViewConditionedDenoiser(**network_settings(self.hparams))
-        if any(s % network.downsampling for s in as_size(size)):
-            raise MedvolError(
-                f"stage {stage} volume size {as_size(size)} must divide by the network's downsampling "
-                f"{network.downsampling} (2 ** (len(model.channels) - 1)); change the stage's size"
-            )
-        if crop_size is not None and (len(as_size(crop_size)) != 3 or min(as_size(crop_size)) < 1):
-            raise MedvolError(f"`model.crop_size`: got {crop_size!r}; expected a crop size [D, H, W] of positive ints or null")
+        check_grids(dict(self.hparams), network.downsampling)
         self.crop = crop_of(dict(self.hparams))
         self.residual = is_residual(dict(self.hparams))
-        if any(c % network.downsampling for c in self.crop):
-            raise MedvolError(
-                f"stage {stage}: the training crop {self.crop} (`model.crop_size` within the volume {as_size(size)}) must "
-                f"divide by the network's downsampling {network.downsampling}; change `model.crop_size`"
-            )
-        window_size = window_of(dict(self.hparams))
-        if any(w % network.downsampling or w > s for w, s in zip(window_size, as_size(size), strict=True)):
-            raise MedvolError(
-                f"stage {stage}: `model.sampling_window` {list(window_size)} must divide by the network's downsampling "
-                f"{network.downsampling} and fit in the stage's volume {as_size(size)}"
-            )
+        restoring = previous_settings is not None
+        # A restored stage rebuilds its earlier stages from its own checkpoint, which also holds their weights.
+        earlier = rebuilt_stages(previous_settings) if restoring else read_stages(previous_stages)
+        self.hold_earlier_stages(earlier, views)
+        if init_from and not restoring:
+            start_from_stage(network, init_from, stage)
+        if self.residual:
+            # The residual starts at zero: what stage k-1's output layer learned predicts a whole CT, not a correction.
+            zero_output(network)
+        self.attach_network(network)
+        self.physics = ProjectionLoss(views, window, (-1.0, 1.0), mu_water)
+        body = {"window": tuple(float(w) for w in window)}
+        self.set_metrics(
+            5, physics_loss=MeanMetric(),
+            body_mae_hu=BodyMAE(**body), body_psnr=BodyPSNR(**body), body_ssim=BodySSIM(**body),
+        )
+
+    def hold_earlier_stages(self, earlier: list[EarlierStage], views: Sequence[str]) -> None:
+        """Hold each earlier stage frozen with its settings and its own sampling plan, once checked against this one."""
         self.previous = nn.ModuleList()
         self.previous_settings: list[dict[str, Any]] = []
         # Each earlier stage's own sampling plan and hand-off noise (not module state: rebuilt from its settings).
         self.previous_plans: list[tuple[SamplingPlan, float]] = []
-        if restoring:
-            # The weights come with the checkpoint's state dict.
-            earlier = [(s, _frozen(s), "this checkpoint") for s in previous_settings or []]
-        else:
-            earlier = [(*_load_stage(path), path) for path in previous_stages]
         for previous, previous_network, source in earlier:
-            if list(previous["views"]) != list(views):
-                raise MedvolError(
-                    f"`model.views` {list(views)} differ from the views {list(previous['views'])} of stage "
-                    f"{previous['stage']} ({source}); every stage sees the same radiographs"
-                )
+            check_same_views(views, previous, source)
             self.previous_plans.append(stage_plan(previous, source))
             self.previous.append(previous_network)
             self.previous_settings.append(previous)
         # Kept in the checkpoint (each without its own earlier stages' settings, which come before it here).
         self.hparams["previous_settings"] = [
-            {key: value for key, value in previous.items() if key != "previous_settings"} for previous in self.previous_settings
+            {key: value for key, value in previous.items() if key != "previous_settings"}
+            for previous in self.previous_settings
         ]
-        if init_from and not restoring:
-            _, source = _load_stage(init_from)
-            skipped = load_from_previous_stage(network, source)
-            log.info("stage %s starts from %s (%d tensors not carried over)", stage, init_from, len(skipped))
-        if self.residual:
-            # The residual starts at zero: what stage k-1's output layer learned predicts a whole CT, not a correction.
-            zero_output(network)
-        self.attach_network(network)
-        if not float(previous_sampling_noise) >= 0.0:
-            raise MedvolError(f"`model.previous_sampling_noise` must be a std >= 0, got {previous_sampling_noise}")
-        self.physics = ProjectionLoss(views, window, (-1.0, 1.0), mu_water)
-        body = {"window": tuple(float(w) for w in window)}
-        self.set_metrics(
-            5, physics_loss=MeanMetric(), body_mae_hu=BodyMAE(**body), body_psnr=BodyPSNR(**body), body_ssim=BodySSIM(**body)
-        )
 
     @classmethod
     def restoring_settings(cls, hyper_parameters: dict[str, Any]) -> dict[str, Any]:
@@ -331,8 +239,8 @@ class XrayToCT(DiffusionModule):
             )
         if list(x0.shape[2:]) != as_size(self.hparams.size):
             raise MedvolError(
-                f"stage {self.hparams.stage}: `model.size` is {as_size(self.hparams.size)} but the data gives volumes of "
-                f"{list(x0.shape[2:])}; set model.size to the dataset's volume size"
+                f"stage {self.hparams.stage}: `model.size` is {as_size(self.hparams.size)} but the data gives "
+                f"volumes of {list(x0.shape[2:])}; set model.size to the dataset's volume size"
             )
         if x0.shape[1] != 1:
             raise MedvolError(f"model=xray2ct generates one CT channel, got image shape {tuple(x0.shape)}")
@@ -459,10 +367,13 @@ class XrayToCT(DiffusionModule):
             self.log(name, metric, prog_bar=name == f"{prefix}psnr", batch_size=x0.shape[0])
         volumes: dict[str, torch.Tensor] = {}
         if self.previous_settings:
-            volumes["previous"] = F.interpolate(generated[f"stage{len(self.previous)}"], size=x0.shape[2:], mode="nearest")
+            previous = generated[f"stage{len(self.previous)}"]
+            volumes["previous"] = F.interpolate(previous, size=x0.shape[2:], mode="nearest")
         volumes.update({"ct": ct, "target": x0.detach()})
         # HU beyond the window is written as generated (the writer's `unclamped`).
-        return {"volumes": volumes, "difference": ("ct", "target"), "window": tuple(self.hparams.window), "unclamped": True}
+        return {
+            "volumes": volumes, "difference": ("ct", "target"), "window": tuple(self.hparams.window), "unclamped": True
+        }
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         return self._evaluate(batch, batch_idx, self.val_metrics)

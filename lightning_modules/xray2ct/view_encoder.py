@@ -21,12 +21,16 @@ class ViewEncoder(nn.Module):
         channels: channels of the strided stages (one halving each).
     """
 
-    def __init__(self, num_views: int, image_size: tuple[int, int], dim: int, channels: tuple[int, ...] = (16, 32, 64)) -> None:
+    def __init__(
+        self, num_views: int, image_size: tuple[int, int], dim: int, channels: tuple[int, ...] = (16, 32, 64)
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         previous = 1
         for width in channels:
-            layers += [nn.Conv2d(previous, width, 3, stride=2, padding=1), nn.GroupNorm(min(8, width), width), nn.SiLU()]
+            layers += [
+                nn.Conv2d(previous, width, 3, stride=2, padding=1), nn.GroupNorm(min(8, width), width), nn.SiLU()
+            ]
             previous = width
         layers.append(nn.Conv2d(previous, dim, 1))
         self.backbone = nn.Sequential(*layers)

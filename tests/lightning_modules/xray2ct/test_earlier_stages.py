@@ -1,0 +1,134 @@
+"""Earlier stages read from their checkpoints or rebuilt from recorded settings, checked against the stage that
+holds them, and a stage started from the weights of the one before it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from lightning_modules.xray2ct.denoiser import CONDITION_CHANNELS, ViewConditionedDenoiser, network_settings
+from lightning_modules.xray2ct.earlier_stages import (
+    check_same_views,
+    read_stage,
+    read_stages,
+    rebuilt_stages,
+    sampling_weights,
+    start_from_stage,
+)
+from medvol.core.errors import MedvolError
+
+STAGE_ONE = {
+    "stage": 1, "views": ["ap", "lateral"], "xray_size": [16, 16], "channels": [8, 16],
+    "attention_levels": [False, True], "num_head_channels": 8, "encoder_channels": [8, 16], "token_dim": 16,
+}
+
+
+def _random_weights(seed: int) -> dict[str, torch.Tensor]:
+    """A stage-one network's state dict with every tensor drawn at random."""
+    torch.manual_seed(seed)
+    network = ViewConditionedDenoiser(**network_settings(STAGE_ONE))
+    return {k: torch.randn_like(v) for k, v in network.state_dict().items()}
+
+
+def _save(path, state_dict: dict[str, torch.Tensor], hparams: dict | None = None) -> str:
+    torch.save({"hyper_parameters": STAGE_ONE if hparams is None else hparams, "state_dict": state_dict}, path)
+    return str(path)
+
+
+def _prefixed(prefix: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {prefix + k: v for k, v in weights.items()}
+
+
+def _refusal(check, *args) -> str:
+    with pytest.raises(MedvolError) as caught:
+        check(*args)
+    assert "\n" not in str(caught.value)
+    return str(caught.value)
+
+
+def test_a_stage_samples_with_its_ema_weights_and_without_them_with_its_trained_ones():
+    ema, raw, other = torch.ones(2), torch.zeros(2), torch.full((2,), 5.0)
+    both = {"ema.module.w": ema, "network.w": raw, "physics.w": other}
+    assert sampling_weights(both) == {"w": ema}
+    assert sampling_weights({"network.w": raw, "physics.w": other}) == {"w": raw}
+
+
+def test_a_stage_with_ema_hands_off_its_ema_network_frozen(tmp_path):
+    ema, raw = _random_weights(1), _random_weights(2)
+    path = _save(tmp_path / "stage1.ckpt", {**_prefixed("ema.module.", ema), **_prefixed("network.", raw)})
+    settings, network = read_stage(path)
+    assert settings == STAGE_ONE
+    assert not network.training and not any(p.requires_grad for p in network.parameters())
+    for name, tensor in network.state_dict().items():
+        assert torch.equal(tensor, ema[name]), name
+
+
+def test_a_stage_without_ema_hands_off_its_raw_weights(tmp_path):
+    raw = _random_weights(3)
+    [(settings, network, source)] = read_stages([_save(tmp_path / "stage1.ckpt", _prefixed("network.", raw))])
+    assert source == str(tmp_path / "stage1.ckpt")
+    for name, tensor in network.state_dict().items():
+        assert torch.equal(tensor, raw[name]), name
+
+
+def test_a_missing_checkpoint_is_refused_naming_the_file(tmp_path):
+    missing = str(tmp_path / "stage1" / "best.ckpt")
+    assert _refusal(read_stage, missing) == (
+        f"`model.previous_stages`: {missing} does not exist; expected a finished stage's best.ckpt"
+    )
+
+
+@pytest.mark.parametrize("hparams", [{"n_codes": 512}, {"stage": 1, "size": 16}])
+def test_a_checkpoint_of_another_model_is_refused(tmp_path, hparams):
+    # A VQ-GAN's, and a staged model's without radiograph views.
+    path = _save(tmp_path / "other.ckpt", {}, hparams)
+    assert _refusal(read_stage, path) == f"`model.previous_stages`: {path} is not an X-ray-to-CT stage checkpoint"
+
+
+def test_a_checkpoint_whose_weights_are_not_its_settings_network_is_refused(tmp_path):
+    path = _save(tmp_path / "stage1.ckpt", _prefixed("network.", _random_weights(4)), {**STAGE_ONE, "token_dim": 32})
+    assert _refusal(read_stage, path) == (
+        f"`model.previous_stages`: {path} does not hold the network its settings describe (stage 1: neither EMA "
+        "weights `ema.module.*` nor raw weights `network.*` fit); expected a finished stage's best.ckpt"
+    )
+
+
+def test_recorded_stages_are_rebuilt_as_plain_settings_and_frozen_networks_from_this_checkpoint():
+    recorded = OmegaConf.create([STAGE_ONE, {**STAGE_ONE, "stage": 2}])
+    stages = rebuilt_stages(recorded)
+    assert [settings for settings, _, _ in stages] == [STAGE_ONE, {**STAGE_ONE, "stage": 2}]
+    assert all(type(settings) is dict and type(settings["views"]) is list for settings, _, _ in stages)
+    assert [source for _, _, source in stages] == ["this checkpoint"] * 2
+    # Stage 2 takes the previous stage and the three coordinates before x_t.
+    assert [network.unet.conv_in.conv.in_channels for _, network, _ in stages] == [1, 5]
+    for _, network, _ in stages:
+        assert not network.training and not any(p.requires_grad for p in network.parameters())
+
+
+def test_an_earlier_stage_that_saw_other_views_is_refused():
+    check_same_views(("ap", "lateral"), STAGE_ONE, "stage1.ckpt")
+    assert _refusal(check_same_views, ["ap"], STAGE_ONE, "stage1.ckpt") == (
+        "`model.views` ['ap'] differ from the views ['ap', 'lateral'] of stage 1 (stage1.ckpt); every stage sees "
+        "the same radiographs"
+    )
+
+
+def test_stage_two_starts_from_stage_one_with_its_condition_channels_at_zero(tmp_path, caplog):
+    raw = _random_weights(5)
+    path = _save(tmp_path / "stage1.ckpt", _prefixed("network.", raw))
+    network = ViewConditionedDenoiser(**network_settings({**STAGE_ONE, "stage": 2}))
+    with caplog.at_level(logging.INFO, logger="medvol"):
+        start_from_stage(network, path, 2)
+    first = "unet.conv_in.conv.weight"
+    for name, tensor in network.state_dict().items():
+        if name != first:
+            assert torch.equal(tensor, raw[name]), name
+    weight = network.state_dict()[first]
+    # Inputs are [previous, z, y, x, x_t]: x_t's filters are stage one's, the condition's start at zero.
+    assert weight.shape[1] == 1 + CONDITION_CHANNELS
+    assert torch.equal(weight[:, -1:], raw[first])
+    assert not weight[:, :-1].any()
+    assert f"stage 2 starts from {path} (0 tensors not carried over)" in caplog.messages
