@@ -18,8 +18,8 @@ import callbacks.telemetry as telemetry_module
 from datamodules.pipeline.volume_datamodule import Record
 from datamodules.sources.synthetic import SyntheticDataModule
 from medvol.run.training import run
-from tests.test_ddp_correctness import REGRESSOR, TINY_DATA
-from tests.test_ddp_support import explain, train_cli
+from tests.ddp_support import explain, train_cli
+from tests.medvol.run.test_ddp_correctness import REGRESSOR, TINY_DATA
 
 DELAY_SECONDS = 1.0
 
@@ -65,7 +65,7 @@ def _train(
 ) -> tuple[dict[str, Any], list[str]]:
     # Discriminators off: a cheaper step, so the test is about the loader.
     cfg = tiny_cfg(
-        f"dataset._target_=tests.test_telemetry.{source}", f"dataset.num_subjects={subjects}",
+        f"dataset._target_=tests.callbacks.test_telemetry.{source}", f"dataset.num_subjects={subjects}",
         "model.discriminator_iter_start=100", *extra,
     )
     caplog.clear()
@@ -101,7 +101,7 @@ def test_data_wait_is_near_one_for_a_slow_loader_and_warns_with_the_remedies(tin
 
 def test_data_wait_is_near_zero_for_a_cached_loader_and_nothing_is_warned(tiny_cfg, caplog):
     telemetry, warnings = _train(
-        tiny_cfg, "CachedPhantoms", 16, caplog, "+callbacks.slow_step._target_=tests.test_telemetry.SlowStep"
+        tiny_cfg, "CachedPhantoms", 16, caplog, "+callbacks.slow_step._target_=tests.callbacks.test_telemetry.SlowStep"
     )
     assert telemetry["data_wait_fraction"] < 0.1
     assert telemetry["steps"] == 5
@@ -138,7 +138,7 @@ def test_samples_per_second_on_two_gloo_ranks_counts_both_ranks_batches(tmp_path
     result = train_cli([
         *TINY_DATA, *REGRESSOR, "strategy=ddp", "trainer.devices=2", "dataset.batch_size=2",
         "dataset.num_subjects=16", "dataset.val_fraction=0.25", "dataset.test_fraction=0", "trainer.max_epochs=2",
-        "+callbacks.clock._target_=tests.test_telemetry.ScriptedClock", f"hydra.run.dir={tmp_path / 'run'}",
+        "+callbacks.clock._target_=tests.callbacks.test_telemetry.ScriptedClock", f"hydra.run.dir={tmp_path / 'run'}",
     ], cwd=tmp_path, tiny=False)
     assert result.returncode == 0, explain(result)
     split = json.loads((tmp_path / "run" / "split.json").read_text())

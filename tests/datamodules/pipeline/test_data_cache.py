@@ -25,7 +25,7 @@ from datamodules.sources.nifti import NiftiDataModule
 from medvol.core.errors import MedvolError
 from medvol.run.training import run
 from tests.conftest import ROOT
-from tests.test_data_layouts import TINY_MODEL, data_cfg
+from tests.datamodules.sources.test_data_layouts import TINY_MODEL, data_cfg
 
 
 def _datamodule(root: Path, **kwargs) -> NiftiDataModule:

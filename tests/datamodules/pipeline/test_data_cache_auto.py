@@ -28,7 +28,7 @@ from datamodules.sources.patches import PatchesDataModule
 from datamodules.sources.synthetic import SyntheticDataModule
 from datamodules.sources.xray_ct import XrayCtDataModule
 from medvol.core.errors import MedvolError
-from tests.test_data_cache import _datamodule
+from tests.datamodules.pipeline.test_data_cache import _datamodule
 from tests.test_refusals import FAST, _cli, _one_error_line
 
 GIB = 2**30

@@ -1,6 +1,6 @@
 """Where `dataset.gpu_transforms=true` sends items, decided without a GPU: the device of the transform, not of a tensor.
 
-The tests in `tests/test_gpu.py` and `tests/test_data_cache.py` fetch real batches on a CUDA machine;
+The tests in `tests/test_gpu.py` and `tests/datamodules/pipeline/test_data_cache.py` fetch real batches on a CUDA machine;
 these check the same decision on any machine, from a stand-in Trainer whose root device is a GPU.
 """
 

@@ -22,8 +22,8 @@ from medvol.core.build import build, build_model
 from medvol.core.errors import MedvolError
 from medvol.run.training import run
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
-from tests.test_ddp_support import explain, train_cli
-from tests.test_windowed_sampling import ConvDenoiser, _fast_ddpm
+from tests.ddp_support import explain, train_cli
+from tests.lightning_modules.diffusion.test_windowed_sampling import ConvDenoiser, _fast_ddpm
 
 TINY_DDPM = ["model=ddpm", "logger=csv"]
 
@@ -224,8 +224,8 @@ def test_two_gloo_ranks_validate_like_one(tmp_path: Path):
     # noise and metrics synced over 3 validation subjects split 2 + 1.
     args = [*TINY_COMMON, *TINY_MODEL["ddpm"], *TINY_DDPM, "dataset.num_subjects=12", "dataset.val_fraction=0.25",
             "dataset.test_fraction=0", "trainer.limit_train_batches=2", "model.optimizer.lr=0", "model.ema_decay=null",
-            "model.network._target_=tests.test_ddpm.unet_with_live_output",
-            "+callbacks.rank_recorder._target_=tests.test_ddp_support.RankRecorder"]
+            "model.network._target_=tests.lightning_modules.diffusion.test_ddpm.unet_with_live_output",
+            "+callbacks.rank_recorder._target_=tests.ddp_support.RankRecorder"]
     ddp = train_cli([*args, f"+callbacks.rank_recorder.directory={tmp_path / 'ranks'}", "strategy=ddp",
                      "trainer.devices=2", "dataset.batch_size=1", f"hydra.run.dir={tmp_path / 'ddp'}"], cwd=tmp_path, tiny=False)
     assert ddp.returncode == 0, explain(ddp)

@@ -23,7 +23,7 @@ from lightning_modules.diffusion.timesteps import (
     uniform_set,
 )
 from medvol.core.errors import MedvolError
-from tests.test_windowed_sampling import _fast_ddpm
+from tests.lightning_modules.diffusion.test_windowed_sampling import _fast_ddpm
 
 
 def test_non_uniform_set_for_ten_steps_is_the_papers():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_modules.diffusion.subject_noise import SubjectNoise, subject_names
-from tests.test_windowed_sampling import _fast_ddpm, _live_xray_stage
+from tests.lightning_modules.diffusion.test_windowed_sampling import _fast_ddpm, _live_xray_stage
 
 SHAPE = (1, 4, 4, 4)
 

@@ -192,8 +192,8 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_two_gloo_ranks_train_and_evaluate_as_one_process(tmp_path):
     from tests.conftest import TINY_COMMON, TINY_MODEL
-    from tests.test_ddp_correctness import recorder
-    from tests.test_ddp_support import explain, train_cli
+    from tests.ddp_support import explain, train_cli
+    from tests.medvol.run.test_ddp_correctness import recorder
 
     # 15 subjects: 5 validation and 5 test subjects split 3 + 2 over the ranks, so a padding duplicate would show.
     common = [

@@ -25,8 +25,8 @@ from medvol.core.errors import MedvolError
 from medvol.run.predicting import predict
 from medvol.run.training import check_config, run
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
-from tests.test_ddp_support import explain, train_cli
-from tests.test_predict import predict_cfg, saved_run
+from tests.ddp_support import explain, train_cli
+from tests.medvol.run.test_predict import predict_cfg, saved_run
 
 TINY_VQGAN = {"n_hiddens": 8, "n_codes": 32, "embedding_dim": 4, "disc_channels": 8, "disc_layers": 2}
 TINY_UNET = partial(
@@ -307,8 +307,8 @@ def test_two_gloo_ranks_give_the_metrics_and_scale_factor_of_one(vqgan_ckpt, tmp
             "dataset.num_subjects=12", "dataset.val_fraction=0.34", "dataset.test_fraction=0",
             "trainer.limit_train_batches=2", "model.optimizer.lr=0", "model.ema_decay=null", "logger=none",
             "callbacks.volume_slices=null", "optimized_metric=val/loss", "optimized_mode=min",
-            "model.network._target_=tests.test_ddpm.unet_with_live_output",
-            "+callbacks.rank_recorder._target_=tests.test_ddp_support.RankRecorder"]
+            "model.network._target_=tests.lightning_modules.diffusion.test_ddpm.unet_with_live_output",
+            "+callbacks.rank_recorder._target_=tests.ddp_support.RankRecorder"]
     ddp = train_cli([*args, f"+callbacks.rank_recorder.directory={tmp_path / 'ranks'}", "strategy=ddp",
                      "trainer.devices=2", "dataset.batch_size=1", f"hydra.run.dir={tmp_path / 'ddp'}"], cwd=tmp_path, tiny=False)
     assert ddp.returncode == 0, explain(ddp)

@@ -20,10 +20,16 @@ from lightning_modules.segmentation.subject_scores import SubjectScores, subject
 from medvol.core.errors import MedvolError
 from medvol.run.training import run
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
-from tests.test_ddp_correctness import recorder
-from tests.test_ddp_support import explain, train_cli
-from tests.test_source_grid import SHAPE, write_brats_lps
-from tests.test_volume_geometry import ROI, VOLUME_SHAPE, PositionDependent, gaussian_weights, hand_blend
+from tests.ddp_support import explain, train_cli
+from tests.medvol.run.test_ddp_correctness import recorder
+from tests.medvol.volumes.test_source_grid import SHAPE, write_brats_lps
+from tests.medvol.volumes.test_volume_geometry import (
+    ROI,
+    VOLUME_SHAPE,
+    PositionDependent,
+    gaussian_weights,
+    hand_blend,
+)
 
 # The shared tiny settings for a file dataset: no synthetic dataset keys.
 TINY_FILES = [o for o in [*TINY_COMMON, *TINY_MODEL["segmentation"]] if not o.startswith("dataset.")]

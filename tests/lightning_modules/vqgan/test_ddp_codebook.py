@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.test_ddp_support import explain, train_cli
+from tests.ddp_support import explain, train_cli
 
 
 def test_both_ranks_hold_the_same_codebook_after_data_initialisation_and_restarts(tmp_path):
@@ -16,7 +16,7 @@ def test_both_ranks_hold_the_same_codebook_after_data_initialisation_and_restart
             # The real codebook: initialised from each rank's own encoder outputs unless broadcast;
             # every code below one use restarts on every step, so restarts happen until the end.
             "model.random_restart=true", "model.restart_threshold=1.0", "model.n_codes=32",
-            "+callbacks.codebook._target_=tests.test_ddp_support.CodebookRecorder",
+            "+callbacks.codebook._target_=tests.ddp_support.CodebookRecorder",
             f"+callbacks.codebook.directory={records}", f"hydra.run.dir={tmp_path / 'run'}",
         ],
         cwd=tmp_path,

@@ -170,7 +170,7 @@ def test_commitment_loss_pulls_the_encoder_output_towards_its_code():
 def test_accumulating_two_batches_of_one_steps_like_one_batch_of_two(tmp_path):
     # A fixed codebook (decay 1, no restarts) and no discriminators: the step depends on the batch only.
     common = [
-        "model._target_=tests.test_ddp_support.PreinitialisedVQGAN", "model.random_restart=false",
+        "model._target_=tests.ddp_support.PreinitialisedVQGAN", "model.random_restart=false",
         "model.codebook_decay=1.0", "model.discriminator_iter_start=1000", "model.optimizer._target_=torch.optim.SGD",
         "~model.optimizer.betas", "model.optimizer.lr=0.5", "trainer.limit_val_batches=0", "callbacks.volume_slices=null",
     ]

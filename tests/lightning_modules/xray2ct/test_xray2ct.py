@@ -21,7 +21,7 @@ from medvol.run.predicting import predict
 from medvol.run.radiographs import model_views, view_geometry
 from medvol.run.training import run
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
-from tests.test_predict import predict_cfg
+from tests.medvol.run.test_predict import predict_cfg
 
 # Two tiny stages (8^3 -> 16^3), 16 px views, a 2-level UNet, 4 Fast-DDPM steps.
 TINY_CASCADE = [

@@ -10,7 +10,7 @@ from lightning_modules.xray2ct.crops import coordinate_channels, random_crops
 from lightning_modules.xray2ct.denoiser import ViewConditionedDenoiser
 from lightning_modules.xray2ct.module import XrayToCT
 from medvol.core.errors import MedvolError
-from tests.test_windowed_sampling import TINY_XRAY, _xray_stage_two
+from tests.lightning_modules.diffusion.test_windowed_sampling import TINY_XRAY, _xray_stage_two
 
 GRID = (12, 16, 20)
 

@@ -17,7 +17,7 @@ from lightning_modules.xray2ct.module import XrayToCT
 from lightning_modules.xray2ct.physics import ProjectionLoss
 from medvol.core.errors import MedvolError
 from medvol.volumes.prediction_writer import PredictionWriter
-from tests.test_windowed_sampling import TINY_XRAY, _live_xray_stage
+from tests.lightning_modules.diffusion.test_windowed_sampling import TINY_XRAY, _live_xray_stage
 
 
 def _save(module: XrayToCT, path) -> str:

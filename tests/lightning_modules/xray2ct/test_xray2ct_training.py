@@ -13,7 +13,11 @@ from torch import nn
 
 from lightning_modules.diffusion.subject_noise import SubjectNoise
 from lightning_modules.xray2ct.module import XrayToCT
-from tests.test_windowed_sampling import TINY_XRAY, _live_xray_stage, _xray_stage_two
+from tests.lightning_modules.diffusion.test_windowed_sampling import (
+    TINY_XRAY,
+    _live_xray_stage,
+    _xray_stage_two,
+)
 
 
 class FixedOutput(nn.Module):

@@ -19,7 +19,7 @@ from medvol.core.errors import MedvolError
 from medvol.run.data_check import main as check_main
 from medvol.run.training import run
 from tests.conftest import ROOT
-from tests.test_data_layouts import data_cfg
+from tests.datamodules.sources.test_data_layouts import data_cfg
 
 
 def _case(root: Path, i: int, suffix: str) -> Path:

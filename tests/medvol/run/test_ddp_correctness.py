@@ -17,7 +17,7 @@ import torch
 
 from medvol.run.training import run
 from tests.conftest import TINY, compose_cfg
-from tests.test_ddp_support import explain, train_cli
+from tests.ddp_support import explain, train_cli
 
 # 13 subjects: 7 train (odd: 4 + 3 without drop_last, so uneven ranks are exercised), 3 val, 3 test.
 DATA = [
@@ -31,7 +31,7 @@ DATA = [
     "dataset.cache=none",
 ]
 VQGAN = [
-    "model._target_=tests.test_ddp_support.PreinitialisedVQGAN",
+    "model._target_=tests.ddp_support.PreinitialisedVQGAN",
     "model.random_restart=false",
     # Slice choice is random per rank; with the slice discriminator off the steps are deterministic.
     "model.image_gan_weight=0",
@@ -42,7 +42,7 @@ VQGAN = [
 ]
 REGRESSOR = [
     "~model",
-    "+model={_target_:tests.test_ddp_support.TinyRegressor,lr:0.1}",
+    "+model={_target_:tests.ddp_support.TinyRegressor,lr:0.1}",
     "optimized_metric=val/loss",
     "optimized_mode=min",
     "callbacks.volume_slices=null",
@@ -54,7 +54,7 @@ DDP = ["strategy=ddp", "trainer.devices=2", "trainer.sync_batchnorm=true", "data
 
 def recorder(directory: Path) -> list[str]:
     return [
-        "+callbacks.rank_recorder._target_=tests.test_ddp_support.RankRecorder",
+        "+callbacks.rank_recorder._target_=tests.ddp_support.RankRecorder",
         f"+callbacks.rank_recorder.directory={directory}",
     ]
 
@@ -86,7 +86,7 @@ def vqgan_runs(tmp_path_factory):
     saves = base / "saves.txt"
     ddp = train_cli(
         [*DATA, *VQGAN, *DDP, *recorder(base / "ranks"),
-         "+strategy.checkpoint_io._target_=tests.test_ddp_support.RecordingCheckpointIO",
+         "+strategy.checkpoint_io._target_=tests.ddp_support.RecordingCheckpointIO",
          f"+strategy.checkpoint_io.log_file={saves}", f"hydra.run.dir={base / 'ddp'}"],
         cwd=base,
     )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_ddp_support import explain, train_cli
+from tests.ddp_support import explain, train_cli
 
 # Far above the failure path (the watchdog's grace is 10 s) and far below a gloo timeout (30 min).
 FAILURE_TIMEOUT = 60
@@ -37,9 +37,9 @@ def test_a_raising_rank_stops_all_ranks(tmp_path, failing_rank):
             "trainer.devices=2",
             "dataset.batch_size=1",
             "dataset.val_fraction=0.25",
-            "+callbacks.fail._target_=tests.test_ddp_support.RaiseOnRank",
+            "+callbacks.fail._target_=tests.ddp_support.RaiseOnRank",
             f"+callbacks.fail.rank={failing_rank}",
-            "+callbacks.ranks._target_=tests.test_ddp_support.RankRecorder",
+            "+callbacks.ranks._target_=tests.ddp_support.RankRecorder",
             f"+callbacks.ranks.directory={ranks}",
             f"hydra.run.dir={tmp_path / 'run'}",
         ],

@@ -6,8 +6,8 @@ import pytest
 
 from medvol.run.training import run
 from tests.conftest import compose_cfg
-from tests.test_ddp_correctness import DDP, TINY_DATA, assert_same_weights, weights
-from tests.test_ddp_support import explain, train_cli
+from tests.ddp_support import explain, train_cli
+from tests.medvol.run.test_ddp_correctness import DDP, TINY_DATA, assert_same_weights, weights
 
 # cache=none: every rank samples the whole split, so the 2-rank global batches are the single process's.
 DATA = [
@@ -18,7 +18,7 @@ DATA = [
 
 def regressor(name: str) -> list[str]:
     return [
-        "~model", f"+model={{_target_:tests.test_ddp_support.{name},lr:0.1}}",
+        "~model", f"+model={{_target_:tests.ddp_support.{name},lr:0.1}}",
         "optimized_metric=val/loss", "optimized_mode=min", "callbacks.volume_slices=null",
     ]
 

@@ -16,7 +16,7 @@ from medvol.run.batch_arithmetic import scale_learning_rates
 from medvol.run.launch import free_port
 from medvol.run.training import run
 from medvol.run.world import World, check_strategy, plan_world
-from tests.test_ddp_support import explain, train_cli
+from tests.ddp_support import explain, train_cli
 
 SMALL = ["dataset.batch_size=1", "dataset.val_fraction=0.25", "callbacks.volume_slices=null"]
 

@@ -23,7 +23,7 @@ from medvol.volumes.dicom_io import is_dicom_file, read_series
 from medvol.volumes.prediction_writer import PredictionWriter
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
 from tests.dicom_series import PATIENT, oblique_orientation, write_series
-from tests.test_predict import predict_cfg, saved_run
+from tests.medvol.run.test_predict import predict_cfg, saved_run
 
 SHAPE = (22, 13, 18)
 

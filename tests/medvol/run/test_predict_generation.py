@@ -14,8 +14,8 @@ from datamodules.sources.phantom import make_phantom, phantom_affine
 from medvol.core.errors import MedvolError
 from medvol.run.predicting import predict
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
-from tests.test_predict import predict_cfg, saved_run
-from tests.test_source_grid import LPS_AFFINE, SHAPE, write_brats_lps
+from tests.medvol.run.test_predict import predict_cfg, saved_run
+from tests.medvol.volumes.test_source_grid import LPS_AFFINE, SHAPE, write_brats_lps
 
 SUBJECTS = 8
 

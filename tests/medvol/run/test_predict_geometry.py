@@ -18,7 +18,7 @@ from medvol.run.predict_inputs import file_dataset
 from medvol.run.predicting import predict
 from medvol.volumes.source_grid import to_source_grid
 from tests.conftest import compose_cfg
-from tests.test_predict import predict_cfg, saved_run
+from tests.medvol.run.test_predict import predict_cfg, saved_run
 
 
 def rotation(degrees_z: float, degrees_x: float) -> np.ndarray:

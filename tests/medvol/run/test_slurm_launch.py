@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.conftest import ROOT
-from tests.test_ddp_support import RUN_TIMEOUT, explain, train_cli
+from tests.ddp_support import RUN_TIMEOUT, explain, train_cli
 
 
 def _cluster_up() -> bool:

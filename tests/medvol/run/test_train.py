@@ -21,7 +21,7 @@ from lightning_modules.vqgan.vqgan import VQGAN
 from medvol.core.errors import MedvolError
 from medvol.run.training import run
 from tests.conftest import CONF_DIR, ROOT, TINY, compose_cfg
-from tests.test_ldm import TINY_VQGAN, save_checkpoint
+from tests.lightning_modules.ldm.test_ldm import TINY_VQGAN, save_checkpoint
 
 MODELS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
 

@@ -24,7 +24,7 @@ from medvol.run.training import run
 from medvol.volumes.plan import DataFingerprint, activation_bytes, background_values, make_plan, topology
 from medvol.volumes.sliding_window import SlidingWindow
 from tests.conftest import compose_cfg
-from tests.test_predict import predict_cfg, saved_run
+from tests.medvol.run.test_predict import predict_cfg, saved_run
 
 # Per subject a different voxel size (mm), so the median differs from the mean on every axis.
 SPACINGS = [(1.0, 1.0, 3.0), (1.2, 0.9, 5.0), (0.8, 1.1, 2.5), (1.0, 1.4, 6.0), (1.5, 1.0, 4.0), (0.9, 0.8, 3.5)]
