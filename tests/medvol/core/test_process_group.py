@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch.distributed as dist
 
 import medvol.core.process_group as process_group
@@ -12,7 +15,17 @@ ONE_RANK_DDP = ["strategy=ddp", "trainer.devices=1", "trainer.max_epochs=1", "tr
                 "trainer.limit_val_batches=1", "callbacks.volume_slices=null"]
 
 
-def test_a_successful_ddp_run_destroys_its_process_group_at_exit(tiny_cfg, monkeypatch):
+@pytest.fixture
+def environment_restored():
+    """A DDP run in this process leaves Lightning's rank variables (LOCAL_RANK, ...) in `os.environ`; tests after it
+    would take this process for a rank a launcher started."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_a_successful_ddp_run_destroys_its_process_group_at_exit(tiny_cfg, monkeypatch, environment_restored):
     handlers = []
     monkeypatch.setattr(process_group.atexit, "register", handlers.append)
     monkeypatch.setitem(process_group._state, "registered", False)
