@@ -47,7 +47,8 @@ def train_cli(
 
 
 def explain(result: subprocess.CompletedProcess) -> str:
-    return f"exit {result.returncode}\n--- stdout (end)\n{result.stdout[-4000:]}\n--- stderr (end)\n{result.stderr[-6000:]}"
+    return (f"exit {result.returncode}\n--- stdout (end)\n{result.stdout[-4000:]}"
+            f"\n--- stderr (end)\n{result.stderr[-6000:]}")
 
 
 class PreinitialisedVQGAN(VQGAN):
@@ -108,13 +109,15 @@ class TinyRegressor(MedvolModule):
 
 
 class RankRecorder(pl.Callback):
-    """Writes `<dir>/rank<r>.json`: this rank's pid, the subjects of its training batches and its validation/test metrics."""
+    """Writes `<dir>/rank<r>.json`: this rank's pid, the subjects of its training batches and its validation/test
+    metrics."""
 
     def __init__(self, directory: str) -> None:
         self.path = Path(directory)
         self.record: dict[str, Any] = {"pid": os.getpid(), "train_subjects": []}
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         if isinstance(batch, dict) and "subject" in batch:
             self.record["train_subjects"].append([str(s) for s in batch["subject"]])
 
@@ -141,7 +144,8 @@ class RaiseOnRank(pl.Callback):
         self.rank = rank
         self.batch = batch
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
         if trainer.global_rank == self.rank and batch_idx == self.batch:
             raise RuntimeError(f"injected failure on rank {self.rank}")
 

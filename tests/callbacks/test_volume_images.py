@@ -55,7 +55,8 @@ def test_planes_are_named_by_anatomy_and_shown_in_radiological_view(case):
     planes = {p.name: p for p in mid_planes(to_array(_ras_volume()), _affine(columns))}
     axial, coronal, sagittal = planes["axial"], planes["coronal"], planes["sagittal"]
     # Rows top -> bottom, columns left -> right, whatever the array order on disk.
-    assert (axial.top, axial.left, coronal.top, coronal.left, sagittal.top, sagittal.left) == ("A", "R", "S", "R", "S", "A")
+    assert (axial.top, axial.left, coronal.top, coronal.left, sagittal.top, sagittal.left) == ("A", "R", "S", "R", "S",
+                                                                                               "A")
     assert axial.image.shape == (A_P, R_L) and coronal.image.shape == (I_S, R_L) and sagittal.image.shape == (I_S, A_P)
     # Patient's right on the image's left, anterior / superior at the top.
     assert axial.image[0, 0] == 1.0 and axial.image[-1, -1] == 0.0
@@ -127,7 +128,8 @@ def test_images_scalars_and_checkpoints_share_one_step_and_hparams_name_the_opti
     psnr_steps = [e.step for e in events.Scalars("val/psnr")]
     image_steps = [e.step for e in events.Images(TAG)]
     assert len(psnr_steps) == 2 and image_steps == psnr_steps
-    checkpoint_steps = {int(m.group(1)) for p in (tmp_path / "checkpoints").iterdir() if (m := re.search(r"step(\d+)", p.name))}
+    checkpoint_steps = {int(m.group(1)) for p in (tmp_path / "checkpoints").iterdir() if (m := re.search(r"step(\d+)",
+                                                                                                         p.name))}
     assert checkpoint_steps and checkpoint_steps <= set(psnr_steps)
     train_steps = [e.step for e in events.Scalars("train/recon_loss_step")]
     assert max(train_steps) < max(psnr_steps) + 1 and len(set(train_steps)) == len(train_steps)

@@ -1,4 +1,5 @@
-"""Caching: partitioned per rank (every subject cached exactly once, equal steps), same items as uncached, smart lifecycle."""
+"""Caching: partitioned per rank (every subject cached exactly once, equal steps), same items as uncached, smart
+lifecycle."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ from tests.datamodules.sources.test_data_layouts import TINY_MODEL, data_cfg
 
 def _datamodule(root: Path, **kwargs) -> NiftiDataModule:
     settings = {
-        "root": str(root), "image_modalities": ["ct"], "transforms": {"spatial_size": [12, 12, 12], "intensity": "window"},
+        "root": str(root), "image_modalities": ["ct"],
+        "transforms": {"spatial_size": [12, 12, 12], "intensity": "window"},
         "num_workers": 0, "val_fraction": 0.2, "test_fraction": 0.1, **kwargs,
     }
     return NiftiDataModule(**settings)
@@ -83,13 +85,15 @@ def test_cached_items_equal_uncached_ones(volumes, tmp_path, mode):
     for stage in ("val", "test"):
         for i in range(len(plain.datasets[stage])):
             a, b = plain.datasets[stage][i], cached.datasets[stage][i]
-            assert a["subject"] == b["subject"] and torch.equal(a["image"], b["image"]) and torch.equal(a["affine"], b["affine"])
+            assert a["subject"] == b["subject"] and torch.equal(a["image"], b["image"]) and torch.equal(a["affine"],
+                                                                                                        b["affine"])
     if mode == "disk":
         assert len(list((tmp_path / "cache").glob("*/val/*.pt"))) == len(plain.datasets["val"])
 
 
 def test_smart_cache_replaces_items_between_epochs(volumes):
-    datamodule = _datamodule(volumes, cache="smart", cache_rate=0.5, replace_rate=0.5, val_fraction=0.1, test_fraction=0.0)
+    datamodule = _datamodule(volumes, cache="smart", cache_rate=0.5, replace_rate=0.5, val_fraction=0.1,
+                             test_fraction=0.0)
     datamodule.setup()
     smart = find_smart_cache(datamodule.datasets["train"])
     assert smart is not None and len(datamodule.datasets["train"]) == smart.cache_num == 5
@@ -103,7 +107,8 @@ def test_smart_cache_replaces_items_between_epochs(volumes):
 
 
 def test_smart_cache_refuses_persistent_workers(volumes):
-    with pytest.raises(MedvolError, match="`dataset.cache=smart` cannot be combined with `dataset.persistent_workers=true`"):
+    with pytest.raises(MedvolError,
+                       match="`dataset.cache=smart` cannot be combined with `dataset.persistent_workers=true`"):
         _datamodule(volumes, cache="smart", num_workers=2, persistent_workers=True)
     with pytest.raises(MedvolError, match="`dataset.cache=disk` needs `dataset.cache_dir`"):
         _datamodule(volumes, cache="disk")
@@ -194,7 +199,8 @@ def test_each_loader_worker_draws_its_own_random_transforms(tmp_path):
     for folder in sorted(root.iterdir())[1:]:
         (folder / "ct.nii.gz").write_bytes((root / "sub-000" / "ct.nii.gz").read_bytes())
     transforms = {"spatial_size": [12, 12, 12], "intensity": "window", "flip_prob": 0.5}
-    datamodule = _datamodule(root, transforms=transforms, num_workers=2, batch_size=1, val_fraction=0.1, test_fraction=0.1)
+    datamodule = _datamodule(root, transforms=transforms, num_workers=2, batch_size=1, val_fraction=0.1,
+                             test_fraction=0.1)
     datamodule.setup()
     draws = [batch["image"][0] for batch in datamodule.train_dataloader()]
     assert len(draws) == 8

@@ -1,5 +1,6 @@
 """`dataset.cache=auto` and the disk cache: the budget picks memory, disk or none on the estimate; a disk cache is
-reused only for the same transforms and files and never holds a half-written item; cached batches equal uncached ones."""
+reused only for the same transforms and files and never holds a half-written item; cached batches equal uncached
+ones."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def test_auto_takes_memory_disk_or_none_on_the_estimate_against_the_budget(volum
     assert not (tmp_path / "cache").exists()
 
     # Just enough for the estimate with the allocator's overhead: memory; just under: disk.
-    enough = _datamodule(volumes, cache="auto", cache_dir=str(tmp_path / "cache"), cache_budget=f"{int(plan.estimate * MEMORY_OVERHEAD) + 1}B")
+    enough = _datamodule(volumes, cache="auto", cache_dir=str(tmp_path / "cache"),
+                         cache_budget=f"{int(plan.estimate * MEMORY_OVERHEAD) + 1}B")
     enough.setup()
     assert enough.cache_mode == "memory"
     tight = _datamodule(volumes, cache="auto", cache_dir=str(tmp_path / "cache"), cache_budget=f"{plan.estimate}B")
@@ -94,7 +96,8 @@ def test_the_budget_is_shared_by_the_ranks_of_a_node(volumes, memory, monkeypatc
     datamodule = _datamodule(volumes, cache="auto", cache_dir=None)
     monkeypatch.setattr(datamodule, "_world", lambda: (2, 1))
     datamodule.setup()
-    assert datamodule.cache_plan.budget == GIB // 2 and datamodule.cache_plan.subjects == 4  # rank 1 of 10 subjects, per split
+    # Rank 1 of 10 subjects, per split.
+    assert datamodule.cache_plan.budget == GIB // 2 and datamodule.cache_plan.subjects == 4
 
 
 def test_the_estimate_scales_one_item_by_the_voxels_of_each_subject(tmp_path, memory):
@@ -106,7 +109,8 @@ def test_the_estimate_scales_one_item_by_the_voxels_of_each_subject(tmp_path, me
         volume = np.random.default_rng(i).normal(size=shape).astype(np.float32)
         nib.save(nib.Nifti1Image(volume, np.eye(4)), str(root / f"sub-{i}" / "ct.nii.gz"))
     transforms = {"spatial_size": None, "spacing": [2.0, 2.0, 2.0], "intensity": "window"}
-    datamodule = _datamodule(root, cache="auto", cache_dir=None, transforms=transforms, val_fraction=0.0, test_fraction=0.0)
+    datamodule = _datamodule(root, cache="auto", cache_dir=None, transforms=transforms, val_fraction=0.0,
+                             test_fraction=0.0)
     datamodule.setup()
     actual = sum(item["image"].numel() * 4 for item in _all_items(datamodule))
     # Resampled to 2 mm: 16^3 and 40^3 voxels, i.e. 15.6x apart; one item alone would be off by up to 8x.
@@ -124,7 +128,8 @@ def test_a_budget_that_is_neither_a_fraction_nor_a_size_is_refused(budget):
 
 @pytest.mark.parametrize(
     ("budget", "expected"),
-    [(0.25, 250), ("25%", 250), (1, 1000), ("2KiB", 2048), ("2KB", 2000), ("1.5 G", int(1.5 * GIB)), ("3mb", 3 * 10**6)],
+    [(0.25, 250), ("25%", 250), (1, 1000), ("2KiB", 2048), ("2KB", 2000), ("1.5 G", int(1.5 * GIB)),
+     ("3mb", 3 * 10**6)],
 )
 def test_budgets_are_fractions_of_the_available_memory_or_sizes(budget, expected):
     assert parse_budget(budget).bytes(1000) == expected
@@ -175,7 +180,8 @@ def test_a_disk_cache_is_reused_only_for_the_same_transforms_and_files(tmp_path)
     assert bool((first_val_image(cache="disk", cache_dir=cache) == 7).all()), "an unchanged run did not reuse the cache"
 
     # Other transform settings: their own items, equal to uncached ones.
-    assert torch.equal(first_val_image(cache="disk", cache_dir=cache, transforms=changed), first_val_image(transforms=changed))
+    assert torch.equal(first_val_image(cache="disk", cache_dir=cache, transforms=changed),
+                       first_val_image(transforms=changed))
 
     # A source file rewritten in place: the same settings no longer reuse the old items.
     subject = item["subject"]
@@ -241,12 +247,14 @@ def test_a_full_disk_leaves_no_item_file_and_a_truncated_item_is_made_again(volu
 
 
 @pytest.mark.parametrize("mode", ["memory", "disk", "auto"])
-def test_cached_training_batches_equal_uncached_ones_bitwise_with_the_random_transforms(volumes, tmp_path, mode, memory):
+def test_cached_training_batches_equal_uncached_ones_bitwise_with_the_random_transforms(volumes, tmp_path, mode,
+                                                                                        memory):
     memory(4 * GIB)
     transforms = {"spatial_size": [12, 12, 12], "intensity": "percentile", "flip_prob": 0.5, "random_crop": [8, 8, 8]}
     drawn = {}
     for cache in ("none", mode):
-        datamodule = _datamodule(volumes, cache=cache, cache_dir=str(tmp_path / "cache"), transforms=transforms, batch_size=2)
+        datamodule = _datamodule(volumes, cache=cache, cache_dir=str(tmp_path / "cache"), transforms=transforms,
+                                 batch_size=2)
         datamodule.setup()
         loader = datamodule.train_dataloader()
         drawn[cache] = []
@@ -267,28 +275,34 @@ def test_cached_training_batches_equal_uncached_ones_bitwise_with_the_random_tra
 
 @pytest.mark.parametrize("kind", ["brats", "csv", "patches", "xray_ct"])
 def test_every_file_dataset_reads_its_disk_items_back_instead_of_making_them_again(tmp_path, kind):
-    common = {"num_workers": 0, "val_fraction": 0.2, "test_fraction": 0.2, "cache": "disk", "cache_dir": str(tmp_path / "cache")}
+    common = {"num_workers": 0, "val_fraction": 0.2, "test_fraction": 0.2, "cache": "disk",
+              "cache_dir": str(tmp_path / "cache")}
     cube = {"spatial_size": [16, 16, 16]}
     if kind == "brats":
-        datamodule = BratsDataModule(root=str(write_brats(tmp_path / "b", 5, 2021, 16)), label_regions=["WT", "TC", "ET"],
+        datamodule = BratsDataModule(root=str(write_brats(tmp_path / "b", 5, 2021, 16)),
+                                     label_regions=["WT", "TC", "ET"],
                                      transforms=cube, **common)
     elif kind == "csv":
         table = write_mace_csv(tmp_path / "mace", 5, 16)
-        datamodule = CsvDataModule(csv_path=str(table), covariate_columns=["age", "sex"], class_column="label", transforms=cube,
+        datamodule = CsvDataModule(csv_path=str(table), covariate_columns=["age", "sex"], class_column="label",
+                                   transforms=cube,
                                    **common)
     else:
         folder = str(write_nifti_folder(tmp_path / "ct", 5, 16, modalities=("ct",), label=False))
         if kind == "patches":
-            datamodule = PatchesDataModule(root=folder, image_modalities=["ct"], patch_size=[8, 8, 8], patches_per_volume=2, **common)
+            datamodule = PatchesDataModule(root=folder, image_modalities=["ct"], patch_size=[8, 8, 8],
+                                           patches_per_volume=2, **common)
         else:
-            datamodule = XrayCtDataModule(root=folder, image_modalities=["ct"], xray_size=[8, 8], transforms=cube, **common)
+            datamodule = XrayCtDataModule(root=folder, image_modalities=["ct"], xray_size=[8, 8], transforms=cube,
+                                          **common)
     datamodule.setup()
     dataset = datamodule.datasets["val"]
     disk = dataset if isinstance(dataset, DiskCache) else dataset.data
     first = dataset[0]
     disk.transform = lambda record: pytest.fail(f"{kind}: a cached item was made again")
     again = dataset[0]
-    for a, b in zip(first if isinstance(first, list) else [first], again if isinstance(again, list) else [again], strict=True):
+    for a, b in zip(first if isinstance(first, list) else [first], again if isinstance(again, list) else [again],
+                    strict=True):
         assert all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
         assert all(type(a[k]) is torch.Tensor for k in a if isinstance(a[k], torch.Tensor))  # plain, no MONAI metadata
 
@@ -308,7 +322,8 @@ def test_a_memory_cache_with_nothing_to_compute_per_draw_is_served_by_a_thread(v
         assert subjects == reference["subject"] and torch.equal(image, reference["image"])
 
     # Random flips after the cache: worker processes compute them; validation still reads through a thread.
-    flips = _datamodule(volumes, cache="memory", num_workers=2, transforms={"spatial_size": [12, 12, 12], "flip_prob": 0.5})
+    flips = _datamodule(volumes, cache="memory", num_workers=2,
+                        transforms={"spatial_size": [12, 12, 12], "flip_prob": 0.5})
     flips.setup()
     loader = flips.train_dataloader()
     assert not isinstance(loader, ThreadDataLoader) and loader.num_workers == 2
@@ -319,7 +334,8 @@ def test_a_memory_cache_with_nothing_to_compute_per_draw_is_served_by_a_thread(v
 @pytest.mark.parametrize("mode", ["memory", "disk"])
 def test_cached_phantoms_equal_generated_ones(tmp_path, mode):
     datamodules = [
-        SyntheticDataModule(num_subjects=6, size=16, image_modalities=["ct"], views=["ap"], xray_size=[8, 8], cache=cache,
+        SyntheticDataModule(num_subjects=6, size=16, image_modalities=["ct"], views=["ap"], xray_size=[8, 8],
+                            cache=cache,
                             cache_dir=str(tmp_path / "cache"), val_fraction=0.2, test_fraction=0.2)
         for cache in ("none", mode)
     ]

@@ -20,7 +20,8 @@ def test_constant_volume_becomes_zeros_not_nan():
 def test_nan_and_inf_voxels_do_not_poison_the_volume():
     volume = torch.linspace(0, 100, 64).reshape(1, 4, 4, 4)
     volume[0, 0, 0, :2] = torch.tensor([float("nan"), float("inf")])
-    out = SafeScaleIntensityd(["image"], "percentile", percentiles=(0, 100), output_range=(0, 1))({"image": volume})["image"]
+    out = SafeScaleIntensityd(["image"], "percentile", percentiles=(0, 100),
+                              output_range=(0, 1))({"image": volume})["image"]
     assert torch.isfinite(out).all() and out.min() >= 0 and out.max() <= 1
 
 
@@ -55,10 +56,12 @@ def test_saved_volume_keeps_affine_and_source_header(tmp_path):
     source.header["descrip"] = b"source scan"
     source.header.set_xyzt_units("mm", "sec")
     nib.save(source, str(tmp_path / "src.nii.gz"))
-    path = save_volume(torch.rand(1, 6, 5, 4), tmp_path / "out" / "recon.nii.gz", torch.tensor(affine), tmp_path / "src.nii.gz")
+    path = save_volume(torch.rand(1, 6, 5, 4), tmp_path / "out" / "recon.nii.gz", torch.tensor(affine),
+                       tmp_path / "src.nii.gz")
     saved = nib.load(str(path))
     assert np.allclose(saved.affine, affine) and saved.shape == (6, 5, 4)
-    assert saved.header["descrip"].tobytes().startswith(b"source scan") and saved.header.get_xyzt_units() == ("mm", "sec")
+    assert saved.header["descrip"].tobytes().startswith(b"source scan") and saved.header.get_xyzt_units() == ("mm",
+                                                                                                              "sec")
     assert saved.get_data_dtype() == np.float32
     labels = save_volume(torch.ones(6, 5, 4, dtype=torch.int64), tmp_path / "seg.nii.gz", affine)
     assert nib.load(str(labels)).get_data_dtype() == np.int32

@@ -1,7 +1,8 @@
-"""Where `dataset.gpu_transforms=true` sends items, decided without a GPU: the device of the transform, not of a tensor.
+"""Where `dataset.gpu_transforms=true` sends items, decided without a GPU: the device of the transform, not of a
+tensor.
 
-The tests in `tests/test_gpu.py` and `tests/datamodules/pipeline/test_data_cache.py` fetch real batches on a CUDA machine;
-these check the same decision on any machine, from a stand-in Trainer whose root device is a GPU.
+The tests in `tests/test_gpu.py` and `tests/datamodules/pipeline/test_data_cache.py` fetch real batches on a CUDA
+machine; these check the same decision on any machine, from a stand-in Trainer whose root device is a GPU.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def _moves(dataset: object) -> list[torch.device]:
 
 
 def _synthetic(gpu_transforms: bool = True) -> SyntheticDataModule:
-    return SyntheticDataModule(num_subjects=8, size=8, gpu_transforms=gpu_transforms, val_fraction=0.25, test_fraction=0.25)
+    return SyntheticDataModule(num_subjects=8, size=8, gpu_transforms=gpu_transforms, val_fraction=0.25,
+                               test_fraction=0.25)
 
 
 def _nifti(root: Path) -> NiftiDataModule:
@@ -47,7 +49,8 @@ def _nifti(root: Path) -> NiftiDataModule:
 
 @pytest.mark.parametrize("source", ["synthetic", "nifti"])
 def test_gpu_transforms_move_every_split_to_the_trainers_device(tmp_path, source):
-    datamodule = _synthetic() if source == "synthetic" else _nifti(write_nifti_folder(tmp_path / "ct", 6, 8, label=False))
+    datamodule = _synthetic() if source == "synthetic" else _nifti(write_nifti_folder(tmp_path / "ct", 6, 8,
+                                                                                      label=False))
     datamodule.trainer = _trainer_on("cuda:1")
     datamodule.setup("fit")
     for split, dataset in datamodule.datasets.items():

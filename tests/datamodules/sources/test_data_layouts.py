@@ -1,4 +1,5 @@
-"""Every on-disk layout (NIfTI folder and list, BraTS 2021/2023, MACE CSV, patches, X-ray + CT) trains with the VQ-GAN."""
+"""Every on-disk layout (NIfTI folder and list, BraTS 2021/2023, MACE CSV, patches, X-ray + CT) trains with the
+VQ-GAN."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def test_brats_layouts_are_detected_and_train(tmp_path, year):
     assert len(records) == 6 and all(None not in r["files"].values() for r in records)
     # T1 -> T2 translation: t2 is the image, t1 the condition.
     trains(data_cfg(
-        tmp_path, "dataset=brats", f"dataset.root={root}", "dataset.image_modalities=[t2]", "dataset.cond_modalities=[t1]",
+        tmp_path, "dataset=brats", f"dataset.root={root}", "dataset.image_modalities=[t2]",
+        "dataset.cond_modalities=[t1]",
     ))
 
 
@@ -118,7 +120,8 @@ def test_large_volumes_train_as_patches(tmp_path, sampling):
     assert batch["image"].shape == (3, 1, 16, 16, 16)
     origins = batch["patch_origin"]
     # Each patch's affine is the volume's, moved to the patch corner (2 mm voxels).
-    assert torch.allclose(batch["affine"][:, :3, 3] - batch["affine"][:1, :3, 3], 2.0 * (origins - origins[:1]).double())
+    assert torch.allclose(batch["affine"][:, :3, 3] - batch["affine"][:1, :3, 3],
+                          2.0 * (origins - origins[:1]).double())
 
 
 def test_xray_ct_gives_drr_views(tmp_path):

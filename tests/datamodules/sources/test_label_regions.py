@@ -39,18 +39,21 @@ def test_the_readme_brats_row_trains_on_the_datasets_region_channels(tmp_path):
         ("null", False),  # classes: the three region channels would be read as one label map
     ],
 )
-def test_model_regions_that_disagree_with_the_datasets_channels_are_refused_before_anything_runs(tmp_path, regions, accepted):
+def test_model_regions_that_disagree_with_the_datasets_channels_are_refused_before_anything_runs(tmp_path, regions,
+                                                                                                 accepted):
     overrides = [*README_ROW, "dataset.root=/data", *([f"model.regions={regions}"] if regions else [])]
     cfg = compose_cfg(tmp_path, overrides, tiny=False)
     if accepted:
         check_label_regions(cfg)
         return
-    with pytest.raises(MedvolError, match=r"`model.regions` is .*`dataset.label_regions=\[WT,TC,ET\]` gives one label channel"):
+    with pytest.raises(MedvolError,
+                       match=r"`model.regions` is .*`dataset.label_regions=\[WT,TC,ET\]` gives one label channel"):
         check_label_regions(cfg)
 
 
 def test_an_unknown_region_name_is_one_line(tmp_path):
-    cfg = compose_cfg(tmp_path, ["model=segmentation", "dataset=brats", "dataset.root=/data", "dataset.label_regions=[WT,XX]"],
+    cfg = compose_cfg(tmp_path,
+                      ["model=segmentation", "dataset=brats", "dataset.root=/data", "dataset.label_regions=[WT,XX]"],
                       tiny=False)
     with pytest.raises(MedvolError, match="`dataset.label_regions`: unknown region 'XX'"):
         check_label_regions(cfg)
@@ -79,7 +82,8 @@ def test_a_tumour_core_model_alone_trains_and_scores_tc(tmp_path):
     root = write_brats(tmp_path / "brats", subjects=4, year=2021, size=16)
     cfg = compose_cfg(tmp_path / "run", [
         "model=segmentation", "dataset=brats", "dataset.label_regions=[TC]", f"dataset.root={root}", *TINY_FILES,
-        "model.plan.base_features=4", "dataset.val_fraction=0.25", "dataset.test_fraction=0.25", "dataset.num_workers=0",
+        "model.plan.base_features=4", "dataset.val_fraction=0.25", "dataset.test_fraction=0.25",
+        "dataset.num_workers=0",
     ], tiny=False)
     metrics = run(cfg)
     assert {"val/dice", "val/dice_TC"} <= set(metrics) and "val/dice_WT" not in metrics

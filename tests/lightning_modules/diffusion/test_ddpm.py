@@ -56,9 +56,12 @@ def test_translation_on_synthetic_pairs_t1_to_t2_and_concatenates_the_condition_
     batch = synthetic_batch(module)
     seen = []
     module.network.register_forward_pre_hook(lambda _, args: seen.append(args[0]))
-    module.diffusion_loss(module.network, batch["image"], batch["cond"], torch.tensor([0, 0]), torch.zeros_like(batch["image"]))
+    module.diffusion_loss(module.network, batch["image"], batch["cond"], torch.tensor([0, 0]),
+                          torch.zeros_like(batch["image"]))
     assert torch.allclose(seen[0][:, :1], batch["cond"])
-    assert torch.allclose(seen[0][:, 1:], module.schedule.add_noise(batch["image"], torch.zeros_like(batch["image"]), torch.tensor([0, 0])))
+    assert torch.allclose(seen[0][:, 1:],
+                          module.schedule.add_noise(batch["image"], torch.zeros_like(batch["image"]),
+                                                    torch.tensor([0, 0])))
 
 
 def test_training_draws_only_from_the_set_in_antithetic_pairs(module):
@@ -91,8 +94,10 @@ def test_validation_and_sampling_use_the_ema_weights(module):
     module.condition(batch, generators)
     noise = module.noise_like(batch["image"], generators)
     with torch.no_grad():
-        ema = sample_ddim(module.denoiser(module.ema.module, batch["cond"]), noise, module.schedule, module.sampling_timesteps)
-        raw = sample_ddim(module.denoiser(module.network, batch["cond"]), noise, module.schedule, module.sampling_timesteps)
+        ema = sample_ddim(module.denoiser(module.ema.module, batch["cond"]), noise, module.schedule,
+                          module.sampling_timesteps)
+        raw = sample_ddim(module.denoiser(module.network, batch["cond"]), noise, module.schedule,
+                          module.sampling_timesteps)
         other = sample_ddim(module.denoiser(module.ema.module, batch["cond"]), torch.randn_like(noise), module.schedule,
                             module.sampling_timesteps)
     assert torch.allclose(sample, ema.clamp(-1, 1), atol=1e-6)
@@ -106,7 +111,8 @@ def test_validation_and_sampling_use_the_ema_weights(module):
 
 @pytest.mark.slow
 def test_ema_and_weights_survive_resume_exactly(tmp_path):
-    common = [*TINY_DDPM, "seed=3", "trainer.deterministic=true", "dataset.num_subjects=6", "model.sampling_timesteps=2"]
+    common = [*TINY_DDPM, "seed=3", "trainer.deterministic=true", "dataset.num_subjects=6",
+              "model.sampling_timesteps=2"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run(compose_cfg(straight, [*common, "trainer.max_epochs=2"]))
     run(compose_cfg(resumed, [*common, "trainer.max_epochs=1"]))
@@ -227,7 +233,8 @@ def test_two_gloo_ranks_validate_like_one(tmp_path: Path):
             "model.network._target_=tests.lightning_modules.diffusion.test_ddpm.unet_with_live_output",
             "+callbacks.rank_recorder._target_=tests.ddp_support.RankRecorder"]
     ddp = train_cli([*args, f"+callbacks.rank_recorder.directory={tmp_path / 'ranks'}", "strategy=ddp",
-                     "trainer.devices=2", "dataset.batch_size=1", f"hydra.run.dir={tmp_path / 'ddp'}"], cwd=tmp_path, tiny=False)
+                     "trainer.devices=2", "dataset.batch_size=1", f"hydra.run.dir={tmp_path / 'ddp'}"], cwd=tmp_path,
+                     tiny=False)
     assert ddp.returncode == 0, explain(ddp)
     single = tmp_path / "single"
     run(compose_cfg(single, [*args, f"+callbacks.rank_recorder.directory={single / 'ranks'}"], tiny=False))

@@ -51,7 +51,8 @@ def test_uniform_set_keeps_both_ends_and_non_uniform_puts_60_percent_above_699()
 
 @pytest.mark.parametrize(
     ("value", "words"),
-    [([], "is empty"), ([5, 3], "not sorted"), ([3, 3, 9], "repeats"), ([0, 1000], "leaves [0, 1000)"), ([-1, 4], "leaves")],
+    [([], "is empty"), ([5, 3], "not sorted"), ([3, 3, 9], "repeats"), ([0, 1000], "leaves [0, 1000)"),
+     ([-1, 4], "leaves")],
 )
 def test_bad_explicit_sets_raise_one_line_naming_the_key(value, words):
     with pytest.raises(MedvolError, match="`model.timesteps`") as err:
@@ -247,7 +248,8 @@ def test_ddim_walk_of_a_biased_denoiser_equals_the_papers_update_written_out(ste
 
     # Song et al. 2021, eq. 12, from each step of the set to the one below it, the last to alpha_bar = 1:
     # x_prev = sqrt(a_prev) x0_pred + sqrt(1 - a_prev - sigma^2) eps + sigma z,
-    # sigma = eta sqrt((1 - a_prev) / (1 - a_t)) sqrt(1 - a_t / a_prev), x0_pred = (x_t - sqrt(1 - a_t) eps) / sqrt(a_t).
+    # sigma = eta sqrt((1 - a_prev) / (1 - a_t)) sqrt(1 - a_t / a_prev),
+    # x0_pred = (x_t - sqrt(1 - a_t) eps) / sqrt(a_t).
     x = x_T.double()
     for k, i in enumerate(reversed(range(len(steps)))):
         a_t = float(alpha_bar[steps[i]])
@@ -272,7 +274,8 @@ def test_ddpm_ancestral_walk_of_a_biased_denoiser_equals_hos_posterior_written_o
 
     drawn = iter(noises)
     walked = sample_ddpm(denoise, x_T, schedule, lambda x: next(drawn))
-    # Ho et al. 2020, eqs. 6-7: mean = sqrt(a_prev) beta_t / (1 - a_t) x0 + sqrt(1 - beta_t) (1 - a_prev) / (1 - a_t) x_t,
+    # Ho et al. 2020, eqs. 6-7:
+    # mean = sqrt(a_prev) beta_t / (1 - a_t) x0 + sqrt(1 - beta_t) (1 - a_prev) / (1 - a_t) x_t,
     # variance = (1 - a_prev) / (1 - a_t) beta_t, no noise added at t = 0.
     x = x_T
     for k, t in enumerate(range(5, -1, -1)):
@@ -303,4 +306,5 @@ def test_loss_reductions_are_the_voxel_mean_and_the_per_sample_voxel_sum_average
     output, target = torch.randn(2, 1, 4, 4, 4), torch.randn(2, 1, 4, 4, 4)
     squared = [float(((output[b] - target[b]) ** 2).sum()) for b in range(2)]
     assert float(_fast_ddpm().regression_loss(output, target)) == pytest.approx(sum(squared) / 128, rel=1e-5)
-    assert float(_fast_ddpm(loss_reduction="sum").regression_loss(output, target)) == pytest.approx(sum(squared) / 2, rel=1e-5)
+    assert float(_fast_ddpm(loss_reduction="sum").regression_loss(output, target)) == pytest.approx(sum(squared) / 2,
+                                                                                                    rel=1e-5)

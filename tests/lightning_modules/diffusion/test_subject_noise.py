@@ -1,5 +1,6 @@
 """Per-subject noise: a subject's streams do not depend on its batch position, its batch, the rank or the global
-RNG; salts, seeds and subjects tell streams apart; both diffusion families sample a subject alike alone or in a batch."""
+RNG; salts, seeds and subjects tell streams apart; both diffusion families sample a subject alike alone or in a
+batch."""
 
 from __future__ import annotations
 

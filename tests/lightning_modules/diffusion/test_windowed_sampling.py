@@ -44,7 +44,8 @@ class ConvDenoiser(nn.Module):
 def tokened_network(x: torch.Tensor, cond: torch.Tensor, t: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """A window's output from its volume, its cut of `cond` and its sample's step and tokens (zero-padded 3^3 mean)."""
     local = nn.functional.avg_pool3d(torch.cat([x, cond], dim=1), 3, stride=1, padding=1, count_include_pad=True)
-    return local.sum(1, keepdim=True) * tokens.mean((1, 2))[:, None, None, None, None] + t[:, None, None, None, None] / 100
+    return local.sum(1, keepdim=True) * tokens.mean((1, 2))[:, None, None, None, None] + t[:, None, None, None,
+                                                                                           None] / 100
 
 
 def window_starts(size: int, roi: int, overlap: float) -> list[int]:
@@ -77,7 +78,8 @@ def _inputs(batch: int = 2, size: int = 12) -> tuple[torch.Tensor, dict[str, tor
     torch.manual_seed(0)
     volume = torch.randn(batch, 1, size, size, size)
     volumes = {"cond": torch.randn(batch, 2, size, size, size)}
-    per_sample = {"t": torch.tensor([999, 10])[:batch], "tokens": torch.randn(batch, 5, 4) + torch.tensor([[[2.0]], [[-3.0]]])[:batch]}
+    per_sample = {"t": torch.tensor([999, 10])[:batch],
+                  "tokens": torch.randn(batch, 5, 4) + torch.tensor([[[2.0]], [[-3.0]]])[:batch]}
     return volume, volumes, per_sample
 
 
@@ -111,7 +113,8 @@ def test_extra_volumes_must_share_the_batch_and_the_grid():
 
 def _fast_ddpm(**settings) -> ConditionalDiffusion:
     torch.manual_seed(0)
-    return ConditionalDiffusion(partial(ConvDenoiser), image_channels=1, cond_channels=1, prediction_type="v", **settings)
+    return ConditionalDiffusion(partial(ConvDenoiser), image_channels=1, cond_channels=1, prediction_type="v",
+                                **settings)
 
 
 def _live_xray_stage(stage: int = 1, size: int = 8, **settings) -> XrayToCT:
@@ -204,9 +207,12 @@ def test_a_cascade_stage_samples_with_its_configured_window_and_its_earlier_stag
 
 
 def test_a_window_the_network_cannot_take_or_larger_than_the_volume_is_one_clear_line():
-    with pytest.raises(MedvolError, match=r"`model.sampling_window` \[6, 6, 6\] must divide by the network's downsampling 4"):
-        XrayToCT(stage=1, size=16, sampling_window=6, **{**TINY_XRAY, "channels": (8, 16, 16), "attention_levels": (False, False, True)})
-    with pytest.raises(MedvolError, match=r"`model.sampling_window` \[32, 32, 32\] must divide .* fit in the stage's volume"):
+    with pytest.raises(MedvolError,
+                       match=r"`model.sampling_window` \[6, 6, 6\] must divide by the network's downsampling 4"):
+        XrayToCT(stage=1, size=16, sampling_window=6,
+                 **{**TINY_XRAY, "channels": (8, 16, 16), "attention_levels": (False, False, True)})
+    with pytest.raises(MedvolError,
+                       match=r"`model.sampling_window` \[32, 32, 32\] must divide .* fit in the stage's volume"):
         XrayToCT(stage=1, size=16, sampling_window=32, **TINY_XRAY)
     with pytest.raises(MedvolError, match=r"`model.sampling_window`: got \[8, 8\]"):
         _fast_ddpm(sampling_window=[8, 8])

@@ -47,7 +47,8 @@ def test_a_stratified_split_gives_every_split_each_strata_share():
     for name, size in (("val", 4), ("test", 4), ("train", 24)):
         counts = Counter(by_subject[s] for s in split[name])
         # 20/32 and 12/32 of the split, to within one subject.
-        assert sum(counts.values()) == size and abs(counts["a"] - size * 20 / 32) < 1 and abs(counts["b"] - size * 12 / 32) < 1
+        assert sum(counts.values()) == size
+        assert abs(counts["a"] - size * 20 / 32) < 1 and abs(counts["b"] - size * 12 / 32) < 1
     assert sorted(split["val"] + split["test"] + split["train"]) == subjects
     # Without strata the split is the plain seeded cut it always was.
     assert make_split(subjects, 0.125, 0.125, seed=0) == make_split(subjects, 0.125, 0.125, seed=0, strata=None)
@@ -72,7 +73,8 @@ def test_set_auroc_is_the_macro_over_the_classes_present_and_nan_for_one_class()
     assert math.isnan(float(set_auroc(metric(probabilities, one_class), torch.bincount(one_class, minlength=3))))
 
 
-def test_a_one_class_validation_set_is_nan_with_a_warning_and_checkpoints_fall_back_to_the_loss(tiny_cfg, tmp_path, caplog):
+def test_a_one_class_validation_set_is_nan_with_a_warning_and_checkpoints_fall_back_to_the_loss(tiny_cfg, tmp_path,
+                                                                                                caplog):
     caplog.set_level(logging.WARNING, logger="medvol")
     # 8 phantoms: the validation set is one subject, so one class.
     metrics = run(tiny_cfg("model=classifier", "trainer.max_epochs=3", "logger=csv"))

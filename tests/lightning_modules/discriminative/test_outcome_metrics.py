@@ -54,9 +54,11 @@ def classifier(num_classes: int) -> ClassifierModel:
 
 
 def epoch_metrics(module: ClassifierModel) -> dict[str, float]:
-    """What the module logs at a validation epoch's end (AUROC over the classes present, the accuracies), without a Trainer."""
+    """What the module logs at a validation epoch's end (AUROC over the classes present, the accuracies), without a
+    Trainer."""
     auroc = set_auroc(module.val_auroc.compute(), module.val_counts.compute())
-    return {"auroc": float(auroc), **{k.removeprefix("val/"): float(v) for k, v in module.val_metrics.compute().items()}}
+    return {"auroc": float(auroc),
+            **{k.removeprefix("val/"): float(v) for k, v in module.val_metrics.compute().items()}}
 
 
 def batches(logits: np.ndarray, labels: np.ndarray, first: int, size: int = 4):

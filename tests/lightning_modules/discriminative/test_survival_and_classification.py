@@ -137,7 +137,8 @@ def test_covariate_statistics_come_from_the_training_split_and_survive_resume(tm
         row["age"] = str(float(row["age"]) + 100)
     _write_rows(table, rows)
     run(compose_cfg(run_dir, _csv_overrides(
-        table, "dataset.covariate_columns=[age,sex]", "trainer.max_epochs=2", f"ckpt_path={run_dir}/checkpoints/last.ckpt",
+        table, "dataset.covariate_columns=[age,sex]", "trainer.max_epochs=2",
+        f"ckpt_path={run_dir}/checkpoints/last.ckpt",
     ), tiny=False))
     resumed = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
     assert resumed["epoch"] == 1
@@ -156,7 +157,8 @@ def test_classifier_trains_on_the_class_column_and_writes_probabilities(tmp_path
     ], tiny=False))
     assert {"val/auroc", "val/accuracy", "val/balanced_accuracy", "test/auroc"} <= set(metrics)
     probabilities = _rows(tmp_path / "run" / "predictions" / "probabilities.csv")
-    assert len(probabilities) == 3 and set(probabilities[0]) == {"subject", "class_label", "predicted", "p0", "p1", "split"}
+    assert len(probabilities) == 3 and set(probabilities[0]) == {"subject", "class_label", "predicted", "p0", "p1",
+                                                                 "split"}
     assert all(float(r["p0"]) + float(r["p1"]) == pytest.approx(1.0, abs=1e-5) for r in probabilities)
 
 
@@ -176,7 +178,8 @@ def test_bad_outcome_tables_stop_with_one_clear_line(tmp_path, edit, extra, mess
     for row in rows:
         row["event"] = "0" if edit == "no_events" else row["event"]
         row["label"] = "1" if edit == "one_class" else row["label"]
-    rows[2] |= {"nan_covariate": {"age": "nan"}, "negative_time": {"time": "-1"}, "event_two": {"event": "2"}}.get(edit, {})
+    rows[2] |= {"nan_covariate": {"age": "nan"}, "negative_time": {"time": "-1"}, "event_two": {"event": "2"}}.get(edit,
+                                                                                                                   {})
     _write_rows(table, rows)
     with pytest.raises(MedvolError) as error:
         run(compose_cfg(tmp_path / "run", [*_csv_overrides(table), *extra], tiny=False))
@@ -241,7 +244,8 @@ def test_two_gloo_ranks_train_and_evaluate_as_one_process(tmp_path):
     for name, value in single["test"].items():
         assert ranks[0]["test"][name] == pytest.approx(value, abs=1e-6), name
 
-    ddp_risks, single_risks = _rows(tmp_path / "ddp" / "predictions" / "risks.csv"), _rows(evaluated / "predictions" / "risks.csv")
+    ddp_risks = _rows(tmp_path / "ddp" / "predictions" / "risks.csv")
+    single_risks = _rows(evaluated / "predictions" / "risks.csv")
     split = json.loads((single_dir / "split.json").read_text())
     assert [r["subject"] for r in ddp_risks] == sorted(split["test"]) == [r["subject"] for r in single_risks]
     for a, b in zip(ddp_risks, single_risks, strict=True):

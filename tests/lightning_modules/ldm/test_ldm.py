@@ -1,4 +1,5 @@
-"""Latent diffusion on a trained VQ-GAN: the frozen first stage, the scale factor, exact slab decoding, refusals, predict."""
+"""Latent diffusion on a trained VQ-GAN: the frozen first stage, the scale factor, exact slab decoding, refusals,
+predict."""
 
 from __future__ import annotations
 
@@ -176,7 +177,8 @@ def test_a_first_stage_of_another_family_or_a_missing_one_is_refused_in_one_line
         with pytest.raises(MedvolError, match=expected) as refused:
             check_config(cfg)
         assert "\n" not in str(refused.value)
-    check_config(compose_cfg(tmp_path / "run", ["model=ldm", f"model.first_stage_ckpt={vqgan_ckpt}", *TINY_MODEL["ldm"]]))
+    check_config(compose_cfg(tmp_path / "run",
+                             ["model=ldm", f"model.first_stage_ckpt={vqgan_ckpt}", *TINY_MODEL["ldm"]]))
 
 
 # ---- trained runs ------------------------------------------------------------------------------------
@@ -225,7 +227,8 @@ def test_predict_with_no_input_writes_n_samples_at_the_spacing_asked_in_hounsfie
     images = [nib.load(str(out / name)) for name in written]
     for image in images:
         assert image.shape == (16, 16, 16)
-        assert np.allclose(np.diag(image.affine)[:3], [2.0, 2.0, 3.0]) and nib.aff2axcodes(image.affine) == ("R", "A", "S")
+        assert np.allclose(np.diag(image.affine)[:3], [2.0, 2.0, 3.0]) and nib.aff2axcodes(image.affine) == ("R", "A",
+                                                                                                             "S")
     first, second = (image.get_fdata() for image in images)
     # The CT window [-1000, 1000] HU of the phantoms, undone from the model's [-1, 1].
     assert first.min() >= -1000.5 and first.max() <= 1000.5 and first.max() - first.min() > 10
@@ -262,7 +265,8 @@ def conditional_run(ldm_run, tmp_path_factory) -> Path:
     return saved_run(base, cfg)
 
 
-def test_predict_from_condition_files_gives_n_samples_with_mean_and_spread_on_each_files_grid(conditional_run, tmp_path):
+def test_predict_from_condition_files_gives_n_samples_with_mean_and_spread_on_each_files_grid(conditional_run,
+                                                                                              tmp_path):
     inputs = tmp_path / "t1"
     inputs.mkdir()
     shape = (20, 18, 16)
@@ -310,7 +314,8 @@ def test_two_gloo_ranks_give_the_metrics_and_scale_factor_of_one(vqgan_ckpt, tmp
             "model.network._target_=tests.lightning_modules.diffusion.test_ddpm.unet_with_live_output",
             "+callbacks.rank_recorder._target_=tests.ddp_support.RankRecorder"]
     ddp = train_cli([*args, f"+callbacks.rank_recorder.directory={tmp_path / 'ranks'}", "strategy=ddp",
-                     "trainer.devices=2", "dataset.batch_size=1", f"hydra.run.dir={tmp_path / 'ddp'}"], cwd=tmp_path, tiny=False)
+                     "trainer.devices=2", "dataset.batch_size=1", f"hydra.run.dir={tmp_path / 'ddp'}"], cwd=tmp_path,
+                     tiny=False)
     assert ddp.returncode == 0, explain(ddp)
     single = tmp_path / "single"
     run(compose_cfg(single, [*args, f"+callbacks.rank_recorder.directory={single / 'ranks'}"], tiny=False))
@@ -339,7 +344,8 @@ def test_fid_is_the_frechet_distance_of_the_given_networks_features_and_absent_w
     with torch.no_grad():
         a, b = (network(v).double().numpy() for v in (generated, real))
     covariance = linalg.sqrtm(np.cov(a, rowvar=False) @ np.cov(b, rowvar=False)).real
-    expected = np.sum((a.mean(0) - b.mean(0)) ** 2) + np.trace(np.cov(a, rowvar=False) + np.cov(b, rowvar=False) - 2 * covariance)
+    trace = np.trace(np.cov(a, rowvar=False) + np.cov(b, rowvar=False) - 2 * covariance)
+    expected = np.sum((a.mean(0) - b.mean(0)) ** 2) + trace
     assert float(fid.compute()) == pytest.approx(expected, rel=1e-6)
     with pytest.raises(MedvolError, match="`model.fid_network`: no file at"):
         LatentDiffusion.check_settings({"first_stage_ckpt": str(vqgan_ckpt), "fid_network": str(tmp_path / "none.pt")})

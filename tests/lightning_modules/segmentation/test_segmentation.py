@@ -1,4 +1,5 @@
-"""model=segmentation: the sigmoid loss for regions, MONAI's Dice/HD95, sliding windows, masks on the source grid, errors."""
+"""model=segmentation: the sigmoid loss for regions, MONAI's Dice/HD95, sliding windows, masks on the source grid,
+errors."""
 
 from __future__ import annotations
 
@@ -110,7 +111,8 @@ def test_test_run_writes_masks_on_the_source_grid_with_brats_values_and_per_subj
     root = write_brats_lps(tmp_path / "brats", subjects=5)
     cfg = compose_cfg(tmp_path / "run", [
         *TINY_FILES, "experiment=brats_segmentation", f"dataset.root={root}", "model.plan.patch_size=[16,16,16]",
-        "model.plan.features=[4,8,16]", "dataset.transforms.spacing=[1.5,1.5,1.5]", "dataset.transforms.spatial_size=[16,16,32]",
+        "model.plan.features=[4,8,16]", "dataset.transforms.spacing=[1.5,1.5,1.5]",
+        "dataset.transforms.spatial_size=[16,16,32]",
         "dataset.val_fraction=0.2", "dataset.test_fraction=0.4", "dataset.batch_size=1", "dataset.num_workers=0",
         "test=true",
     ], tiny=False)
@@ -136,12 +138,15 @@ def test_test_run_writes_masks_on_the_source_grid_with_brats_values_and_per_subj
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["model.num_classes=2", "model.class_names=null"], r"label values \[2\] are outside the configured classes \(`model.num_classes`\)"),
-        (["model.net=swinunetr", "model.patch_size=[48,48,48]"], r"`model.patch_size` is \[48, 48, 48\]; model.net=swinunetr"),
+        (["model.num_classes=2", "model.class_names=null"],
+         r"label values \[2\] are outside the configured classes \(`model.num_classes`\)"),
+        (["model.net=swinunetr", "model.patch_size=[48,48,48]"],
+         r"`model.patch_size` is \[48, 48, 48\]; model.net=swinunetr"),
         (["model.net=swinunetr", "model.patch_size=[32,32,32]"], r"model.net=swinunetr needs sizes of at least 64"),
         (["model.patch_size=[32,32,32]"], r"`model.patch_size` \[32, 32, 32\] is larger than the training volume"),
         (["model.class_names=[core]"], r"`model.class_names` has 1 names; expected one per foreground class"),
-        (["model.regions={WT:[1,2],TC:[2,3]}"], r"`model.regions`: WT \[1, 2\] and TC \[2, 3\] overlap without nesting"),
+        (["model.regions={WT:[1,2],TC:[2,3]}"],
+         r"`model.regions`: WT \[1, 2\] and TC \[2, 3\] overlap without nesting"),
     ],
 )
 def test_bad_input_gets_one_clear_line(tmp_path, overrides, message):
@@ -194,10 +199,12 @@ def test_two_gloo_ranks_give_the_metrics_of_one_process_with_an_odd_subject_coun
 
 def test_experiments_have_the_seed_values(tmp_path):
     brats = compose_cfg(tmp_path, ["experiment=brats_segmentation", "dataset.root=/data"], tiny=False)
-    assert dict(brats.model.regions) == {"WT": [1, 2, 3], "TC": [1, 3], "ET": [3]} and brats.optimized_metric == "val/dice"
+    assert dict(brats.model.regions) == {"WT": [1, 2, 3], "TC": [1, 3],
+                                         "ET": [3]} and brats.optimized_metric == "val/dice"
     assert len(brats.dataset.image_modalities) == 4 and list(brats.model.plan.patch_size) == [128, 128, 128]
     prs = compose_cfg(tmp_path, ["experiment=prs_segmentation"], tiny=False)
-    assert (prs.dataset.batch_size, prs.model.optimizer.lr, prs.lr_scaling, prs.trainer.max_epochs) == (8, 1e-4, "linear", 20)
+    assert (prs.dataset.batch_size, prs.model.optimizer.lr, prs.lr_scaling, prs.trainer.max_epochs) == (8, 1e-4,
+                                                                                                        "linear", 20)
     assert prs.strategy._target_.endswith("DDPStrategy")
 
 
@@ -272,7 +279,8 @@ def test_hd95_in_millimetres_and_dice_on_an_oblique_anisotropic_volume_equal_a_h
 
 
 def test_whole_volume_evaluation_blends_windows_with_gaussian_weights():
-    module = Segmenter(in_channels=2, num_classes=2, features=[4, 8], patch_size=list(ROI), overlap=0.5, sw_batch_size=3)
+    module = Segmenter(in_channels=2, num_classes=2, features=[4, 8], patch_size=list(ROI), overlap=0.5,
+                       sw_batch_size=3)
     module.net = PositionDependent()
     volume = torch.randn(1, 2, *VOLUME_SHAPE, generator=torch.Generator().manual_seed(1))
     out = module.sliding_window(volume)

@@ -142,7 +142,8 @@ def test_perceptual_loss_uses_a_local_torchscript_network(tiny_cfg, tmp_path):
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3, padding=1))
     path = tmp_path / "features.pt"
     torch.jit.save(torch.jit.script(net), str(path))
-    metrics = run(tiny_cfg("model.perceptual_weight=0.5", f"model.perceptual_model_path={path}", "trainer.fast_dev_run=true"))
+    metrics = run(tiny_cfg("model.perceptual_weight=0.5", f"model.perceptual_model_path={path}",
+                           "trainer.fast_dev_run=true"))
     assert metrics["train/perceptual_loss_step"] > 0
 
 
@@ -154,7 +155,8 @@ def test_least_squares_discriminator_loss_is_the_squared_distance_to_the_target(
     real, fake = ((activated - 1) ** 2).mean().item(), (activated**2).mean().item()
     assert model.adversarial.discriminator(logits, logits).item() == pytest.approx(0.5 * (real + fake))
     assert model.adversarial.generator(logits).item() == pytest.approx(real)
-    metrics = run(tiny_cfg("model.disc_loss_type=least_squares", "model.discriminator_iter_start=0", "trainer.fast_dev_run=true"))
+    metrics = run(tiny_cfg("model.disc_loss_type=least_squares", "model.discriminator_iter_start=0",
+                           "trainer.fast_dev_run=true"))
     assert metrics["train/gan_discriminator_step"] > 0
 
 
@@ -172,12 +174,14 @@ def test_accumulating_two_batches_of_one_steps_like_one_batch_of_two(tmp_path):
     common = [
         "model._target_=tests.ddp_support.PreinitialisedVQGAN", "model.random_restart=false",
         "model.codebook_decay=1.0", "model.discriminator_iter_start=1000", "model.optimizer._target_=torch.optim.SGD",
-        "~model.optimizer.betas", "model.optimizer.lr=0.5", "trainer.limit_val_batches=0", "callbacks.volume_slices=null",
+        "~model.optimizer.betas", "model.optimizer.lr=0.5", "trainer.limit_val_batches=0",
+        "callbacks.volume_slices=null",
     ]
     accumulated, single = tmp_path / "accumulated", tmp_path / "single"
     run(compose_cfg(accumulated, [*common, "dataset.batch_size=1", "trainer.accumulate_grad_batches=2",
                                   "trainer.limit_train_batches=2"]))
     run(compose_cfg(single, [*common, "dataset.batch_size=2", "trainer.limit_train_batches=1"]))
-    first, second = (torch.load(d / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"] for d in (accumulated, single))
+    first, second = (torch.load(d / "checkpoints" / "last.ckpt",
+                                weights_only=False)["state_dict"] for d in (accumulated, single))
     for key in (k for k in first if k.startswith(("encoder.", "decoder."))):
         assert torch.allclose(first[key], second[key], rtol=1e-4, atol=1e-6), key

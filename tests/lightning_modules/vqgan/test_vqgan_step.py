@@ -1,4 +1,5 @@
-"""The VQ-GAN training step that runs each discriminator once per input gives the old step's losses, codes and updates."""
+"""The VQ-GAN training step that runs each discriminator once per input gives the old step's losses, codes and
+updates."""
 
 from __future__ import annotations
 
@@ -151,7 +152,8 @@ def test_step_in_bf16_autocast_differs_from_the_old_one_far_less_than_bf16_from_
 
         class Capture:
             def step(self) -> None:
-                grads.update({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None and k not in grads})
+                grads.update({k: p.grad.clone() for k,
+                              p in model.named_parameters() if p.grad is not None and k not in grads})
 
             def zero_grad(self, set_to_none: bool = True) -> None:
                 model.zero_grad(set_to_none=set_to_none)
@@ -163,7 +165,8 @@ def test_step_in_bf16_autocast_differs_from_the_old_one_far_less_than_bf16_from_
 
     model = tiny_vqgan()
     (new, new_out), (old, old_out), (exact, _) = (
-        gradients(step, copy.deepcopy(model), bf16) for step, bf16 in ((new_step, True), (old_step, True), (old_step, False))
+        gradients(step, copy.deepcopy(model), bf16) for step,
+        bf16 in ((new_step, True), (old_step, True), (old_step, False))
     )
     for name in old_out.keys() - {"codes"}:
         assert torch.equal(new_out[name], old_out[name]), name
@@ -201,7 +204,8 @@ def test_adversarial_loss_is_monais_patch_adversarial_loss(criterion, bf16):
             values.append((value.float(), r.grad, f.grad))
         return values
 
-    generator = both(lambda r, f: ours.generator(f), lambda r, f: monai(f, target_is_real=True, for_discriminator=False))
+    generator = both(lambda r, f: ours.generator(f), lambda r,
+                     f: monai(f, target_is_real=True, for_discriminator=False))
     discriminator = both(
         ours.discriminator,
         lambda r, f: 0.5 * (monai(r, target_is_real=True, for_discriminator=True)

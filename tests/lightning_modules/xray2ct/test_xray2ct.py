@@ -128,7 +128,8 @@ def test_test_time_ct_is_written_in_hounsfield_units_on_the_subject_grid(tmp_pat
     assert image.shape == (8, 8, 8)
     assert np.allclose(np.diag(image.affine)[:3], 24.0)
     data = np.asarray(image.dataobj)
-    assert np.isfinite(data).all()  # HU, unclamped: a tiny model's voxel may leave the window (tested by hand elsewhere)
+    # HU, unclamped: a tiny model's voxel may leave the window (tested by hand elsewhere).
+    assert np.isfinite(data).all()
     assert data.max() - data.min() > 50.0  # HU, not model units in [-1, 1]
     target = np.asarray(nib.load(str(files[0]).replace("_ct.", "_target.")).dataobj)
     assert target.min() == pytest.approx(-1000.0, abs=1.0)  # air around the head
@@ -140,7 +141,8 @@ def test_test_time_ct_is_written_in_hounsfield_units_on_the_subject_grid(tmp_pat
         ("dataset.views=[]", "has no `xray` views"),
         ("model.views=[ap]", "X-ray views, model.views lists 1"),
         ("cascade.stage2={dataset:{size:8,spacing:24.0},trainer:{max_epochs:1}}", "does not grow from stage 1"),
-        ("cascade.stage1={dataset:{size:9,spacing:20.0},trainer:{max_epochs:1}}", "must divide by the network's downsampling"),
+        ("cascade.stage1={dataset:{size:9,spacing:20.0},trainer:{max_epochs:1}}",
+         "must divide by the network's downsampling"),
     ],
 )
 def test_bad_input_gets_one_clear_line(tmp_path, override, message):
@@ -195,7 +197,8 @@ def test_a_ct_from_radiographs_alone_is_the_test_time_ct_of_the_same_views(casca
     datamodule = build(OmegaConf.merge(cfg.dataset, {"seed": 5, "num_subjects": 2, "split_file": None}))
     dataset = datamodule.build_dataset(datamodule.subjects(), "test")
     module = XrayToCT.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=False).eval()
-    assert sorted(p.name for p in out.iterdir()) == ["phantom-5-0000_ct.nii.gz", "phantom-5-0001_ct.nii.gz", "predict.log"]
+    assert sorted(p.name for p in out.iterdir()) == ["phantom-5-0000_ct.nii.gz", "phantom-5-0001_ct.nii.gz",
+                                                     "predict.log"]
     # The views predict.py reads from the files, in the model's range and order, are the dataset's.
     read = model_views(folder, view_geometry(predict_config.run_config(str(checkpoint))))
     for item in dataset:
@@ -205,7 +208,8 @@ def test_a_ct_from_radiographs_alone_is_the_test_time_ct_of_the_same_views(casca
         # The preset's window [-1000, 1000] HU mapped onto [-1, 1], undone by hand, unclamped.
         np.testing.assert_allclose(written.get_fdata(), expected.numpy() * 1000.0, atol=2e-2)
         # Stage 2's grid: 16^3 voxels of 12 mm, RAS, centred on the origin as the training phantoms.
-        np.testing.assert_allclose(written.affine, np.diag([12.0, 12.0, 12.0, 1.0]) + np.array([[0, 0, 0, -90]] * 3 + [[0, 0, 0, 0]]))
+        np.testing.assert_allclose(written.affine,
+                                   np.diag([12.0, 12.0, 12.0, 1.0]) + np.array([[0, 0, 0, -90]] * 3 + [[0, 0, 0, 0]]))
 
 
 def test_num_samples_from_radiographs_writes_the_seeded_draws_their_mean_and_std(cascade_run, tmp_path):
@@ -215,25 +219,31 @@ def test_num_samples_from_radiographs_writes_the_seeded_draws_their_mean_and_std
     checkpoint = root / "stage2" / "best.ckpt"
     predict(predict_cfg(f"ckpt_path={checkpoint}", f"input={folder}", f"output_dir={out}", "num_samples=3"))
     names = ["ct_0", "ct_1", "ct_2", "ct_mean", "ct_std"]
-    assert sorted(p.name for p in out.iterdir()) == sorted([*(f"phantom-5-0000_{n}.nii.gz" for n in names), "predict.log"])
+    assert sorted(p.name for p in out.iterdir()) == sorted([*(f"phantom-5-0000_{n}.nii.gz" for n in names),
+                                                            "predict.log"])
     module = XrayToCT.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=False).eval()
     views = model_views(folder, view_geometry(predict_config.run_config(str(checkpoint))))["phantom-5-0000"][None]
     # Draw k is seeded sample_seed + k; HU by the preset's window, undone by hand.
     draws = np.stack([
-        module.generate(views, [16, 16, 16], ["phantom-5-0000"], seed=module.sample_seed + k)["ct"][0, 0].numpy() * 1000.0
+        module.generate(views, [16, 16, 16], ["phantom-5-0000"], seed=module.sample_seed + k)["ct"][0,
+                                                                                                    0].numpy() * 1000.0
         for k in range(3)
     ])
     assert np.abs(draws[0] - draws[1]).max() > 1.0  # seeded draws differ
     for k in range(3):
-        np.testing.assert_allclose(nib.load(str(out / f"phantom-5-0000_ct_{k}.nii.gz")).get_fdata(), draws[k], atol=2e-2)
-    np.testing.assert_allclose(nib.load(str(out / "phantom-5-0000_ct_mean.nii.gz")).get_fdata(), draws.mean(0), atol=2e-2)
-    np.testing.assert_allclose(nib.load(str(out / "phantom-5-0000_ct_std.nii.gz")).get_fdata(), draws.std(0, ddof=1), atol=2e-2)
+        np.testing.assert_allclose(nib.load(str(out / f"phantom-5-0000_ct_{k}.nii.gz")).get_fdata(), draws[k],
+                                   atol=2e-2)
+    np.testing.assert_allclose(nib.load(str(out / "phantom-5-0000_ct_mean.nii.gz")).get_fdata(), draws.mean(0),
+                               atol=2e-2)
+    np.testing.assert_allclose(nib.load(str(out / "phantom-5-0000_ct_std.nii.gz")).get_fdata(), draws.std(0, ddof=1),
+                               atol=2e-2)
 
 
 def test_a_moved_cascade_run_predicts_from_its_checkpoint_alone(cascade_run, tmp_path):
     root, _ = cascade_run
     folder = _radiographs_alone(tmp_path)
-    predict(predict_cfg(f"ckpt_path={root / 'stage2' / 'best.ckpt'}", f"input={folder}", f"output_dir={tmp_path / 'here'}"))
+    predict(predict_cfg(f"ckpt_path={root / 'stage2' / 'best.ckpt'}", f"input={folder}",
+                        f"output_dir={tmp_path / 'here'}"))
     # The run copied to another machine: its config and its checkpoint's hyperparameters still name the earlier
     # stage's files where it was trained, which do not exist here.
     moved = tmp_path / "moved"
@@ -247,9 +257,11 @@ def test_a_moved_cascade_run_predicts_from_its_checkpoint_alone(cascade_run, tmp
     torch.save(checkpoint, moved / "stage2" / "best.ckpt")
     shutil.rmtree(moved / "stage1")
 
-    predict(predict_cfg(f"ckpt_path={moved / 'stage2' / 'best.ckpt'}", f"input={folder}", f"output_dir={tmp_path / 'there'}"))
+    predict(predict_cfg(f"ckpt_path={moved / 'stage2' / 'best.ckpt'}", f"input={folder}",
+                        f"output_dir={tmp_path / 'there'}"))
     for name in ("phantom-5-0000_ct.nii.gz", "phantom-5-0001_ct.nii.gz"):
-        assert np.array_equal(nib.load(str(tmp_path / "there" / name)).get_fdata(), nib.load(str(tmp_path / "here" / name)).get_fdata())
+        assert np.array_equal(nib.load(str(tmp_path / "there" / name)).get_fdata(),
+                              nib.load(str(tmp_path / "here" / name)).get_fdata())
     # Lightning's own loading builds the same stage: stage 1's network from the checkpoint, equal to stage 1's EMA.
     module = XrayToCT.load_from_checkpoint(moved / "stage2" / "best.ckpt", map_location="cpu", weights_only=False)
     stage1_ema = _network(root / "stage1" / "best.ckpt", "ema.module.")
@@ -274,11 +286,13 @@ def test_bad_radiographs_are_one_clear_line_and_nothing_is_written(cascade_run, 
         (folder / "phantom-5-0001_lateral.nii.gz").unlink()
     elif breakage == "size":
         # Every other pixel, the header's orientation kept and its pixels twice the size.
-        nib.save(nib.Nifti1Image(np.asarray(image.dataobj)[::2, ::2], image.affine @ np.diag([2.0, 2.0, 1.0, 1.0])), str(view))
+        nib.save(nib.Nifti1Image(np.asarray(image.dataobj)[::2, ::2], image.affine @ np.diag([2.0, 2.0, 1.0, 1.0])),
+                 str(view))
     else:
         nib.save(nib.Nifti1Image(np.asarray(image.dataobj), image.affine @ np.diag([0.5, 0.5, 1.0, 1.0])), str(view))
     with pytest.raises(MedvolError, match=message):
-        predict(predict_cfg(f"ckpt_path={root / 'stage2' / 'best.ckpt'}", f"input={folder}", f"output_dir={tmp_path / 'out'}"))
+        predict(predict_cfg(f"ckpt_path={root / 'stage2' / 'best.ckpt'}", f"input={folder}",
+                            f"output_dir={tmp_path / 'out'}"))
     assert not (tmp_path / "out").exists()
 
 
@@ -299,7 +313,8 @@ def test_a_crop_trained_stage_beats_its_identity_baseline_on_the_cpu_preset(tmp_
     views = torch.stack([s["xray"] for s in subjects])
     generated = module.eval().generate(views, [24, 24, 24], [str(s["subject"]) for s in subjects])
     # The identity baseline: stage 1's CT of the same views, upsampled trilinearly (half-pixel centres).
-    identity = torch.nn.functional.interpolate(generated["stage1"], size=(24, 24, 24), mode="trilinear", align_corners=False)
+    identity = torch.nn.functional.interpolate(generated["stage1"], size=(24, 24, 24), mode="trilinear",
+                                               align_corners=False)
 
     def body_errors(guesses: torch.Tensor) -> np.ndarray:
         # HU by the preset's window [-1000, 1000]; the body: the true CT above -500 HU, over every test subject.

@@ -1,4 +1,5 @@
-"""Crop-trained X-ray-to-CT stages: coordinates locate a crop, crops are cut jointly, windows sample, checkpointing, learning."""
+"""Crop-trained X-ray-to-CT stages: coordinates locate a crop, crops are cut jointly, windows sample, checkpointing,
+learning."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def test_a_crops_coordinate_channels_locate_it_and_shift_with_it():
     target = _index_volume(6)
     previous = -target
     crop = (4, 8, 6)
-    crops, previous_crops, coordinates = random_crops([target, previous, coordinate_channels(GRID, 6, None).double()], crop)
+    crops, previous_crops, coordinates = random_crops([target, previous, coordinate_channels(GRID, 6, None).double()],
+                                                      crop)
     assert crops.shape == (6, 1, *crop) and coordinates.shape == (6, 3, *crop)
     starts = [_start_of(c) for c in crops]
     assert len(set(starts)) > 1, "the crops should land in different places"
@@ -46,7 +48,8 @@ def test_a_crops_coordinate_channels_locate_it_and_shift_with_it():
             expected = -1.0 + 2.0 * np.arange(first, first + length) / (n - 1)
             shape = [1, 1, 1]
             shape[axis] = length
-            np.testing.assert_allclose(coordinates[sample, axis].numpy(), np.broadcast_to(expected.reshape(shape), crop), atol=1e-6)
+            np.testing.assert_allclose(coordinates[sample, axis].numpy(),
+                                       np.broadcast_to(expected.reshape(shape), crop), atol=1e-6)
     # Shift a crop by one voxel along W: its x channel shifts by 2 / (n - 1), the others stay.
     grid = coordinate_channels(GRID, 1)
     here, there = grid[..., 2:8, 3:9, 5:11], grid[..., 2:8, 3:9, 6:12]
@@ -65,7 +68,8 @@ def test_a_crop_trained_stage_feeds_its_network_crops_with_their_coordinates(tmp
 
     module.network_output = spy  # type: ignore[method-assign]
     torch.manual_seed(0)
-    batch = {"image": torch.rand(2, 1, 16, 16, 16) * 2 - 1, "xray": torch.rand(2, 2, 16, 16), "affine": torch.eye(4).expand(2, 4, 4)}
+    batch = {"image": torch.rand(2, 1, 16, 16, 16) * 2 - 1, "xray": torch.rand(2, 2, 16, 16),
+             "affine": torch.eye(4).expand(2, 4, 4)}
     module.training_step(batch, 0)
     assert seen["x_t"].shape == seen["previous"].shape == (2, 1, 8, 8, 8)
     assert seen["coordinates"].shape == (2, 3, 8, 8, 8)
@@ -92,7 +96,8 @@ def test_bad_crops_and_attention_at_full_resolution_are_one_clear_line():
         XrayToCT(stage=2, size=16, crop_size=7, previous_stages=["unused"], **TINY_XRAY)
     with pytest.raises(MedvolError, match=r"`model.crop_size`: got \[8, 8\]"):
         XrayToCT(stage=2, size=16, crop_size=[8, 8], previous_stages=["unused"], **TINY_XRAY)
-    with pytest.raises(MedvolError, match=r"attention at level 0, where MONAI's transformer block self-attends over every voxel"):
+    with pytest.raises(MedvolError,
+                       match=r"attention at level 0, where MONAI's transformer block self-attends over every voxel"):
         ViewConditionedDenoiser(channels=(8, 16), attention_levels=(True, True), num_head_channels=8, norm_num_groups=4)
 
 

@@ -45,10 +45,11 @@ def _hand_views(volume: torch.Tensor, spacing: tuple[float, float, float], low_h
                 mu_water: float) -> torch.Tensor:
     """(B, 1, x, y, z) model units in [-1, 1] -> (B, 2, z, .) [ap, lateral] radiographs in [-1, 1].
 
-    HU = low + (v + 1) / 2 (high - low), unclamped (a voxel beyond the window projects as predicted); mu = mu_water (1 + HU / 1000), no less than 0 (air); the AP view
-    integrates along y (anterior-posterior), the lateral one along x (left-right), each times that axis's voxel
-    size; a radiograph is 1 - exp(-integral), its rows run along z from the head (the highest z) down, its
-    columns along the remaining axis from its high end down (radiological display).
+    HU = low + (v + 1) / 2 (high - low), unclamped (a voxel beyond the window projects as predicted);
+    mu = mu_water (1 + HU / 1000), no less than 0 (air); the AP view integrates along y (anterior-posterior), the
+    lateral one along x (left-right), each times that axis's voxel size; a radiograph is 1 - exp(-integral), its
+    rows run along z from the head (the highest z) down, its columns along the remaining axis from its high end
+    down (radiological display).
     """
     hounsfield = low_hu + (volume[:, 0] + 1) / 2 * (high_hu - low_hu)
     mu = mu_water * torch.clamp(1 + hounsfield / 1000, min=0)
@@ -77,7 +78,8 @@ def test_training_loss_gradient_holds_the_projection_term_of_a_hand_built_loss()
     # An oblique grid of 1.5 x 2 x 3 mm voxels (the affine's columns), turned 30 degrees about z.
     c, s = math.cos(math.pi / 6), math.sin(math.pi / 6)
     affine = torch.eye(4)
-    affine[:3, :3] = torch.tensor([[c, -s, 0.0], [s, c, 0.0], [0.0, 0.0, 1.0]]) @ torch.diag(torch.tensor([1.5, 2.0, 3.0]))
+    turn = torch.tensor([[c, -s, 0.0], [s, c, 0.0], [0.0, 0.0, 1.0]])
+    affine[:3, :3] = turn @ torch.diag(torch.tensor([1.5, 2.0, 3.0]))
     views = torch.rand(2, 2, 16, 16) * 2 - 1
     batch = {"image": x0, "xray": views, "affine": affine.expand(2, 4, 4), "subject": ["a", "b"]}
     loss = module.training_step(batch, 0)
@@ -89,7 +91,8 @@ def test_training_loss_gradient_holds_the_projection_term_of_a_hand_built_loss()
     diffusion = ((out - (a.sqrt() * noise - (1 - a).sqrt() * x0)) ** 2).mean()
     x0_hat = a.sqrt() * x_t - (1 - a).sqrt() * out
     physics = (_hand_views(x0_hat, (1.5, 2.0, 3.0), *window, mu_water) - views).abs().mean()
-    diffusion_part, projection_part = (torch.autograd.grad(term, out, retain_graph=True)[0] for term in (diffusion, physics))
+    diffusion_part, projection_part = (torch.autograd.grad(term, out, retain_graph=True)[0] for term in (diffusion,
+                                                                                                         physics))
     assert float(loss.detach()) == pytest.approx(float((diffusion + weight * physics).detach()), rel=1e-5)
     # The projection term's share of the gradient is far above float noise, so leaving it out shows.
     expected = diffusion_part + weight * projection_part
@@ -105,7 +108,9 @@ def test_stage_two_samples_from_stage_ones_output_upsampled_plus_its_conditionin
     views = torch.rand(2, 2, 16, 16) * 2 - 1
     generated = module.generate(views, [16, 16, 16], ["a", "b"])
     upsampled = F.interpolate(generated["stage1"], size=(16, 16, 16), mode="trilinear", align_corners=False)
-    expected = upsampled + module.hparams.previous_sampling_noise * SubjectNoise(["a", "b"], 0, "stage2/previous").draw((1, 16, 16, 16))
+    expected = upsampled + module.hparams.previous_sampling_noise * SubjectNoise(["a", "b"], 0,
+                                                                                 "stage2/previous").draw((1, 16, 16,
+                                                                                                          16))
     assert generated["stage1"].abs().max() > 0.1
     for previous in seen:
         torch.testing.assert_close(previous, expected, rtol=0, atol=1e-6)

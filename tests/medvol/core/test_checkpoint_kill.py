@@ -86,7 +86,8 @@ def test_sigkill_inside_checkpoint_writes_and_after_the_last_one_resumes_exactly
 
     moments: list[tuple[str, Callable[[], bool]]] = [
         # Replacing an existing last.ckpt: the case an in-place write loses.
-        ("inside a write of last.ckpt", lambda: last.exists() and marker.exists() and "last.ckpt" in marker.read_text()),
+        ("inside a write of last.ckpt",
+         lambda: last.exists() and marker.exists() and "last.ckpt" in marker.read_text()),
         ("inside any checkpoint write", marker.exists),
         ("right after the final epoch's last.ckpt", final_epoch_saved),
     ]

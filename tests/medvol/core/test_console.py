@@ -58,7 +58,8 @@ def test_the_default_config_print_is_compact_and_reads_back_as_the_composed_conf
     assert len(text.splitlines()) <= 60, text
     # Every block is flow-style YAML: read back, it is the composed config, every leaf value included.
     read_back = {name: yaml.safe_load("{" + body + "}") for name, body in _blocks(text).items()}
-    composed = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in cfg.items() if k != "hydra"}
+    composed = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k,
+                v in cfg.items() if k != "hydra"}
     assert read_back.pop("config") == {k: v for k, v in composed.items() if not isinstance(v, dict)}
     assert read_back == {k: v for k, v in composed.items() if isinstance(v, dict)}
     assert all(len(line) <= 100 for line in text.splitlines() if "/" not in line)

@@ -58,5 +58,6 @@ def test_every_card_of_a_gan_run_ends_on_the_one_step_axis(tiny_cfg, tmp_path):
     # batch 2, so `trainer.global_step` (both optimizers' steps) reaches 10: a card on that axis ends elsewhere.
     run(tiny_cfg("trainer.max_epochs=2", "logger=tensorboard"))
     last = _last_steps(tmp_path)
-    assert {"telemetry/step_time_ms", "val/psnr", "hp_metric", "train/loss_epoch", "train/loss_step", "val/slices"} <= set(last)
+    assert {"telemetry/step_time_ms", "val/psnr", "hp_metric", "train/loss_epoch", "train/loss_step",
+            "val/slices"} <= set(last)
     assert {tag: step for tag, step in last.items() if step != 5} == {}, last

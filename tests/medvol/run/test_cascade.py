@@ -64,7 +64,8 @@ def _best_epoch(metrics_csv) -> int:
 def test_stage_two_starts_from_the_best_epoch_of_stage_one_not_its_last(tmp_path):
     cfg = compose_cfg(tmp_path, [
         *TINY_DATA, "logger=csv", "~model", f"+model={{_target_:{CountingStage.__module__}.CountingStage,size:8}}",
-        "model.size=${dataset.size}", "optimized_metric=val/score", "optimized_mode=max", "callbacks.volume_slices=null",
+        "model.size=${dataset.size}", "optimized_metric=val/score", "optimized_mode=max",
+        "callbacks.volume_slices=null",
         "+cascade={stages:[1,2],from_run:null,stage1:{dataset:{size:8},trainer:{max_epochs:3}},"
         "stage2:{dataset:{size:16},trainer:{max_epochs:1}}}",
     ], tiny=False)
@@ -73,7 +74,8 @@ def test_stage_two_starts_from_the_best_epoch_of_stage_one_not_its_last(tmp_path
     best_epoch = _best_epoch(stage1 / "csv" / "metrics.csv")
     (epoch_file,) = (stage1 / "checkpoints").glob(f"epoch{best_epoch:03d}-*.ckpt")
     expected = torch.load(epoch_file, map_location="cpu", weights_only=False)["state_dict"]["steps"]
-    last = torch.load(stage1 / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]["steps"]
+    last = torch.load(stage1 / "checkpoints" / "last.ckpt", map_location="cpu",
+                      weights_only=False)["state_dict"]["steps"]
     assert 0 < float(expected) < float(last)
 
     handed_on = torch.load(stage1 / "best.ckpt", map_location="cpu", weights_only=False)["state_dict"]
@@ -90,13 +92,15 @@ def _stage_with_last(tmp_path, callbacks: dict) -> Any:
     """A stage folder whose checkpoints/last.ckpt records `callbacks` (a checkpoint callback's state)."""
     stage_dir = tmp_path / "stage1"
     (stage_dir / "checkpoints").mkdir(parents=True)
-    torch.save({"state_dict": {"steps": torch.ones(1)}, "callbacks": callbacks}, stage_dir / "checkpoints" / "last.ckpt")
+    torch.save({"state_dict": {"steps": torch.ones(1)}, "callbacks": callbacks},
+               stage_dir / "checkpoints" / "last.ckpt")
     return stage_dir
 
 
 def test_a_missing_best_checkpoint_stops_the_cascade_with_a_line_naming_it(tmp_path):
     missing = tmp_path / "stage1" / "checkpoints" / "epoch001-gone.ckpt"
-    stage_dir = _stage_with_last(tmp_path, {"StepCheckpoint": {"monitor": "val/score", "best_model_path": str(missing)}})
+    stage_dir = _stage_with_last(tmp_path,
+                                 {"StepCheckpoint": {"monitor": "val/score", "best_model_path": str(missing)}})
     with pytest.raises(MedvolError, match=f"best checkpoint {missing} .*does not exist"):
         best_checkpoint(stage_dir)
     assert not (stage_dir / "best.ckpt").exists()

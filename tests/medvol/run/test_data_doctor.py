@@ -205,5 +205,6 @@ def test_non_numeric_covariate_is_a_bad_row(tmp_path):
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    problems, _ = CsvDataModule(csv_path=str(table), covariate_columns=["age", "sex"], num_workers=0).data_problems(full=True)
+    problems, _ = CsvDataModule(csv_path=str(table), covariate_columns=["age", "sex"],
+                                num_workers=0).data_problems(full=True)
     assert [f"{p.file} {p.problem}" for p in problems] == ["mace.csv:3 age='forty': expected a number"]

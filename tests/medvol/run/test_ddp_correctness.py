@@ -133,7 +133,8 @@ def test_checkpoints_written_once_by_rank_zero_and_logs_printed_once(vqgan_runs)
 
 
 def test_automatic_optimization_with_accumulation_and_sync_batchnorm(tmp_path):
-    result = train_cli([*TINY_DATA, *DATA, *REGRESSOR, *DDP, f"hydra.run.dir={tmp_path / 'ddp'}"], cwd=tmp_path, tiny=False)
+    result = train_cli([*TINY_DATA, *DATA, *REGRESSOR, *DDP, f"hydra.run.dir={tmp_path / 'ddp'}"], cwd=tmp_path,
+                       tiny=False)
     assert result.returncode == 0, explain(result)
     single_dir = tmp_path / "single"
     single_dir.mkdir()

@@ -1,4 +1,5 @@
-"""The other documented DDP strategies on 2 CPU ranks: `ddp_spawn` and `ddp_find_unused` train what one process trains."""
+"""The other documented DDP strategies on 2 CPU ranks: `ddp_spawn` and `ddp_find_unused` train what one process
+trains."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from tests.medvol.run.test_ddp_correctness import DDP, TINY_DATA, assert_same_we
 
 # cache=none: every rank samples the whole split, so the 2-rank global batches are the single process's.
 DATA = [
-    "dataset.num_subjects=13", "dataset.val_fraction=0.25", "dataset.test_fraction=0.25", "trainer.limit_train_batches=3",
+    "dataset.num_subjects=13", "dataset.val_fraction=0.25", "dataset.test_fraction=0.25",
+    "trainer.limit_train_batches=3",
     "dataset.cache=none",
 ]
 

@@ -1,4 +1,5 @@
-"""predict.py: whole volumes through sliding windows, outputs on the source grid and in source units, bad input refused."""
+"""predict.py: whole volumes through sliding windows, outputs on the source grid and in source units, bad input
+refused."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def write_lps_scans(root: Path, subjects: int, channels: int = 1) -> Path:
     for i in range(subjects):
         phantom = make_phantom(0, i, SHAPE)
         # Channels with different ranges, so swapping their scalings would show.
-        data = np.stack([phantom.channels[m] * (1000 + 500 * c) - 200 * c for c, m in enumerate(("t1", "t2")[:channels])], -1)
+        modalities = ("t1", "t2")[:channels]
+        data = np.stack([phantom.channels[m] * (1000 + 500 * c) - 200 * c for c, m in enumerate(modalities)], -1)
         path = root / f"case{i:02d}" / "image.nii.gz"
         path.parent.mkdir(parents=True, exist_ok=True)
         nib.save(nib.Nifti1Image((data[..., 0] if channels == 1 else data).astype(np.int16), LPS_AFFINE), str(path))
@@ -64,7 +66,8 @@ def trained_run(tmp_path_factory) -> Path:
     run_dir = base / "run"
     common = [o for o in TINY_COMMON if not o.startswith("dataset.")]
     cfg = compose_cfg(run_dir, [
-        *common, *TINY_MODEL["vqgan"], "dataset=nifti", f"dataset.root={data}", "dataset.transforms.spatial_size=[16,16,16]", "dataset.batch_size=2",
+        *common, *TINY_MODEL["vqgan"], "dataset=nifti", f"dataset.root={data}",
+        "dataset.transforms.spatial_size=[16,16,16]", "dataset.batch_size=2",
         "dataset.num_workers=0", "test=true", "logger=none", "callbacks.volume_slices=null",
     ], tiny=False)
     return saved_run(run_dir, cfg)
@@ -95,7 +98,8 @@ def test_sliding_window_of_an_identity_net_equals_the_input_on_a_larger_non_divi
 
 def test_identity_output_is_written_on_the_lps_int16_source_grid_in_its_units(tmp_path):
     root = write_lps_scans(tmp_path / "scans", 1, channels=2)
-    settings = {"orientation": "RAS", "intensity": "percentile", "percentiles": [0.0, 100.0], "spatial_size": [24, 16, 20]}
+    settings = {"orientation": "RAS", "intensity": "percentile", "percentiles": [0.0, 100.0],
+                "spatial_size": [24, 16, 20]}
     datamodule = NiftiDataModule(root=str(root), transforms=settings)
     batch = torch.utils.data.default_collate([datamodule.build_dataset(datamodule.subjects(), "test")[0]])
     assert batch["image"].abs().max() <= 1.0  # model units
@@ -127,7 +131,8 @@ def test_a_volume_in_the_conditions_units_is_written_with_the_conditions_scaling
 
 def test_predict_and_test_true_write_the_same_files(trained_run, tmp_path):
     out = tmp_path / "out"
-    predict(predict_cfg(f"ckpt_path={trained_run}/checkpoints/last.ckpt", "split=test", "keep_crop=true", f"output_dir={out}"))
+    predict(predict_cfg(f"ckpt_path={trained_run}/checkpoints/last.ckpt", "split=test", "keep_crop=true",
+                        f"output_dir={out}"))
     tested = sorted(p.name for p in (trained_run / "predictions").glob("*.nii.gz"))
     assert tested and sorted(p.name for p in out.glob("*.nii.gz")) == tested
     for name in tested:
@@ -145,7 +150,8 @@ def test_a_dataset_chosen_by_name_lists_every_subject_and_keeps_the_runs_preproc
                         "keep_crop=true", f"output_dir={out}"))
     assert len(list(out.glob("*_reconstruction.nii.gz"))) == 8
     for tested in (trained_run / "predictions").glob("*.nii.gz"):
-        np.testing.assert_allclose(nib.load(str(out / tested.name)).get_fdata(), nib.load(str(tested)).get_fdata(), atol=1e-3)
+        np.testing.assert_allclose(nib.load(str(out / tested.name)).get_fdata(), nib.load(str(tested)).get_fdata(),
+                                   atol=1e-3)
 
 
 def test_predict_reconstructs_unseen_files_on_their_grid_with_per_subject_psnr(trained_run, tmp_path):
@@ -155,7 +161,8 @@ def test_predict_reconstructs_unseen_files_on_their_grid_with_per_subject_psnr(t
     for i, path in enumerate(sorted(scans.glob("*/image.nii.gz"))):
         path.rename(files / f"scan{i}.nii.gz")
     metrics = predict(predict_cfg(
-        f"ckpt_path={trained_run}/checkpoints/last.ckpt", f"input={files}", f"output_dir={tmp_path / 'out'}", "codes=true"
+        f"ckpt_path={trained_run}/checkpoints/last.ckpt", f"input={files}", f"output_dir={tmp_path / 'out'}",
+        "codes=true"
     ))
     for i in range(2):
         out = nib.load(str(tmp_path / "out" / f"scan{i}_reconstruction.nii.gz"))
@@ -172,7 +179,8 @@ def test_predict_reconstructs_unseen_files_on_their_grid_with_per_subject_psnr(t
 
 
 def test_a_model_trained_on_phantoms_reads_a_nifti_dataset_chosen_by_name(tmp_path):
-    run_dir = saved_run(tmp_path / "run", compose_cfg(tmp_path / "run", ["logger=none", "callbacks.volume_slices=null"]))
+    run_dir = saved_run(tmp_path / "run",
+                        compose_cfg(tmp_path / "run", ["logger=none", "callbacks.volume_slices=null"]))
     scans = write_lps_scans(tmp_path / "scans", 2)
     predict(predict_cfg(f"ckpt_path={run_dir}/checkpoints/last.ckpt", "dataset=nifti", f"dataset.root={scans}",
                         f"output_dir={tmp_path / 'out'}"))
@@ -182,7 +190,8 @@ def test_a_model_trained_on_phantoms_reads_a_nifti_dataset_chosen_by_name(tmp_pa
 
 @pytest.mark.parametrize("family", ["segmentation", "ddpm"])
 def test_segmentation_and_diffusion_predictions_equal_their_test_outputs(tmp_path, family):
-    overrides = [f"model={family}", "dataset.num_subjects=16", "test=true", "logger=none", "callbacks.volume_slices=null"]
+    overrides = [f"model={family}", "dataset.num_subjects=16", "test=true", "logger=none",
+                 "callbacks.volume_slices=null"]
     run_dir = saved_run(tmp_path / "run", compose_cfg(tmp_path / "run", overrides))
     out = tmp_path / "out"
     predict(predict_cfg(f"ckpt_path={run_dir}/checkpoints/last.ckpt", "split=test", f"output_dir={out}"))
@@ -197,9 +206,11 @@ def test_segmentation_and_diffusion_predictions_equal_their_test_outputs(tmp_pat
         np.testing.assert_allclose(a.get_fdata(), b.get_fdata(), rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize(("family", "table", "column"), [("survival", "risks.csv", "risk"), ("classifier", "probabilities.csv", "p1")])
+@pytest.mark.parametrize(("family", "table", "column"),
+                         [("survival", "risks.csv", "risk"), ("classifier", "probabilities.csv", "p1")])
 def test_outcome_models_write_predictions_csv_rows_equal_to_the_test_tables(tmp_path, family, table, column):
-    overrides = [f"model={family}", "dataset.num_subjects=16", "test=true", "logger=none", "callbacks.volume_slices=null"]
+    overrides = [f"model={family}", "dataset.num_subjects=16", "test=true", "logger=none",
+                 "callbacks.volume_slices=null"]
     run_dir = saved_run(tmp_path / "run", compose_cfg(tmp_path / "run", overrides))
     predict(predict_cfg(f"ckpt_path={run_dir}/checkpoints/last.ckpt", "split=test", f"output_dir={tmp_path / 'out'}"))
     with (run_dir / "predictions" / table).open() as a, (tmp_path / "out" / "predictions.csv").open() as b:
@@ -229,14 +240,16 @@ def test_command_line_transform_overrides_apply_to_a_dataset_chosen_by_name(trai
     def command(out: Path, *extra: str) -> Path:
         subprocess.run(
             [sys.executable, str(ROOT / "predict.py"), f"ckpt_path={trained_run}/checkpoints/last.ckpt", "device=cpu",
-             "dataset=nifti", f"dataset.root={trained_run.parent / 'scans'}", "keep_crop=true", f"output_dir={out}", *extra],
+             "dataset=nifti", f"dataset.root={trained_run.parent / 'scans'}", "keep_crop=true",
+             f"output_dir={out}", *extra],
             check=True, capture_output=True, cwd=tmp_path, timeout=300,
         )
         return out
 
     tested = next((trained_run / "predictions").glob("*.nii.gz"))
     plain = nib.load(str(command(tmp_path / "plain") / tested.name)).get_fdata()
-    changed = nib.load(str(command(tmp_path / "changed", "dataset.transforms.percentiles=[20,80]") / tested.name)).get_fdata()
+    changed = nib.load(str(command(tmp_path / "changed",
+                                   "dataset.transforms.percentiles=[20,80]") / tested.name)).get_fdata()
     # Without overrides the run's own preprocessing (the test=true file); with one, that key changes.
     np.testing.assert_allclose(plain, nib.load(str(tested)).get_fdata(), atol=1e-3)
     assert np.abs(changed - plain).max() > 1.0
@@ -261,7 +274,8 @@ def test_predict_writes_a_log_beside_its_outputs_with_the_library_warnings_the_c
     assert "predicted 1 subject -> " in text and "last.ckpt on 1 subject(s) from input" in text
     # A refused command leaves no log (nor any other file) behind.
     with pytest.raises(MedvolError, match="roi"):
-        predict(predict_cfg(ckpt, f"input={scans / 'case00' / 'image.nii.gz'}", f"output_dir={tmp_path / 'refused'}", "roi=[8,8]"))
+        predict(predict_cfg(ckpt, f"input={scans / 'case00' / 'image.nii.gz'}", f"output_dir={tmp_path / 'refused'}",
+                            "roi=[8,8]"))
     assert not (tmp_path / "refused").exists()
 
 
@@ -277,9 +291,11 @@ def test_bad_input_is_refused_with_the_key_named(trained_run, tmp_path):
     torch.save({"state_dict": {}, "loops": {}}, foreign)
     cases = [
         ([ckpt, f"input={scans}", f"output_dir={scans / 'out'}"], "`output_dir`"),
-        ([ckpt, f"input={two_channels / 'case00' / 'image.nii.gz'}", f"output_dir={tmp_path / 'o1'}"], "has 2 image channels"),
+        ([ckpt, f"input={two_channels / 'case00' / 'image.nii.gz'}", f"output_dir={tmp_path / 'o1'}"],
+         "has 2 image channels"),
         ([f"ckpt_path={foreign}", f"input={scans}", f"output_dir={tmp_path / 'o2'}"], "an unknown model"),
-        ([f"ckpt_path={tmp_path / 'none.ckpt'}", f"input={scans}", f"output_dir={tmp_path / 'o3'}"], "`ckpt_path`: no file"),
+        ([f"ckpt_path={tmp_path / 'none.ckpt'}", f"input={scans}", f"output_dir={tmp_path / 'o3'}"],
+         "`ckpt_path`: no file"),
         ([ckpt, f"output_dir={tmp_path / 'o4'}"], "`input` is not set"),
     ]
     for overrides, message in cases:
@@ -306,6 +322,7 @@ def test_a_file_input_may_write_beside_itself_but_never_onto_an_input(trained_ru
     link = tmp_path / "links" / "image.nii.gz"
     link.parent.mkdir()
     link.symlink_to(target)
-    with pytest.raises(MedvolError, match=r"`output_dir`: the output .*image_reconstruction.nii.gz would replace the input file"):
+    with pytest.raises(MedvolError,
+                       match=r"`output_dir`: the output .*image_reconstruction.nii.gz would replace the input file"):
         predict(predict_cfg(ckpt, f"input={link}", f"output_dir={out}"))
     assert target.read_bytes() == before and sorted(p.name for p in out.iterdir()) == [target.name]

@@ -10,7 +10,8 @@ from medvol.core.errors import MedvolError
 from medvol.run.predict_check import check_predict, pick_device, window_roi
 
 SEGMENTER = "lightning_modules.segmentation.segmentation.Segmenter"
-RUN = OmegaConf.create({"model": {"_target_": SEGMENTER, "overlap": 0.5, "patch_size": [8, 8, 8]}, "dataset": {"size": 16}})
+RUN = OmegaConf.create({"model": {"_target_": SEGMENTER, "overlap": 0.5, "patch_size": [8, 8, 8]},
+                        "dataset": {"size": 16}})
 LDM = "lightning_modules.ldm.latent_diffusion.LatentDiffusion"
 
 

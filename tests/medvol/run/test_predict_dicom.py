@@ -1,5 +1,6 @@
 """DICOM series through training, test=true and predict.py: the same outputs as the volume given as NIfTI, derived
-series and DICOM-SEG written on the source slices, refusals before any work, no patient attribute in what medvol makes."""
+series and DICOM-SEG written on the source slices, refusals before any work, no patient attribute in what medvol
+makes."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ SHAPE = (22, 13, 18)
 
 
 def write_phantom_series(folder: Path, seed: int, uid: str | None = None, description: str = "t1") -> dict:
-    """A T1-like int16 phantom as a shuffled, oblique, anisotropic series with intercept -1024 (stored = value + 1024)."""
+    """A T1-like int16 phantom as a shuffled, oblique, anisotropic series with intercept -1024 (stored = value +
+    1024)."""
     values = np.rint(make_phantom(0, seed, SHAPE).channels["t1"] * 1000).astype(np.int16)
     return write_series(folder, values.transpose(1, 0, 2) + 1024, oblique_orientation(12.0), spacing=(0.9, 1.2),
                         step=2.5, origin=(30.0, 21.0, -40.0), intercept=-1024.0, uid=uid, description=description,
@@ -46,8 +48,8 @@ def as_nifti(folder: Path, path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def dicom_run(tmp_path_factory) -> Path:
-    """A tiny VQ-GAN trained on series folders (`{subject}/image/`, matched by the default `{subject}/{modality}.nii.gz`),
-    tested with test=true output_format=both, logged to TensorBoard."""
+    """A tiny VQ-GAN trained on series folders (`{subject}/image/`, matched by the default
+    `{subject}/{modality}.nii.gz`), tested with test=true output_format=both, logged to TensorBoard."""
     base = tmp_path_factory.mktemp("dicom")
     for i in range(8):
         write_phantom_series(base / "scans" / f"case{i:02d}" / "image", i)
@@ -98,7 +100,8 @@ def test_derived_series_carry_the_source_study_and_patient_module_and_nothing_of
     assert len(files) == SHAPE[2] and not (out / "anon02_reconstruction.nii.gz").exists()
     first, original = pydicom.dcmread(files[0]), pydicom.dcmread(source["files"][0])
     assert first.SeriesInstanceUID != original.SeriesInstanceUID and list(first.ImageType)[0] == "DERIVED"
-    assert (first.StudyInstanceUID, first.FrameOfReferenceUID) == (original.StudyInstanceUID, original.FrameOfReferenceUID)
+    assert (first.StudyInstanceUID, first.FrameOfReferenceUID) == (original.StudyInstanceUID,
+                                                                   original.FrameOfReferenceUID)
     assert {k: str(first.get(k)) for k in PATIENT} == PATIENT
     assert not any(element.tag.is_private for element in first)
     # Every file medvol made but the DICOM outputs (which carry the patient module): logs, TensorBoard events,
@@ -135,7 +138,8 @@ def test_dicom_output_for_a_nifti_input_and_an_unknown_format_are_refused(dicom_
 
 
 def test_a_mask_is_written_as_dicom_seg_on_the_source_slices(tmp_path: Path):
-    """A threshold of the model-grid image, written as SEG, read back with highdicom = the threshold of SimpleITK's values."""
+    """A threshold of the model-grid image, written as SEG, read back with highdicom = the threshold of SimpleITK's
+    values."""
     write_phantom_series(tmp_path / "scans" / "anon04" / "image", 16)
     datamodule = NiftiDataModule(root=str(tmp_path / "scans"), pattern="{subject}/{modality}",
                                  transforms={"orientation": "RAS", "intensity": "none", "spatial_size": None})
@@ -155,13 +159,15 @@ def test_a_mask_is_written_as_dicom_seg_on_the_source_slices(tmp_path: Path):
     np.testing.assert_array_equal(frames[..., 0] > 0, values > 300)
     np.testing.assert_array_equal(frames[..., 1] > 0, values > 700)
     # Empty frames are left out: only slices where a segment has a voxel are stored.
-    assert written.NumberOfFrames == int(((values > 300).any(axis=(1, 2))).sum() + ((values > 700).any(axis=(1, 2))).sum())
+    assert written.NumberOfFrames == int(((values > 300).any(axis=(1, 2))).sum() + ((values > 700).any(axis=(1,
+                                                                                                             2))).sum())
     assert str(written.SeriesInstanceUID) != str(pydicom.dcmread(names[0]).SeriesInstanceUID)
     assert {k: str(written.get(k)) for k in PATIENT} == PATIENT and "PatientAge" not in written
 
 
 def test_test_true_with_dicom_output_on_data_without_series_is_refused_before_training(tmp_path: Path):
-    cfg = compose_cfg(tmp_path / "run", ["test=true", "output_format=dicom", "logger=none", "callbacks.volume_slices=null"])
+    cfg = compose_cfg(tmp_path / "run",
+                      ["test=true", "output_format=dicom", "logger=none", "callbacks.volume_slices=null"])
     with pytest.raises(MedvolError, match="`output_format`: dicom, but subject .* comes from no file"):
         run(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists()

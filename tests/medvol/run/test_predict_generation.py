@@ -1,4 +1,5 @@
-"""predict.py on the inputs a patient has: a diffusion model's outputs from its condition alone, N samples, bad input."""
+"""predict.py on the inputs a patient has: a diffusion model's outputs from its condition alone, N samples, bad
+input."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def test_a_condition_only_prediction_equals_the_test_true_sample_of_the_same_sub
     t1_only = copy_modalities(translation_run.parent / "brats", tmp_path / "t1", ("t1",))
     out = tmp_path / "out"
     # dataset=brats with the T1 files alone: the T2 (the target) is what the model is for.
-    predict(predict_cfg(f"ckpt_path={translation_run}/checkpoints/last.ckpt", "dataset=brats", f"dataset.root={t1_only}",
+    predict(predict_cfg(f"ckpt_path={translation_run}/checkpoints/last.ckpt", "dataset=brats",
+                        f"dataset.root={t1_only}",
                         "split=test", "keep_crop=true", f"output_dir={out}"))
     tested = sorted((translation_run / "predictions").glob("*_sample.nii.gz"))
     assert tested and sorted(p.name for p in out.iterdir() if p.name != "predict.log") == [p.name for p in tested]
@@ -88,8 +90,10 @@ def test_t1_files_give_n_seeded_samples_with_their_mean_and_spread_on_each_files
         single = nib.load(str(tmp_path / "one" / f"{subject}_sample.nii.gz"))
         assert single.shape == SHAPE and np.allclose(single.affine, LPS_AFFINE)
         # In the training targets' typical units: within the recorded median percentile ends.
-        assert record["low"][0] - 1e-3 <= single.get_fdata().min() and single.get_fdata().max() <= record["high"][0] + 1e-3
-        draws = np.stack([nib.load(str(tmp_path / "three" / f"{subject}_sample_{k}.nii.gz")).get_fdata() for k in range(3)])
+        assert record["low"][0] - 1e-3 <= single.get_fdata().min()
+        assert single.get_fdata().max() <= record["high"][0] + 1e-3
+        draws = np.stack([nib.load(str(tmp_path / "three" / f"{subject}_sample_{k}.nii.gz")).get_fdata()
+                          for k in range(3)])
         # Draw 0 is the single sample; the others are other seeds.
         np.testing.assert_allclose(draws[0], single.get_fdata(), rtol=0, atol=1e-3)
         assert np.abs(draws[1] - draws[0]).max() > 1.0
@@ -139,10 +143,12 @@ def restoration_run(request, tmp_path_factory) -> tuple[str, Path]:
     """A tiny Fast-DDPM that makes its condition from the T2 (average-pooled, or with noise), as in training."""
     base = tmp_path_factory.mktemp(request.param)
     data = write_brats_lps(base / "brats", SUBJECTS)
-    return request.param, ddpm_on_brats(base / "run", data, f"model.task={request.param}", "dataset.image_modalities=[t2]")
+    return request.param, ddpm_on_brats(base / "run", data, f"model.task={request.param}",
+                                        "dataset.image_modalities=[t2]")
 
 
-def test_a_coarse_scan_is_refined_to_the_training_spacing_and_a_noisy_one_denoised_on_its_grid(restoration_run, tmp_path):
+def test_a_coarse_scan_is_refined_to_the_training_spacing_and_a_noisy_one_denoised_on_its_grid(restoration_run,
+                                                                                               tmp_path):
     task, run_dir = restoration_run
     t2 = next((run_dir.parent / "brats").glob("*/*_t2.nii.gz"))
     fine = nib.load(str(t2))
@@ -178,7 +184,8 @@ def test_a_coarse_scan_is_refined_to_the_training_spacing_and_a_noisy_one_denois
     # In the input's own units: within its 0.5 / 99.5 percentiles (what its scaling maps onto [-1, 1]).
     low, high = np.percentile(source, [0.5, 99.5])
     values = written.get_fdata()
-    assert low - 1e-2 <= values.min() and values.max() <= high + 1e-2 and values.max() - values.min() > 0.2 * (high - low)
+    assert low - 1e-2 <= values.min() and values.max() <= high + 1e-2
+    assert values.max() - values.min() > 0.2 * (high - low)
 
 
 @pytest.mark.slow
@@ -192,9 +199,11 @@ def test_a_few_epochs_beat_the_identity_baseline_from_t1_files_alone(tmp_path):
     # Withheld phantoms (indices past the 32 trained on): their T1 on disk, their T2 kept for the comparison.
     for index in range(1000, 1004):
         phantom = make_phantom(0, index, (size,) * 3)
-        nib.save(nib.Nifti1Image(phantom.channels["t1"], phantom_affine((size,) * 3, 6.0)), str(inputs / f"p{index}.nii.gz"))
+        nib.save(nib.Nifti1Image(phantom.channels["t1"], phantom_affine((size,) * 3, 6.0)),
+                 str(inputs / f"p{index}.nii.gz"))
         targets[f"p{index}"] = phantom
-    predict(predict_cfg(f"ckpt_path={run_dir}/checkpoints/last.ckpt", f"input={inputs}", f"output_dir={tmp_path / 'out'}"))
+    predict(predict_cfg(f"ckpt_path={run_dir}/checkpoints/last.ckpt", f"input={inputs}",
+                        f"output_dir={tmp_path / 'out'}"))
     high = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["medvol_data"]["intensity"]["high"][0]
 
     def psnr(a: np.ndarray, b: np.ndarray) -> float:

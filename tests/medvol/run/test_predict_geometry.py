@@ -65,7 +65,8 @@ def test_an_oblique_anisotropic_scan_is_resampled_to_the_recorded_spacing_and_ba
     np.testing.assert_allclose(model[covered], expected[covered], rtol=0, atol=1e-4 * np.ptp(data))
 
     # And back onto the scan's own grid, as the writer maps outputs.
-    back = to_source_grid(item["image"], (item["source_affine"], item["source_shape"]), item["affine"], "linear")[0].numpy()
+    back = to_source_grid(item["image"], (item["source_affine"], item["source_shape"]), item["affine"],
+                          "linear")[0].numpy()
     backward = np.linalg.inv(model_affine) @ affine
     expected_back = ndimage.affine_transform(model, backward[:3, :3], backward[:3, 3], output_shape=shape, order=1)
     covered_back = inside(backward, shape, model.shape)

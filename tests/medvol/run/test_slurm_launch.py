@@ -25,7 +25,8 @@ def _cluster_up() -> bool:
     return probe.returncode == 0 and any(state in probe.stdout for state in ("idle", "mix", "alloc"))
 
 
-pytestmark = [pytest.mark.slurm, pytest.mark.skipif(not _cluster_up(), reason="no SLURM cluster (SLURM_CONF unset or sinfo fails)")]
+pytestmark = [pytest.mark.slurm,
+              pytest.mark.skipif(not _cluster_up(), reason="no SLURM cluster (SLURM_CONF unset or sinfo fails)")]
 
 SMALL = ["dataset.batch_size=1", "dataset.val_fraction=0.25", "callbacks.volume_slices=null"]
 

@@ -41,7 +41,8 @@ def model_extra(model: str, tmp_path: Path) -> list[str]:
 
 @pytest.mark.parametrize("model", MODELS)
 def test_every_model_config_runs_fast_dev_run_on_synthetic(tiny_cfg, tmp_path, model):
-    metrics = run(tiny_cfg(f"model={model}", "dataset=synthetic", "trainer.fast_dev_run=true", *model_extra(model, tmp_path)))
+    metrics = run(tiny_cfg(f"model={model}", "dataset=synthetic", "trainer.fast_dev_run=true",
+                           *model_extra(model, tmp_path)))
     assert metrics, f"model={model} logged no metrics"
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
 

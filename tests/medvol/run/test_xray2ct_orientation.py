@@ -22,7 +22,8 @@ def example(tmp_path_factory):
 
 
 def _restored(example, tmp_path, view: str, pixels, index_map: np.ndarray, name: str | None = None):
-    """The example `view` stored otherwise: `pixels(data)`, with an affine still true to the patient (old = map @ new)."""
+    """The example `view` stored otherwise: `pixels(data)`, with an affine still true to the patient (old = map @
+    new)."""
     image = nib.load(str(example / f"phantom-0-0000_{view}.nii.gz"))
     data = np.asarray(image.dataobj)
     path = tmp_path / f"phantom-0-0000_{name or view}.nii.gz"

@@ -51,7 +51,8 @@ def write_subjects(root: Path, spacings, ct: bool = False, shape=(24, 20, 12), s
 def datamodule(root: Path, tmp_path: Path, **kwargs) -> NiftiDataModule:
     return NiftiDataModule(
         root=str(root), pattern="{subject}/{modality}.nii.gz", label_file="{subject}/label.nii.gz",
-        image_modalities=["image"], val_fraction=0.2, test_fraction=0.2, split_file=str(tmp_path / "split.json"), **kwargs,
+        image_modalities=["image"], val_fraction=0.2, test_fraction=0.2, split_file=str(tmp_path / "split.json"),
+        **kwargs,
     )
 
 
@@ -82,7 +83,8 @@ def test_mr_data_is_planned_as_mr_and_modality_kind_overrides_it(tmp_path):
     root = write_subjects(tmp_path / "data", SPACINGS)
     assert make_plan(datamodule(root, tmp_path).plan_fingerprint(), 2**29, 16)["normalization"] == [{"kind": "mr"}]
     forced = datamodule(root, tmp_path, modality_kind="ct")
-    assert make_plan(forced.plan_fingerprint(), 2**29, 16, kinds=forced.modality_kind)["normalization"][0]["kind"] == "ct"
+    assert make_plan(forced.plan_fingerprint(), 2**29, 16,
+                     kinds=forced.modality_kind)["normalization"][0]["kind"] == "ct"
 
 
 def test_mr_normalization_is_numpys_z_score_over_the_non_zero_voxels_and_keeps_zeros():
@@ -116,11 +118,13 @@ def anisotropic(spacing=(0.8, 0.8, 4.0), shape=(120, 110, 30)) -> DataFingerprin
 @pytest.mark.parametrize("fingerprint", [anisotropic(), anisotropic((1.0, 1.0, 1.0), (160, 190, 150))])
 def test_a_planned_patch_and_batch_never_exceed_the_memory_budget(fingerprint, budget_mib):
     plan = make_plan(fingerprint, budget_mib * 2**20, 16)
-    assert activation_bytes(plan["patch_size"], plan["batch_size"], plan["strides"], plan["features"]) <= budget_mib * 2**20
+    assert activation_bytes(plan["patch_size"], plan["batch_size"], plan["strides"],
+                            plan["features"]) <= budget_mib * 2**20
     assert plan["memory_estimate"] <= plan["memory_budget"] == budget_mib * 2**20
 
 
-@pytest.mark.parametrize(("size", "spacing", "supervised"), [([32, 32, 8], [1.0, 1.0, 4.0], True), ([24, 24, 24], [1.0] * 3, False)])
+@pytest.mark.parametrize(("size", "spacing", "supervised"),
+                         [([32, 32, 8], [1.0, 1.0, 4.0], True), ([24, 24, 24], [1.0] * 3, False)])
 def test_the_memory_estimate_bounds_the_activations_autograd_keeps(size, spacing, supervised):
     patch, strides, kernels = topology(size, spacing)
     features = [8, 16, 32, 64][: len(strides)]
@@ -166,7 +170,8 @@ def test_a_plan_is_written_once_and_read_back_bit_for_bit_on_resume_and_by_predi
     text = json.dumps(plan, indent=2) + "\n"
     plan_file.write_text(text)
     last = run_dir / "checkpoints" / "last.ckpt"
-    resumed = compose_cfg(run_dir, [*tiny_planned_run(tmp_path, data), f"ckpt_path={last}", "trainer.max_epochs=2"], tiny=False)
+    resumed = compose_cfg(run_dir, [*tiny_planned_run(tmp_path, data), f"ckpt_path={last}", "trainer.max_epochs=2"],
+                          tiny=False)
     run(resumed)
     assert plan_file.read_text() == text
     assert torch.load(last, weights_only=False)["hyper_parameters"]["patch_size"] == [8, 8, 4]
@@ -183,12 +188,14 @@ def test_a_plan_is_written_once_and_read_back_bit_for_bit_on_resume_and_by_predi
 
 def test_the_plan_lines_name_every_choice_and_an_override_wins(tmp_path):
     data = write_subjects(tmp_path / "data", SPACINGS)
-    cfg = compose_cfg(tmp_path / "run", tiny_planned_run(tmp_path, data, ["model.plan.patch_size=[16,16,8]"]), tiny=False)
+    cfg = compose_cfg(tmp_path / "run", tiny_planned_run(tmp_path, data, ["model.plan.patch_size=[16,16,8]"]),
+                      tiny=False)
     built = NiftiDataModule(**{k: v for k, v in cfg.dataset.items() if k != "_target_"})
     planned_cfg, lines = planned(cfg, built, "cpu")
     assert list(planned_cfg.model.patch_size) == [16, 16, 8] and planned_cfg.model.net == "dynunet"
     text = "\n".join(lines)
-    for word in ("spacing", "normalization", "patch 16x16x8", "batch", "DynUNet", "deep supervision", "poly", "patch_size"):
+    for word in ("spacing", "normalization", "patch 16x16x8", "batch", "DynUNet", "deep supervision", "poly",
+                 "patch_size"):
         assert word in text
 
 

@@ -28,7 +28,8 @@ def write_brats_lps(root: Path, subjects: int = 2) -> Path:
         seg[phantom.label == 2] = 2
         seg[phantom.label == 1] = 4
         seg[(phantom.label == 1) & (np.arange(SHAPE[0]) % 2 == 0)[:, None, None]] = 1
-        files = {"seg": seg, **{m: (phantom.channels[m] * 1000).astype(np.int16) for m in ("t1", "t1ce", "t2", "flair")}}
+        files = {"seg": seg,
+                 **{m: (phantom.channels[m] * 1000).astype(np.int16) for m in ("t1", "t1ce", "t2", "flair")}}
         for name, data in files.items():
             path = root / case / f"{case}_{name}.nii.gz"
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -51,7 +52,8 @@ def test_reoriented_cropped_padded_label_maps_back_exactly(tmp_path):
     assert tuple(item["source_shape"].tolist()) == SHAPE
     assert np.allclose(item["source_affine"].numpy(), source.affine)
 
-    back = to_source_grid(item["label"], (item["source_affine"], item["source_shape"]), item["affine"], "nearest", fill=-1)
+    back = to_source_grid(item["label"], (item["source_affine"], item["source_shape"]), item["affine"], "nearest",
+                          fill=-1)
     assert back.dtype == torch.int64 and tuple(back.shape) == (1, *SHAPE)
     expected = torch.from_numpy(np.asarray(source.dataobj).astype(np.int64))
     expected = torch.where(expected == 4, 3, expected)  # the dataset's unified numbering

@@ -43,7 +43,8 @@ def smooth_volume(seed: int = 0) -> np.ndarray:
     """A float volume on the model grid, about -1000 .. 1000 (HU-like), with no two neighbours equal."""
     rng = np.random.default_rng(seed)
     grid = np.meshgrid(*[np.linspace(0, 1, n) for n in MODEL_SHAPE], indexing="ij")
-    return (600 * np.sin(3 * grid[0] + 2 * grid[1]) + 300 * grid[2] + 50 * rng.normal(size=MODEL_SHAPE)).astype(np.float32)
+    values = 600 * np.sin(3 * grid[0] + 2 * grid[1]) + 300 * grid[2] + 50 * rng.normal(size=MODEL_SHAPE)
+    return values.astype(np.float32)
 
 
 def source_coordinates() -> np.ndarray:
