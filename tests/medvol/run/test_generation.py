@@ -29,7 +29,8 @@ from medvol.run.generation import (
     without_targets,
 )
 
-TARGET_UNITS = {"low": -1000.0, "high": 1000.0, "range": [-1.0, 1.0]}
+# As `VolumeDataModule.fingerprint` records it: per `image` channel, the raw values mapped onto the ends of `range`.
+TARGET_UNITS = {"low": [-1000.0], "high": [1000.0], "range": [-1.0, 1.0]}
 
 
 def _nifti(path: Path, shape: tuple[int, ...], affine: np.ndarray | None = None) -> str:
@@ -111,8 +112,8 @@ def test_the_inputs_spacing_is_compared_on_the_training_orientations_axes(tmp_pa
 
 def test_a_batch_without_a_scaling_record_takes_the_training_targets_units_per_subject():
     batch = with_target_units({"subject": ["a", "b"]}, TARGET_UNITS)
-    torch.testing.assert_close(batch["intensity_low"], torch.tensor([-1000.0, -1000.0], dtype=torch.float64))
-    torch.testing.assert_close(batch["intensity_high"], torch.tensor([1000.0, 1000.0], dtype=torch.float64))
+    torch.testing.assert_close(batch["intensity_low"], torch.tensor([[-1000.0], [-1000.0]], dtype=torch.float64))
+    torch.testing.assert_close(batch["intensity_high"], torch.tensor([[1000.0], [1000.0]], dtype=torch.float64))
     torch.testing.assert_close(batch["intensity_range"], torch.tensor([[-1.0, 1.0]] * 2, dtype=torch.float64))
 
 
