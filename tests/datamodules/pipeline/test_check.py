@@ -19,6 +19,7 @@ from datamodules.pipeline.check import (
     format_table,
     preflight_error,
 )
+from tests.conftest import compose_cfg
 
 
 def _write(path: Path, data: np.ndarray, affine: np.ndarray | None = None) -> str:
@@ -147,4 +148,9 @@ def test_the_refusal_names_the_count_the_first_three_and_the_full_check_with_the
         "the data check found 5 problem(s), training not started (first: f0.nii: p0; f1.nii: p1; f2.nii: p2); "
         "run the full check for the whole table: python check_data.py dataset=brats dataset.root=/data"
     )
-    assert dataset_overrides() == []  # outside a Hydra job there is nothing to repeat
+
+
+def test_the_dataset_overrides_of_the_hydra_job_are_repeated_with_the_group_choice_first(tmp_path):
+    compose_cfg(tmp_path, ["dataset.root=/data", "model=segmentation", "dataset=nifti", "trainer.max_epochs=2"],
+                tiny=False)
+    assert dataset_overrides() == ["dataset=nifti", "dataset.root=/data"]
