@@ -4,7 +4,7 @@
 
 A 128^3 patch at downsample 4 gives 32^3 = 32768 latent vectors per patch; the CTPA experiment
 has 16384 codes of size 8. "full" is the computation before chunking (one latents x codes
-distance matrix and a one-hot for the EMA sums; `tests/test_codebook_chunked.full_forward`,
+distance matrix and a one-hot for the EMA sums; `tests/lightning_modules/vqgan/test_codebook_chunked.full_forward`,
 which the test checks the chunked codebook against); "chunked" is `EMACodebook.forward` in
 training mode (restarts off on both sides). Each side runs in its own process; memory is the
 process's peak RSS during the steps minus its RSS before them; time is the median step, as
@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from lightning_modules.vqgan.codebook import EMACodebook  # noqa: E402 - after the path set-up for direct runs
-from tests.test_codebook_chunked import full_forward  # noqa: E402
+from tests.lightning_modules.vqgan.test_codebook_chunked import full_forward  # noqa: E402
 
 
 def current_rss_mib() -> float:

@@ -1,5 +1,5 @@
 """How often a 2-rank DDP run exits cleanly: N runs of the path of
-`tests/test_ddp_correctness.py::test_automatic_optimization_with_accumulation_and_sync_batchnorm`.
+`tests/medvol/run/test_ddp_correctness.py::test_automatic_optimization_with_accumulation_and_sync_batchnorm`.
 
     .venv/bin/python benchmarks/ddp_exit_loop.py [--runs 20]
 
@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.test_ddp_correctness import DATA, DDP, REGRESSOR, TINY_DATA  # noqa: E402 - after the path set-up
-from tests.test_ddp_support import train_cli  # noqa: E402
+from tests.ddp_support import train_cli  # noqa: E402
+from tests.medvol.run.test_ddp_correctness import DATA, DDP, REGRESSOR, TINY_DATA  # noqa: E402 - after the path set-up
 
 
 def failure_reason(stdout: str, stderr: str, code: int) -> str:

@@ -91,7 +91,8 @@ def compose_cfg(tmp_path: Path, overrides: Sequence[str] = (), tiny: bool = True
     GlobalHydra.instance().clear()
     with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR), job_name="train"):
         cfg = compose(
-            config_name="train", overrides=tiny_overrides(overrides) if tiny else list(overrides), return_hydra_config=True
+            config_name="train", overrides=tiny_overrides(overrides) if tiny else list(overrides),
+            return_hydra_config=True
         )
     HydraConfig().set_config(cfg)
     with open_dict(cfg):

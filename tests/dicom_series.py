@@ -14,7 +14,8 @@ from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
 
 # The real 5-slice CT series in pydicom's wheel (16 x 16, 2.5 mm, intercept -1024).
 CT5N = Path(os.path.dirname(pydicom.data.__file__)) / "test_files" / "dicomdirtests" / "98892001" / "CT5N"
-PATIENT = {"PatientName": "Doe^Jane", "PatientID": "PRIV-4711", "PatientBirthDate": "19700101", "AccessionNumber": "ACC-0815"}
+PATIENT = {"PatientName": "Doe^Jane", "PatientID": "PRIV-4711", "PatientBirthDate": "19700101",
+           "AccessionNumber": "ACC-0815"}
 STUDY_UID = generate_uid()
 FRAME_UID = generate_uid()
 

@@ -69,11 +69,13 @@ def test_fast_ddpm_brats_has_the_seed_values_and_trains_on_a_brats_folder(tmp_pa
     cfg = compose_cfg(tmp_path, ["experiment=fast_ddpm_brats", "dataset.root=/data"], tiny=False)
     assert (cfg.dataset.batch_size, cfg.trainer.accumulate_grad_batches, cfg.trainer.sync_batchnorm) == (1, 4, True)
     assert (list(cfg.dataset.image_modalities), list(cfg.dataset.cond_modalities)) == (["t2"], ["t1"])
-    assert (cfg.model.timesteps, cfg.model.timestep_spacing, cfg.model.prediction_type) == (10, "non_uniform", "epsilon")
+    assert (cfg.model.timesteps, cfg.model.timestep_spacing, cfg.model.prediction_type) == (10, "non_uniform",
+                                                                                            "epsilon")
     assert list(cfg.dataset.transforms.spatial_size) == [128, 128, 128] and cfg.model.activation_checkpointing
 
     data = write_brats(tmp_path / "brats", subjects=4, year=2023, size=20)
-    metrics = run(compose_cfg(tmp_path / "run", ["experiment=fast_ddpm_brats", f"dataset.root={data}", *TINY_FILES_DDPM], tiny=False))
+    metrics = run(compose_cfg(tmp_path / "run",
+                              ["experiment=fast_ddpm_brats", f"dataset.root={data}", *TINY_FILES_DDPM], tiny=False))
     assert {"val/psnr", "val/ssim", "train/loss"} <= set(metrics)
 
 
@@ -82,7 +84,8 @@ def test_fast_ddpm_ct_denoising_trains_on_a_ct_folder(tmp_path):
 
     data = write_nifti_folder(tmp_path / "ct", subjects=4, size=20, modalities=("ct",), label=False)
     metrics = run(
-        compose_cfg(tmp_path / "run", ["experiment=fast_ddpm_ct_denoising", f"dataset.root={data}", *TINY_FILES_DDPM], tiny=False)
+        compose_cfg(tmp_path / "run", ["experiment=fast_ddpm_ct_denoising", f"dataset.root={data}", *TINY_FILES_DDPM],
+                    tiny=False)
     )
     assert "val/psnr" in metrics
 
@@ -101,7 +104,8 @@ def test_a_model_file_touches_only_model_and_the_root_reads_its_monitor(tmp_path
 
     def rest(c):
         raw = OmegaConf.to_container(c, resolve=False)  # interpolations as written: the monitor's path, not value
-        return {k: v for k, v in raw.items() if k not in follow}, {k: v for k, v in raw["dataset"].items() if k != "stratify_by"}
+        return {k: v for k, v in raw.items() if k not in follow}, {k: v for k,
+                                                                   v in raw["dataset"].items() if k != "stratify_by"}
 
     assert rest(cfg) == rest(plain)
     assert (cfg.optimized_metric, cfg.optimized_mode) == (cfg.model.monitor, cfg.model.monitor_mode)

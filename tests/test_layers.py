@@ -45,7 +45,8 @@ def project_modules(root: Path) -> dict[str, Path]:
 
 
 def imported_modules(path: Path, module: str, known: Iterable[str]) -> set[str]:
-    """The project modules `path` imports anywhere in its body (`from a import b` counts `a.b` when that is a module)."""
+    """The project modules `path` imports anywhere in its body (`from a import b` counts `a.b` when that is a
+    module)."""
     known = set(known)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()

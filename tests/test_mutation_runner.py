@@ -34,7 +34,8 @@ def _project(tmp_path: Path, test_body: str) -> Path:
         ("def test_it():\n    assert 1 + 1 == 2\n", "passed"),
         ("def test_it():\n    assert 1 + 1 == 3\n", "failed"),
         ("import a_module_that_is_not_there\n\ndef test_it():\n    assert True\n", "broken"),
-        ("import pytest\n\n@pytest.fixture\ndef bad():\n    raise RuntimeError\n\ndef test_it(bad):\n    assert True\n", "broken"),
+        ("import pytest\n\n@pytest.fixture\ndef bad():\n    raise RuntimeError\n\n"
+         "def test_it(bad):\n    assert True\n", "broken"),
     ],
     ids=["passes", "assertion-fails", "import-error", "fixture-error"],
 )

@@ -25,7 +25,8 @@ from medvol.run.refusal import RunDirectoryBefore
 from medvol.run.run_check import check_run, check_trainer
 from tests.conftest import CONF_DIR, ROOT, compose_cfg
 
-FAST = ["hardware=cpu", "callbacks.progress_bar=null", "dataset.num_subjects=4", "dataset.size=16", "trainer.max_epochs=1"]
+FAST = ["hardware=cpu", "callbacks.progress_bar=null", "dataset.num_subjects=4", "dataset.size=16",
+        "trainer.max_epochs=1"]
 
 
 def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -45,8 +46,8 @@ def _one_error_line(done: subprocess.CompletedProcess, *expected: str) -> None:
 
 def _refused_commands(work: Path) -> dict[str, tuple[list[str], str]]:
     """The refused commands of issue 17 (overrides, text of the error line), with the files they need under `work`."""
-    torch.save({"state_dict": {}, "loops": {}, MODEL_KEY: "lightning_modules.discriminative.classifier.ClassifierModel"},
-               work / "foreign.ckpt")
+    classifier = "lightning_modules.discriminative.classifier.ClassifierModel"
+    torch.save({"state_dict": {}, "loops": {}, MODEL_KEY: classifier}, work / "foreign.ckpt")
     (work / "corrupt.ckpt").write_bytes(b"PK\x03\x04" + bytes(range(256)) * 8)
     scans = write_nifti_folder(work / "scans", 3, 12, label=False)
     truncated = scans / "sub-001" / "ct.nii.gz"
@@ -54,11 +55,13 @@ def _refused_commands(work: Path) -> dict[str, tuple[list[str], str]]:
     return {
         "missing": ([f"ckpt_path={work / 'missing.ckpt'}"], "`ckpt_path`: no file at"),
         "corrupt": ([f"ckpt_path={work / 'corrupt.ckpt'}"], "is not a readable checkpoint"),
-        "foreign": ([f"ckpt_path={work / 'foreign.ckpt'}"], "is a checkpoint of lightning_modules.discriminative.classifier"),
+        "foreign": ([f"ckpt_path={work / 'foreign.ckpt'}"],
+                    "is a checkpoint of lightning_modules.discriminative.classifier"),
         "max_epochs": (["trainer.max_epochs=-5"], "`trainer.max_epochs`: got -5"),
         "limit_train_batches": (["trainer.limit_train_batches=-1"], "`trainer.limit_train_batches`: got -1"),
         "precision": (["trainer.precision=bf17"], "`trainer.precision`: got 'bf17'"),
-        "data_doctor": (["dataset=nifti", f"dataset.root={scans}", "dataset.image_modalities=[ct]"], "the data check found 1 problem(s)"),
+        "data_doctor": (["dataset=nifti", f"dataset.root={scans}", "dataset.image_modalities=[ct]"],
+                        "the data check found 1 problem(s)"),
     }
 
 
@@ -79,10 +82,13 @@ def test_a_refused_command_prints_its_error_alone_and_leaves_no_run_directory(tm
     _one_error_line(done, expected)
     # The error line and at most one hint line: no config print, no progress, no library chatter.
     assert len((done.stdout + done.stderr).splitlines()) <= 2, done.stdout + done.stderr
-    assert not (tmp_path / "outputs" / "train" / "runs").exists() or not any((tmp_path / "outputs" / "train" / "runs").iterdir())
+    runs = tmp_path / "outputs" / "train" / "runs"
+    assert not runs.exists() or not any(runs.iterdir())
 
 
-@pytest.mark.parametrize("name", ["missing", "corrupt", "foreign", "max_epochs", "limit_train_batches", "precision", "data_doctor"])
+@pytest.mark.parametrize("name",
+                         ["missing", "corrupt", "foreign", "max_epochs", "limit_train_batches", "precision",
+                          "data_doctor"])
 def test_each_refusal_is_found_before_anything_is_built_or_printed(tmp_path, monkeypatch, capsys, caplog, name):
     overrides, expected = _refused_commands(tmp_path)[name]
     cfg = compose_cfg(tmp_path / "run", ["hardware=cpu", *overrides, "print_config=true"], tiny=False)
@@ -240,7 +246,8 @@ def test_each_checkpoint_that_cannot_resume_this_model_is_named(tmp_path):
          "is a checkpoint of lightning_modules.vqgan.vqgan.VQGAN, but the config builds tests.test_refusals.TwoLayers"),
         (_saved(tmp_path, "wider.ckpt", state_dict=TwoLayers(width=5).state_dict()),
          r"has first.weight of shape \(5, 2\) but the model config gives \(3, 2\)"),
-        (_saved(tmp_path, "partial.ckpt", state_dict=first_layer), r"lacks weights the model needs \(first: second.bias\)"),
+        (_saved(tmp_path, "partial.ckpt", state_dict=first_layer),
+         r"lacks weights the model needs \(first: second.bias\)"),
         (_saved(tmp_path, "weights_only.ckpt", drop="loops"), "not a Lightning training checkpoint"),
     ]
     for path, message in cases:
@@ -253,7 +260,8 @@ def test_a_misspelt_key_or_option_is_one_line_naming_the_override():
     key = override_error(CONF_DIR, "train", ["trainer.max_epochs=2", "modle.lr=1"])
     assert key.startswith("`modle.lr=1`: cannot set this key") and "\n" not in key
     option = override_error(CONF_DIR, "train", ["model=vqgn"])
-    assert option.startswith("`model=vqgn`: no such option in the `model` group; expected one of: ") and "vqgan" in option
+    assert option.startswith("`model=vqgn`: no such option in the `model` group; expected one of: ")
+    assert "vqgan" in option
     # Sweeps and flags are Hydra's to read.
     assert override_error(CONF_DIR, "train", ["-m", "model.optimizer.lr=1e-4,3e-4"]) is None
 

@@ -44,7 +44,7 @@ BATCH_SHARE = 0.05
 POLY_POWER = 0.9
 # Activation tensors autograd keeps per voxel and filter in one DynUNet level (conv, norm and activation
 # outputs of two residual convolutions, in the encoder and again in the decoder, the skip, the transposed
-# convolution; measured with autograd's saved-tensor hooks: tests/test_plan.py).
+# convolution; measured with autograd's saved-tensor hooks: tests/medvol/volumes/test_plan.py).
 TENSORS_PER_LEVEL = 20
 BYTES = 4
 

@@ -56,6 +56,7 @@ def test_other_ranks_print_nothing(capsys):
     assert capsys.readouterr().out == ""
 
 
-@pytest.mark.parametrize(("count", "shown"), [(999, "999"), (1_000, "1.0 K"), (2_345_678, "2.3 M"), (7_100_000_000, "7.1 G")])
+@pytest.mark.parametrize(("count", "shown"),
+                         [(999, "999"), (1_000, "1.0 K"), (2_345_678, "2.3 M"), (7_100_000_000, "7.1 G")])
 def test_counts_are_shown_with_one_decimal_and_a_unit(count, shown):
     assert _count(count) == shown

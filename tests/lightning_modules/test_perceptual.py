@@ -59,7 +59,8 @@ def slices(seed: int, channels: int) -> torch.Tensor:
 def test_the_distance_equals_numpys_on_three_channel_slices(feature_network):
     loss = SlicePerceptualLoss(feature_network).double()
     prediction, target = slices(0, 3), slices(1, 3)
-    assert float(loss(prediction, target)) == pytest.approx(numpy_distance(prediction.numpy(), target.numpy()), rel=1e-7)
+    assert float(loss(prediction, target)) == pytest.approx(numpy_distance(prediction.numpy(), target.numpy()),
+                                                            rel=1e-7)
     assert float(loss(target, target)) == 0.0
 
 

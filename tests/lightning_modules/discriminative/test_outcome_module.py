@@ -67,7 +67,8 @@ def test_fitted_statistics_are_never_refitted_on_other_data():
 
 @pytest.mark.parametrize(("tables", "message"), [
     (None, "`model.num_covariates` is 2 but `dataset` gives no covariate table"),
-    ({"train": {"covariates": TRAIN_COVARIATES[:, :1]}}, "`model.num_covariates` is 2 but `dataset.covariate_columns` has 1"),
+    ({"train": {"covariates": TRAIN_COVARIATES[:, :1]}},
+     "`model.num_covariates` is 2 but `dataset.covariate_columns` has 1"),
 ])
 def test_covariates_the_data_cannot_supply_are_refused(tables, message):
     module = OneScore(num_covariates=2)

@@ -1,4 +1,5 @@
-"""Slab decoding on its own: each layer it runs slab by slab gives PyTorch's whole-volume output."""
+"""Slab decoding: the VQ-GAN decoder run layer by layer in depth slabs gives PyTorch's whole-volume output, for each
+layer kind alone and for whole decoders, whatever the slab depth (remainders included)."""
 
 from __future__ import annotations
 
@@ -12,42 +13,50 @@ from lightning_modules.vqgan.vq_autoencoder import Decoder3d
 CPU = torch.device("cpu")
 
 
-def test_a_slab_holds_at_most_the_values_asked_and_at_least_one_row():
-    x = torch.zeros(1, 2, 10, 3, 4)  # 24 values per depth row
-    assert slab_rows(x, 100) == 4 and slab_rows(x, 24) == 1 and slab_rows(x, 10) == 1
+def _same_as_whole(module: nn.Module, x: torch.Tensor, elements: int) -> None:
+    with torch.no_grad():
+        torch.testing.assert_close(run_in_slabs(module, x, elements, CPU), module(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(
-    "layer",
-    [
-        nn.GroupNorm(2, 4),
-        nn.Conv3d(4, 3, kernel_size=3, padding=1),
-        nn.ConvTranspose3d(4, 3, kernel_size=4, stride=2, padding=1),
-        nn.Sequential(nn.GroupNorm(2, 4), nn.SiLU(), nn.Conv3d(4, 4, kernel_size=3, padding=1)),
-    ],
-    ids=["group-norm", "conv", "transposed-conv", "sequential"],
-)
-def test_each_layer_in_one_row_slabs_equals_the_layer_on_the_whole_volume(layer):
+def test_a_slab_holds_as_many_depth_rows_as_fit_in_the_budget_and_at_least_one():
+    x = torch.zeros(2, 3, 7, 4, 5)  # one depth row holds 2 * 3 * 4 * 5 = 120 values
+    assert [slab_rows(x, elements) for elements in (1, 119, 120, 500, 10_000)] == [1, 1, 1, 4, 83]
+
+
+def test_group_norm_takes_its_statistics_over_the_whole_volume_not_the_slab():
     torch.manual_seed(0)
-    # Statistics off zero so a per-slab GroupNorm would differ from the whole-volume one.
-    x = torch.randn(2, 4, 7, 5, 6) + torch.linspace(-2, 2, 7).view(1, 1, 7, 1, 1)
-    with torch.no_grad():
-        expected = layer(x)
-        for elements in (1, 2 * 4 * 5 * 6 * 3, 10**9):
-            torch.testing.assert_close(run_in_slabs(layer, x, elements, CPU), expected, rtol=0, atol=1e-5)
+    norm = nn.GroupNorm(2, 4, eps=1e-6)
+    nn.init.normal_(norm.weight)
+    nn.init.normal_(norm.bias)
+    # Rows with different means and scales, so per-slab statistics would differ from the whole volume's.
+    x = torch.randn(2, 4, 6, 3, 3) * torch.arange(1.0, 7.0).view(1, 1, 6, 1, 1) + torch.arange(6.0).view(1, 1, 6, 1, 1)
+    for rows in (1, 4):
+        _same_as_whole(norm, x, elements=rows * 2 * 4 * 3 * 3)
 
 
-def test_a_vqgan_decoder_in_slabs_equals_its_whole_volume_output():
-    torch.manual_seed(1)
-    decoder = Decoder3d(out_channels=1, n_hiddens=8, downsample=(4, 4, 2), embedding_dim=4).eval()
-    z = torch.randn(1, 4, 4, 4, 6)
-    with torch.no_grad():
-        torch.testing.assert_close(run_in_slabs(decoder, z, 256, CPU), decoder(z), rtol=0, atol=1e-5)
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_convolutions_see_the_rows_their_kernel_reaches_beyond_each_slab(rows):
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, 7, 4, 4)
+    elements = rows * 3 * 4 * 4
+    _same_as_whole(nn.Conv3d(3, 2, 3, padding=1), x, elements)
+    _same_as_whole(nn.Conv3d(3, 2, 3, padding=1, padding_mode="replicate"), x, elements)
+    _same_as_whole(nn.Conv3d(3, 2, 1), x, elements)
+    _same_as_whole(nn.ConvTranspose3d(3, 2, 4, stride=2, padding=1), x, elements)
+    _same_as_whole(nn.ConvTranspose3d(3, 2, (3, 4, 4), stride=(1, 2, 2), padding=1), x, elements)
 
 
-def test_a_strided_convolution_along_depth_and_an_unknown_layer_are_refused():
-    x = torch.zeros(1, 1, 4, 4, 4)
-    with pytest.raises(ValueError, match="stride-1"):
-        run_in_slabs(nn.Conv3d(1, 1, 3, stride=2, padding=1), x, 16, CPU)
-    with pytest.raises(TypeError, match="BatchNorm3d"):
-        run_in_slabs(nn.BatchNorm3d(1), x, 16, CPU)
+@pytest.mark.parametrize("downsample", [[4, 4, 4], [2, 4, 4]])
+def test_a_whole_decoder_in_slabs_is_the_decoder(downsample):
+    torch.manual_seed(0)
+    decoder = Decoder3d(out_channels=1, n_hiddens=8, downsample=downsample, embedding_dim=4).eval()
+    latent = torch.randn(2, 4, 5, 3, 4)
+    for elements in (1, 2 * 32 * 3 * 4 * 2, 10**9):  # one row, two rows with a remainder, the whole volume at once
+        _same_as_whole(decoder, latent, elements)
+
+
+def test_a_depth_strided_convolution_or_an_unknown_layer_is_refused():
+    with pytest.raises(ValueError, match="stride-1 convolutions along the depth axis"):
+        run_in_slabs(nn.Conv3d(1, 1, 3, stride=2, padding=1), torch.zeros(1, 1, 4, 4, 4), 16, CPU)
+    with pytest.raises(TypeError, match="does not know how to run Linear"):
+        run_in_slabs(nn.Linear(4, 4), torch.zeros(1, 1, 4, 4, 4), 16, CPU)

@@ -81,7 +81,8 @@ def test_the_plugin_swaps_every_batch_norm_and_reverts_each_to_its_own_class_wit
     model[2][1].weight.data.fill_(3.0)
     model.eval()
     swapped = GlobalBatchNormSync().apply(model)
-    assert [type(m) for m in swapped.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)] == [GlobalBatchNorm] * 2
+    assert [type(m) for m in swapped.modules() if isinstance(m,
+                                                             nn.modules.batchnorm._BatchNorm)] == [GlobalBatchNorm] * 2
     assert not swapped[1].training
     restored = GlobalBatchNormSync().revert(swapped)
     assert type(restored[1]) is nn.BatchNorm3d and type(restored[2][1]) is nn.BatchNorm1d

@@ -46,6 +46,7 @@ def test_a_rank_whose_parent_is_gone_stops_with_one_line():
     gone = os.getpid() + 1_000_000
     script = f"import time, medvol.run.rank as r; r._exit_with_parent({gone}); time.sleep(30)"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "1"}
-    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+                            timeout=60)
     assert result.returncode == 1
     assert f"medvol: error: rank 0 (pid {gone}) is gone; rank 1 stops" in result.stderr

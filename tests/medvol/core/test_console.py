@@ -1,0 +1,98 @@
+"""A quiet, ordered console; train.log records every INFO line and the error that ended a run."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+from rich.console import Console
+
+from medvol.core.console import ConsoleFilter, print_config_tree
+from tests.conftest import ROOT, TINY, compose_cfg
+
+
+def _record(name: str, level: int, message: str) -> logging.LogRecord:
+    return logging.LogRecord(name, level, __file__, 0, message, None, None)
+
+
+def test_console_filter_drops_library_chatter_and_keeps_what_matters():
+    keep = ConsoleFilter().filter
+    assert not keep(_record("pytorch_lightning.utilities.rank_zero", logging.INFO, "💡 Tip: try installing litlogger"))
+    assert not keep(_record("pytorch_lightning.utilities.rank_zero", logging.INFO, "GPU available: False, used: False"))
+    assert not keep(_record("py.warnings", logging.WARNING, "/x/site-packages/lightning/a.py:1: deprecated"))
+    assert keep(_record("py.warnings", logging.WARNING, "/work/medvol/train.py:1: UserWarning: mine"))
+    assert keep(_record("pytorch_lightning.utilities.rank_zero", logging.INFO, "`Trainer.fit` stopped: `max_epochs=1`"))
+    assert keep(_record("medvol", logging.INFO, "batch: 2 per device"))
+
+
+def test_config_tree_shows_the_groups_resolved():
+    console = Console(record=True, width=100)
+    print_config_tree(OmegaConf.create({"model": {"lr": "${seed}"}, "seed": 3, "hydra": {"x": 1}}), console)
+    text = console.export_text()
+    assert "model" in text and "lr: 3" in text and "hydra" not in text
+
+
+def _blocks(text: str) -> dict[str, str]:
+    """Printed config -> {group: the group's lines without the name column}."""
+    blocks: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if not line.startswith(" "):
+            name = line.split()[0]
+            blocks[name] = []
+            column = len(line) - len(line[len(name):].lstrip())
+        blocks[name].append(line[column:])
+    return {name: " ".join(lines) for name, lines in blocks.items()}
+
+
+def test_the_default_config_print_is_compact_and_reads_back_as_the_composed_config(tmp_path):
+    cfg = compose_cfg(tmp_path, tiny=False)
+    console = Console(record=True, width=100)
+    print_config_tree(cfg, console)
+    text = console.export_text()
+    assert len(text.splitlines()) <= 60, text
+    # Every block is flow-style YAML: read back, it is the composed config, every leaf value included.
+    read_back = {name: yaml.safe_load("{" + body + "}") for name, body in _blocks(text).items()}
+    composed = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k,
+                v in cfg.items() if k != "hydra"}
+    assert read_back.pop("config") == {k: v for k, v in composed.items() if not isinstance(v, dict)}
+    assert read_back == {k: v for k, v in composed.items() if isinstance(v, dict)}
+    assert all(len(line) <= 100 for line in text.splitlines() if "/" not in line)
+
+
+def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240
+    )
+
+
+@pytest.mark.slow
+def test_console_order_and_train_log_of_a_real_command(tmp_path):
+    args = [o for o in TINY if not o.startswith("callbacks.model_summary")]
+    done = _cli([*args, "test=true"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout + done.stderr
+    assert "💡" not in out and "GPU available" not in out and "site-packages" not in out
+    assert "parameters per block" in out and "FLOPs" not in out
+    assert out.index("\npaths ") < out.index("Datamodule <")
+    # The summary comes after the test table, last; paths are never folded inside a name.
+    assert out.index("Test metric") < out.rindex("medvol run summary (test)")
+    (run_dir,) = (tmp_path / "outputs" / "train" / "runs").iterdir()
+    assert f"run_dir          {run_dir}\n" in out
+    log = (run_dir / "train.log").read_text()
+    assert "GPU available" in log and "`Trainer.fit` stopped" in log and "Datamodule <" in log
+
+    quiet = _cli([*args, "trainer.fast_dev_run=true", "print_config=false"], tmp_path)
+    assert quiet.returncode == 0 and "\npaths " not in quiet.stdout and "Datamodule <" in quiet.stdout + quiet.stderr
+
+    # Not a user error medvol knows (a negative codebook size fails inside torch): the traceback stays, and is logged.
+    failed = _cli([*args, "model.n_codes=-3"], tmp_path)
+    assert failed.returncode == 1
+    failed_log = (max((tmp_path / "outputs" / "train" / "runs").iterdir()) / "train.log").read_text()
+    assert "run ended by" in failed_log and "Traceback" in failed_log
