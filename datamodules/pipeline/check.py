@@ -62,8 +62,11 @@ def _gzip_size_mismatch(path: Path, expected: int) -> bool:
 
 
 def _expected_bytes(image: Any) -> int:
+    # nibabel gives a loaded image's header a data offset of 0; the file's own (352 for a .nii) is the array proxy's.
     header = image.header
-    return int(header.get_data_offset()) + int(np.prod(image.shape)) * header.get_data_dtype().itemsize
+    offset = getattr(image.dataobj, "offset", None)
+    offset = header.get_data_offset() if offset is None else offset
+    return int(offset) + int(np.prod(image.shape)) * header.get_data_dtype().itemsize
 
 
 def _read_header(path: Path) -> tuple[_Header | None, str | None]:

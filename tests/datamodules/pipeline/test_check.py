@@ -72,14 +72,6 @@ def test_a_cut_gzip_or_plain_file_is_truncated_and_a_2d_image_is_not_a_volume(tm
     assert _problems({"t1": flat}, full=False) == ["not a 3D volume: shape (6, 6)"]
 
 
-# nibabel 5 gives a loaded image's header a data offset of 0 (the offset lives in `image.dataobj.offset`, 352 for a
-# .nii file), so `_expected_bytes` counts the voxels without the header: every .nii.gz trailer then disagrees and the
-# cheap check decompresses each file, and a .nii file cut by fewer than 352 bytes passes it. Found while writing these
-# tests; taking the offset from `image.dataobj.offset` makes both pass.
-OFFSET_BUG = "check._expected_bytes reads the data offset from the loaded header, which nibabel sets to 0"
-
-
-@pytest.mark.xfail(reason=OFFSET_BUG, strict=True)
 def test_a_gzip_file_whose_stored_size_is_the_voxels_is_read_only_by_its_header(tmp_path, monkeypatch):
     # The gzip trailer holds the uncompressed size mod 2^32 (RFC 1952); when it matches, no voxel is read.
     path = Path(_write(tmp_path / "t1.nii.gz", _ramp()))
@@ -90,7 +82,6 @@ def test_a_gzip_file_whose_stored_size_is_the_voxels_is_read_only_by_its_header(
     assert _problems({"t1": str(path)}, full=False) == []
 
 
-@pytest.mark.xfail(reason=OFFSET_BUG, strict=True)
 def test_a_plain_file_cut_by_a_few_bytes_is_truncated(tmp_path):
     plain = Path(_write(tmp_path / "plain.nii", _ramp()))
     plain.write_bytes(plain.read_bytes()[:-100])
