@@ -148,60 +148,22 @@ def run_cascade(
     Every stage's config is checked (`check_stage`) before the first stage starts, so a bad value in
     stage 3 stops the command before stage 1 trains.
     """
-    stages = sorted(int(s) for s in cfg.cascade.stages)
-    if not stages or stages[0] < 1:
-        raise MedvolError(f"`cascade.stages` must list stage numbers from 1, got {list(cfg.cascade.stages)}")
-    root = Path(str(cfg.paths.output_dir))
-    resumed = stage_of_checkpoint(cfg.get("ckpt_path"))
-    if cfg.get("ckpt_path") and resumed is None:
-        raise MedvolError(
-            f"`ckpt_path` {cfg.ckpt_path} is not a cascade stage's checkpoint; expected "
-            "<run>/stage<k>/checkpoints/<file>"
-        )
-    if resumed is not None:
-        root, resume_stage = resumed
-        stages = [s for s in stages if s >= resume_stage]
-        if not stages or stages[0] != resume_stage:
-            raise MedvolError(
-                f"`ckpt_path` resumes stage {resume_stage}, "
-                f"which `cascade.stages` {list(cfg.cascade.stages)} does not run"
-            )
+    root, stages, resume_stage = stages_to_run(cfg)
     _check_sizes(cfg, sorted(int(s) for s in cfg.cascade.stages))
-    earlier = Path(str(cfg.cascade.from_run)) if cfg.cascade.get("from_run") else root
-    previous: list[Path] = []
-    for stage in range(1, stages[0]):
-        best = earlier / f"stage{stage}" / "best.ckpt"
-        if not best.is_file():
-            raise MedvolError(
-                f"stage {stages[0]} needs stage {stage}'s best.ckpt, but {best} does not exist; "
-                f"run stage {stage} first or set `cascade.from_run` to a cascade run that has it"
-            )
-        previous.append(best)
-
+    previous = earlier_best_checkpoints(cfg, root, stages[0])
     stage_configs = {}
     for stage in stages:
-        stage_dir = root / f"stage{stage}"
-        ckpt_path = cfg.ckpt_path if resumed is not None and stage == resumed[1] else None
-        stage_configs[stage] = _stage_config(cfg, stage, stage_dir, ckpt_path)
+        ckpt_path = cfg.ckpt_path if stage == resume_stage else None
+        stage_configs[stage] = _stage_config(cfg, stage, root / f"stage{stage}", ckpt_path)
         check_stage(stage_configs[stage])
 
     metrics: dict[str, float] = {}
     summary: dict[str, dict] = {}
     for stage in stages:
         stage_dir = root / f"stage{stage}"
-        stage_cfg = stage_configs[stage]
         # The earlier stages' best checkpoints exist only now.
-        handoff = handoff_keys(cfg)
-        given = {
-            "previous_stages": [str(p) for p in previous],
-            "init_from": str(previous[-1]) if previous and not stage_cfg.ckpt_path else None,
-            "previous_best": str(previous[-1]) if previous else None,
-        }
-        with open_dict(stage_cfg):
-            for name, value in given.items():
-                if handoff[name] and (value is not None or name != "previous_best"):
-                    OmegaConf.update(stage_cfg, handoff[name], value, force_add=True)
-        if handoff["previous_best"] and previous:
+        stage_cfg = with_handoff(cfg, stage_configs[stage], previous)
+        if handoff_keys(cfg)["previous_best"] and previous:
             check_stage(stage_cfg)
         stage_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(stage_cfg, stage_dir / "config.yaml", resolve=False)
@@ -213,9 +175,67 @@ def run_cascade(
         summary[f"stage{stage}"] = {"best_checkpoint": str(best), "best_score": score, "metrics": stage_metrics,
                                     "optimized_metric": str(stage_cfg.get("optimized_metric") or "")}
     metrics.update({k: v for k, v in stage_metrics.items()})
+    write_summary(root, summary)
+    return metrics
+
+
+def stages_to_run(cfg: DictConfig) -> tuple[Path, list[int], int | None]:
+    """The cascade run's folder, the stages to run and the stage `ckpt_path` resumes (None: a fresh run); a resume
+    runs from its stage on, in the run its checkpoint belongs to."""
+    stages = sorted(int(s) for s in cfg.cascade.stages)
+    if not stages or stages[0] < 1:
+        raise MedvolError(f"`cascade.stages` must list stage numbers from 1, got {list(cfg.cascade.stages)}")
+    resumed = stage_of_checkpoint(cfg.get("ckpt_path"))
+    if cfg.get("ckpt_path") and resumed is None:
+        raise MedvolError(
+            f"`ckpt_path` {cfg.ckpt_path} is not a cascade stage's checkpoint; expected "
+            "<run>/stage<k>/checkpoints/<file>"
+        )
+    if resumed is None:
+        return Path(str(cfg.paths.output_dir)), stages, None
+    root, resume_stage = resumed
+    stages = [s for s in stages if s >= resume_stage]
+    if not stages or stages[0] != resume_stage:
+        raise MedvolError(
+            f"`ckpt_path` resumes stage {resume_stage}, "
+            f"which `cascade.stages` {list(cfg.cascade.stages)} does not run"
+        )
+    return root, stages, resume_stage
+
+
+def earlier_best_checkpoints(cfg: DictConfig, root: Path, first: int) -> list[Path]:
+    """The best.ckpt of every stage before `first`, from `cascade.from_run` or this run; one line for a missing one."""
+    earlier = Path(str(cfg.cascade.from_run)) if cfg.cascade.get("from_run") else root
+    previous: list[Path] = []
+    for stage in range(1, first):
+        best = earlier / f"stage{stage}" / "best.ckpt"
+        if not best.is_file():
+            raise MedvolError(
+                f"stage {first} needs stage {stage}'s best.ckpt, but {best} does not exist; "
+                f"run stage {stage} first or set `cascade.from_run` to a cascade run that has it"
+            )
+        previous.append(best)
+    return previous
+
+
+def with_handoff(cfg: DictConfig, stage_cfg: DictConfig, previous: list[Path]) -> DictConfig:
+    """`stage_cfg` given the earlier stages' best checkpoints under the keys `cascade.handoff` names."""
+    handoff = handoff_keys(cfg)
+    given = {
+        "previous_stages": [str(p) for p in previous],
+        "init_from": str(previous[-1]) if previous and not stage_cfg.ckpt_path else None,
+        "previous_best": str(previous[-1]) if previous else None,
+    }
+    with open_dict(stage_cfg):
+        for name, value in given.items():
+            if handoff[name] and (value is not None or name != "previous_best"):
+                OmegaConf.update(stage_cfg, handoff[name], value, force_add=True)
+    return stage_cfg
+
+
+def write_summary(root: Path, summary: dict[str, dict]) -> None:
+    """`cascade_summary.json` and a line per stage with its best epoch's score (the metrics hold the last epoch's)."""
     (root / "cascade_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     for stage, entry in summary.items():
-        # The best epoch's score, which the metrics (the last epoch's) need not hold.
         score = "not recorded" if entry["best_score"] is None else f"{entry['best_score']:.4f}"
         log.info("cascade: %s best %s = %s (%s)", stage, entry["optimized_metric"], score, entry["best_checkpoint"])
-    return metrics

@@ -171,12 +171,7 @@ def _run(cfg: DictConfig, world: World) -> dict[str, float]:
         for line in lr_lines:
             log.info("learning rate %s", line)
 
-    hyperparameters = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
-                       for k, v in cfg.items() if k != "hydra"}
-    hyperparameters["model"] = OmegaConf.to_container(model_cfg, resolve=True)
-    hyperparameters["effective_batch_size"] = arithmetic.effective
-    for logger in loggers:
-        logger.log_hyperparams(hyperparameters)
+    record_hyperparameters(loggers, cfg, model_cfg, arithmetic.effective)
 
     ckpt_path = cfg.get("ckpt_path") or requeued_checkpoint(str(cfg.paths.output_dir))
     if cfg.get("train", True):
@@ -184,13 +179,30 @@ def _run(cfg: DictConfig, world: World) -> dict[str, float]:
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
 
     if cfg.get("test", False):
-        # After training: the best checkpoint; test-only runs (train=false): the given checkpoint.
-        if cfg.get("train", True):
-            test_ckpt = getattr(trainer.checkpoint_callback, "best_model_path", "") or None
-            if test_ckpt is None:
-                log.warning("No best checkpoint found; testing the weights at the end of training")
-        else:
-            test_ckpt = cfg.get("ckpt_path")
-        trainer.test(module, datamodule=datamodule, ckpt_path=test_ckpt, weights_only=False)
-        metrics.update({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")})
+        metrics.update(tested(trainer, module, datamodule, cfg))
     return metrics
+
+
+def record_hyperparameters(loggers: list[Any], cfg: DictConfig, model_cfg: DictConfig, effective_batch: int) -> None:
+    """The run's whole config (the model's with its scaled learning rates) and the effective batch, to every logger."""
+    hyperparameters = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+                       for k, v in cfg.items() if k != "hydra"}
+    hyperparameters["model"] = OmegaConf.to_container(model_cfg, resolve=True)
+    hyperparameters["effective_batch_size"] = effective_batch
+    for logger in loggers:
+        logger.log_hyperparams(hyperparameters)
+
+
+def tested(
+    trainer: pl.Trainer, module: MedvolModule, datamodule: pl.LightningDataModule, cfg: DictConfig
+) -> dict[str, float]:
+    """The test split's metrics: after training with the best checkpoint, in a test-only run (train=false) with the
+    given one."""
+    if cfg.get("train", True):
+        test_ckpt = getattr(trainer.checkpoint_callback, "best_model_path", "") or None
+        if test_ckpt is None:
+            log.warning("No best checkpoint found; testing the weights at the end of training")
+    else:
+        test_ckpt = cfg.get("ckpt_path")
+    trainer.test(module, datamodule=datamodule, ckpt_path=test_ckpt, weights_only=False)
+    return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}
