@@ -56,4 +56,7 @@ def slow_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
 if __name__ == "__main__":
     torch.save = slow_save
     sys.argv = sys.argv[1:]
+    # As `python train.py` would: the script's own folder first on the path, not tests/, whose medvol/ (the tests
+    # of the medvol package) would hide the package itself.
+    sys.path[0] = str(Path(sys.argv[0]).resolve().parent)
     runpy.run_path(sys.argv[0], run_name="__main__")
