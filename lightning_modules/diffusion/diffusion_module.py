@@ -210,6 +210,17 @@ class DiffusionModule(MedvolModule, ABC):
         self.val_metrics = evaluation.clone(prefix="val/")
         self.test_metrics = evaluation.clone(prefix="test/")
 
+    @abstractmethod
+    def _evaluate(self, batch: dict[str, Any], batch_idx: int, metrics: MetricCollection) -> dict[str, Any]:
+        """One validation or test batch: update and log `metrics` (`val_metrics` or `test_metrics`), return the
+        volumes to show and write."""
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        return self._evaluate(batch, batch_idx, self.val_metrics)
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        return self._evaluate(batch, batch_idx, self.test_metrics)
+
     # ---- optimization and EMA ------------------------------------------------------------
 
     def configure_optimizers(self) -> Any:

@@ -180,12 +180,6 @@ class ConditionalDiffusion(DiffusionModule):
         # The condition is in the units of the batch's `cond` (e.g. T1), the rest in those of `image`.
         return {"volumes": volumes, "units": {"condition": "cond"}}
 
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
-        return self._evaluate(batch, batch_idx, self.val_metrics)
-
-    def test_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
-        return self._evaluate(batch, batch_idx, self.test_metrics)
-
     # ---- condition-only generation (predict.py) ------------------------------------------------
 
     def generation_inputs(self) -> dict[str, int]:

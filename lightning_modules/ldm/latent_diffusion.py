@@ -296,12 +296,6 @@ class LatentDiffusion(DiffusionModule):
             self.log(name, metrics[name], prog_bar=name.endswith(("psnr", "mmd")), batch_size=size)
         return {"volumes": volumes, "units": {"condition": "cond"}}
 
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
-        return self._evaluate(batch, batch_idx, self.val_metrics)
-
-    def test_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
-        return self._evaluate(batch, batch_idx, self.test_metrics)
-
     # ---- generation (predict.py) ------------------------------------------------------------
 
     def generation_inputs(self) -> dict[str, int]:

@@ -374,9 +374,3 @@ class XrayToCT(DiffusionModule):
         return {
             "volumes": volumes, "difference": ("ct", "target"), "window": tuple(self.hparams.window), "unclamped": True
         }
-
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
-        return self._evaluate(batch, batch_idx, self.val_metrics)
-
-    def test_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
-        return self._evaluate(batch, batch_idx, self.test_metrics)
