@@ -22,7 +22,8 @@ from torch import nn
 
 from lightning_modules.base import MedvolModule
 from lightning_modules.vqgan.vqgan import VQGAN
-from tests.conftest import ROOT, TINY
+from medvol.run.training import run
+from tests.conftest import ROOT, TINY, compose_cfg
 
 # A subprocess that outlives this is a hang, and fails the test instead of hanging CI.
 RUN_TIMEOUT = 240
@@ -49,6 +50,21 @@ def train_cli(
 def explain(result: subprocess.CompletedProcess) -> str:
     return (f"exit {result.returncode}\n--- stdout (end)\n{result.stdout[-4000:]}"
             f"\n--- stderr (end)\n{result.stderr[-6000:]}")
+
+
+def validation_on_two_ranks_and_one(
+    args: Sequence[str], tmp_path: Path
+) -> tuple[list[dict[str, float]], dict[str, float]]:
+    """The validation metrics each of 2 gloo ranks recorded (`RankRecorder`, which `args` must add as
+    `callbacks.rank_recorder`) in a train.py run of `args` with batch 1, and those of the same run in one process."""
+    ddp = train_cli([*args, f"+callbacks.rank_recorder.directory={tmp_path / 'ranks'}", "strategy=ddp",
+                     "trainer.devices=2", "dataset.batch_size=1", f"hydra.run.dir={tmp_path / 'ddp'}"], cwd=tmp_path,
+                     tiny=False)
+    assert ddp.returncode == 0, explain(ddp)
+    single = tmp_path / "single"
+    run(compose_cfg(single, [*args, f"+callbacks.rank_recorder.directory={single / 'ranks'}"], tiny=False))
+    ranks = [json.loads((tmp_path / "ranks" / f"rank{r}.json").read_text())["val"] for r in (0, 1)]
+    return ranks, json.loads((single / "ranks" / "rank0.json").read_text())["val"]
 
 
 class PreinitialisedVQGAN(VQGAN):

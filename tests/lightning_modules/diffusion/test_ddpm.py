@@ -22,7 +22,7 @@ from medvol.core.build import build, build_model
 from medvol.core.errors import MedvolError
 from medvol.run.training import run
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
-from tests.ddp_support import explain, train_cli
+from tests.ddp_support import validation_on_two_ranks_and_one
 from tests.lightning_modules.diffusion.test_windowed_sampling import ConvDenoiser, _fast_ddpm
 
 TINY_DDPM = ["model=ddpm", "logger=csv"]
@@ -232,14 +232,7 @@ def test_two_gloo_ranks_validate_like_one(tmp_path: Path):
             "dataset.test_fraction=0", "trainer.limit_train_batches=2", "model.optimizer.lr=0", "model.ema_decay=null",
             "model.network._target_=tests.lightning_modules.diffusion.test_ddpm.unet_with_live_output",
             "+callbacks.rank_recorder._target_=tests.ddp_support.RankRecorder"]
-    ddp = train_cli([*args, f"+callbacks.rank_recorder.directory={tmp_path / 'ranks'}", "strategy=ddp",
-                     "trainer.devices=2", "dataset.batch_size=1", f"hydra.run.dir={tmp_path / 'ddp'}"], cwd=tmp_path,
-                     tiny=False)
-    assert ddp.returncode == 0, explain(ddp)
-    single = tmp_path / "single"
-    run(compose_cfg(single, [*args, f"+callbacks.rank_recorder.directory={single / 'ranks'}"], tiny=False))
-    ranks = [json.loads((tmp_path / "ranks" / f"rank{r}.json").read_text())["val"] for r in (0, 1)]
-    one = json.loads((single / "ranks" / "rank0.json").read_text())["val"]
+    ranks, one = validation_on_two_ranks_and_one(args, tmp_path)
     for name in ("val/psnr", "val/ssim", "val/loss"):
         assert ranks[0][name] == ranks[1][name], name
         assert ranks[0][name] == pytest.approx(one[name], rel=1e-4), name

@@ -3,7 +3,6 @@ predict."""
 
 from __future__ import annotations
 
-import json
 from functools import partial
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from medvol.core.errors import MedvolError
 from medvol.run.predicting import predict
 from medvol.run.training import check_config, run
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
-from tests.ddp_support import explain, train_cli
+from tests.ddp_support import validation_on_two_ranks_and_one
 from tests.medvol.run.test_predict import predict_cfg, saved_run
 
 TINY_VQGAN = {"n_hiddens": 8, "n_codes": 32, "embedding_dim": 4, "disc_channels": 8, "disc_layers": 2}
@@ -313,19 +312,12 @@ def test_two_gloo_ranks_give_the_metrics_and_scale_factor_of_one(vqgan_ckpt, tmp
             "callbacks.volume_slices=null", "optimized_metric=val/loss", "optimized_mode=min",
             "model.network._target_=tests.lightning_modules.diffusion.test_ddpm.unet_with_live_output",
             "+callbacks.rank_recorder._target_=tests.ddp_support.RankRecorder"]
-    ddp = train_cli([*args, f"+callbacks.rank_recorder.directory={tmp_path / 'ranks'}", "strategy=ddp",
-                     "trainer.devices=2", "dataset.batch_size=1", f"hydra.run.dir={tmp_path / 'ddp'}"], cwd=tmp_path,
-                     tiny=False)
-    assert ddp.returncode == 0, explain(ddp)
-    single = tmp_path / "single"
-    run(compose_cfg(single, [*args, f"+callbacks.rank_recorder.directory={single / 'ranks'}"], tiny=False))
-    ranks = [json.loads((tmp_path / "ranks" / f"rank{r}.json").read_text())["val"] for r in (0, 1)]
-    one = json.loads((single / "ranks" / "rank0.json").read_text())["val"]
+    ranks, one = validation_on_two_ranks_and_one(args, tmp_path)
     for name in ("val/loss", "val/recon_psnr", "val/recon_ssim", "val/mmd", "val/recon_mmd", "val/diversity_msssim"):
         assert ranks[0][name] == ranks[1][name], name
         assert ranks[0][name] == pytest.approx(one[name], rel=1e-4), name
     scales = [torch.load(d / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]["scale_factor"]
-              for d in (tmp_path / "ddp", single)]
+              for d in (tmp_path / "ddp", tmp_path / "single")]
     assert float(scales[0]) == pytest.approx(float(scales[1]), rel=1e-6)
 
 
