@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 from lightning_modules.xray2ct.crops import coordinate_channels  # noqa: E402
 from lightning_modules.xray2ct.denoiser import NETWORK_SETTINGS, ViewConditionedDenoiser  # noqa: E402
 from lightning_modules.xray2ct.module import XrayToCT, as_size  # noqa: E402
+from medvol.core.plain_values import plain  # noqa: E402
 
 # Set here, not taken from the preset: the stage, the benchmark's sizes, the earlier stages, what the preset
 # leaves to the data or the cascade runner.
@@ -116,7 +117,7 @@ def build(stage: int, reduce: int, checkpointing: bool, steps: int, folder: Path
         path = folder / f"stage{earlier}.ckpt"
         if not path.exists():
             module = build(earlier, reduce, checkpointing, steps, folder)
-            torch.save({"hyper_parameters": dict(module.hparams), "state_dict": module.state_dict()}, path)
+            torch.save({"hyper_parameters": plain(dict(module.hparams)), "state_dict": module.state_dict()}, path)
         previous.append(str(path))
     torch.manual_seed(stage)
     return XrayToCT(**stage_settings(stage, reduce, checkpointing, steps), previous_stages=previous)

@@ -43,6 +43,7 @@ from medvol.volumes.dicom_io import is_dicom_series, read_series
 from medvol.volumes.intensity import intensity_keys
 from medvol.volumes.plan import MODALITY_KINDS, DataFingerprint, channel_statistics
 from medvol.volumes.source_grid import oriented_spacing
+from medvol.volumes.volume_budget import load_nifti
 from medvol.volumes.volume_reader import SERIES_KEY, volume_grid
 
 # The keys a file-based dataset puts in its batch dicts (others in a record are bookkeeping).
@@ -138,7 +139,7 @@ def read_voxels(path: str, series: str | None = None) -> np.ndarray:
     plan must not count them)."""
     if is_dicom_series(path):
         return np.nan_to_num(read_series(path, series)[0].astype(np.float32))
-    return np.nan_to_num(np.asarray(nib.load(path).dataobj, dtype=np.float32))
+    return np.nan_to_num(np.asarray(load_nifti(path).dataobj, dtype=np.float32))
 
 
 def sampled(values: np.ndarray, count: int = FOREGROUND_SAMPLE) -> np.ndarray:

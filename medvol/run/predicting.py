@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lightning_modules.base import MedvolModule
 from medvol.core.build import build_model, target_class
+from medvol.core.checkpoint_read import TRUST_KEY, checkpoints_trusted
+from medvol.core.config_targets import check_file_targets
 from medvol.core.console import log_file
 from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes
 from medvol.run.generation import intensity_record, on_model_grid, sampled_outputs, with_target_units
@@ -50,7 +52,15 @@ LOG_FILE = "predict.log"
 
 
 def predict(cfg: DictConfig) -> dict[str, float]:
-    """Predict every subject the config names and write the outputs; return the mean per-subject metrics."""
+    """Predict every subject the config names and write the outputs; return the mean per-subject metrics.
+
+    The checkpoint is read as data unless this command says `trust_checkpoints=true`; the run's own config
+    never grants it."""
+    with checkpoints_trusted(cfg.get(TRUST_KEY, False)):
+        return _predicted(cfg)
+
+
+def _predicted(cfg: DictConfig) -> dict[str, float]:
     run = recovered_run(cfg)
     overlap = check_predict(cfg, run)
     output_format = check_output_format(str(cfg.get("output_format", "nifti")))
@@ -135,9 +145,10 @@ def load_module(run: DictConfig, ckpt_path: str, device: torch.device) -> Medvol
     checkpoint = check_checkpoint_family(ckpt_path, run.model._target_)
     assert checkpoint is not None
     family = target_class(run.model._target_)
-    module: MedvolModule = build_model(
-        run.model, **family.restoring_settings(dict(checkpoint.get("hyper_parameters") or {}))
-    )
+    restored = family.restoring_settings(dict(checkpoint.get("hyper_parameters") or {}))
+    # Hydra would build a `_target_` inside them: what a checkpoint restores is checked as a run's config is.
+    check_file_targets(OmegaConf.create({"model": restored}), Path(ckpt_path))
+    module: MedvolModule = build_model(run.model, **restored)
     check_checkpoint_shapes(ckpt_path, module, checkpoint)
     module.on_load_checkpoint(checkpoint)
     module.load_state_dict(checkpoint["state_dict"])

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from medvol.volumes.volume_budget import load_nifti
+
 MODES = ("nearest", "linear")
 # Source voxels per lookup chunk: bounds the float64 coordinate buffers to ~50 MB.
 _CHUNK_VOXELS = 2_000_000
@@ -43,7 +45,7 @@ class SourceGrid:
     @classmethod
     def from_file(cls, path: str | Path) -> SourceGrid:
         """The grid of a NIfTI file, from its header only (no voxels are read)."""
-        image = nib.load(str(path))
+        image = load_nifti(path)
         return cls(np.asarray(image.affine, dtype=np.float64), tuple(int(s) for s in image.shape[:3]), image.header)
 
 

@@ -65,7 +65,7 @@ def kill_when(process: subprocess.Popen, moment: Callable[[], bool]) -> bool:
 def loadable_last(run_dir: Path) -> dict | None:
     """The run's `last.ckpt` (it must load whenever it exists), or None before the first one."""
     last = run_dir / "checkpoints" / "last.ckpt"
-    return torch.load(last, map_location="cpu", weights_only=False) if last.exists() else None
+    return torch.load(last, map_location="cpu", weights_only=True) if last.exists() else None
 
 
 def test_sigkill_inside_checkpoint_writes_and_after_the_last_one_resumes_exactly(tmp_path):
@@ -74,13 +74,13 @@ def test_sigkill_inside_checkpoint_writes_and_after_the_last_one_resumes_exactly
     straight = tmp_path / "straight"
     reference = start(straight, tmp_path / "straight-writing", tmp_path / "straight.log")
     assert reference.wait(timeout=RUN_TIMEOUT) == 0, (tmp_path / "straight.log").read_text()[-5000:]
-    expected = torch.load(straight / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    expected = torch.load(straight / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
 
     run_dir, marker, log = tmp_path / "killed", tmp_path / "writing", tmp_path / "killed.log"
     last = run_dir / "checkpoints" / "last.ckpt"
     def final_epoch_saved() -> bool:
         try:
-            return last.exists() and torch.load(last, map_location="cpu", weights_only=False)["epoch"] == 3
+            return last.exists() and torch.load(last, map_location="cpu", weights_only=True)["epoch"] == 3
         except (OSError, RuntimeError, EOFError, KeyError):
             return False
 
