@@ -81,7 +81,11 @@ def _predicted(cfg: DictConfig) -> dict[str, float]:
         window = SlidingWindow.of(
             window_roi(cfg, run), overlap=overlap, mode=str(cfg.mode), batch_size=int(cfg.sw_batch_size), device=device,
         )
-        writer = PredictionWriter(output_dir, protected=inputs.protected, output_format=output_format)
+        writer = PredictionWriter(
+            output_dir, protected=inputs.protected, output_format=output_format,
+            segment_codes=OmegaConf.to_container(cfg.segment_codes) if cfg.get("segment_codes") else None,
+            channels={key: run.dataset.get(f"{key}_modalities") for key in ("image", "cond")},
+        )
         with log_file(output_dir / LOG_FILE):
             log.info("predict: %s on %d subject(s) from %s", cfg.ckpt_path, len(inputs.dataset), inputs.where)
             count = predict_subjects(

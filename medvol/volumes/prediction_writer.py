@@ -48,6 +48,8 @@ class PlannedVolume:
     source_series: str = ""
     source_folder: str = ""
     segments: dict[str, list[int]] | None = None
+    # The batch key whose units an image output is in (`image`, `cond`): its channel names say its modality.
+    units: str = "image"
 
 
 def to_source_units(
@@ -115,14 +117,21 @@ class PredictionWriter:
         protected: input files no output may replace (`predict.py`'s inputs): a batch that would write onto one
             is refused before any of its files is written.
         output_format: nifti, dicom (only for subjects read from DICOM series) or both.
+        segment_codes: DICOM-SEG segment name -> its SNOMED CT `category` and/or `type`
+            (`medvol.volumes.segment_codes`; unnamed segments are coded from their names).
+        channels: batch key -> the dataset's channel names (`image_modalities`, `cond_modalities`): a derived
+            series of an output in a `ct` channel's units is a CT, in a `t2` channel's an MR.
     """
 
     def __init__(
         self, output_dir: str | Path, skip: Iterable[str] = ("input", "label"), protected: Iterable[str | Path] = (),
-        output_format: str = "nifti",
+        output_format: str = "nifti", segment_codes: Mapping[str, Any] | None = None,
+        channels: Mapping[str, Any] | None = None,
     ) -> None:
         self.output_dir = Path(output_dir)
         self.output_format = check_output_format(output_format)
+        self.segment_codes = dict(segment_codes or {})
+        self.channels = {key: [str(c) for c in names or []] for key, names in (channels or {}).items()}
         self.skip = set(skip)
         self.protected = {Path(p).expanduser().resolve() for p in protected}
         self.rows: list[dict[str, Any]] = []
@@ -175,12 +184,15 @@ class PredictionWriter:
             segments = planned.segments or {f"label {v}": [int(v)] for v in sorted(set(volume.flat)) if v != 0}
             target = self.output_dir / f"{stem}.dcm"
             self._refuse_replacing_an_input(target)
-            return [write_segmentation(volume, geometry, target, segments, f"medvol {planned.name}")]
+            description = f"medvol {planned.name}"
+            return [write_segmentation(volume, geometry, target, segments, description, self.segment_codes)]
         if volume.ndim != 3:
             raise MedvolError(
                 f"`output_format`: {stem} has {volume.shape[0]} channels; a derived DICOM series holds one"
             )
-        return write_derived_series(volume, geometry, self.output_dir / stem, f"medvol {planned.name}")
+        names = self.channels.get(planned.units) or []
+        channel = names[0] if len(names) == 1 else None
+        return write_derived_series(volume, geometry, self.output_dir / stem, f"medvol {planned.name}", channel)
 
     def _refuse_replacing_an_input(self, path: Path) -> None:
         if path.expanduser().resolve() in self.protected:
@@ -252,6 +264,7 @@ class PredictionWriter:
                         source_series,
                         source_folder,
                         dict(segments) if is_label and segments else None,
+                        units.get(name, "image"),
                     )
                 )
         return planned
