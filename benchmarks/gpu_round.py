@@ -397,8 +397,10 @@ class Round:
         self.started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
     def left(self, step: Step) -> float:
-        """Seconds this step may take: its limit, within the budget less the environment step's share."""
-        reserve = 0.0 if step.phase == "environment" else ENVIRONMENT_LIMIT
+        """Seconds this step may take: its limit, within the budget less the environment step's share (where the
+        round has that step)."""
+        last = any(s.phase == "environment" for s in self.steps)
+        reserve = ENVIRONMENT_LIMIT if last and step.phase != "environment" else 0.0
         return min(step.limit, self.deadline - time.monotonic() - reserve)
 
     def run(self, index: int, step: Step) -> None:

@@ -84,6 +84,8 @@ def test_the_budget_bounds_every_step_and_keeps_the_environment_steps_share(tmp_
     assert last.record["status"] == "passed"
     summary = json.loads((args.out / "summary.json").read_text())
     assert [s["status"] for s in summary["steps"]] == ["skipped: budget spent", "passed"]
+    # A round without the environment step (`--only`) keeps nothing back.
+    assert Round(args, [never]).left(never) > gpu_round.ENVIRONMENT_LIMIT
 
 
 def test_a_failing_command_stops_its_step_and_is_recorded(tmp_path):
