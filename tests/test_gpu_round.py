@@ -181,6 +181,7 @@ def test_a_subprocess_keeps_the_python_path_it_was_given(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(5400)
 def test_the_dry_run_runs_every_step_at_toy_size_on_the_cpu(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     done = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--work", str(work)],
