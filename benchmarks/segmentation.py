@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/segmentation.py dice [hydra overrides ...]
     .venv/bin/python benchmarks/segmentation.py sliding-window [--size 128] [--roi 64 48] [--overlap 0.25 0.5]
-    .venv/bin/python benchmarks/segmentation.py gpu [--nets unet swinunetr] [--steps 20]
+    .venv/bin/python benchmarks/segmentation.py gpu [--nets unet swinunetr dynunet] [--steps 20] [--batch 2]
+        [--size 128] [--device cuda] [--json FILE]
     .venv/bin/python benchmarks/segmentation.py real [--subjects 48] [--spacing 2 2 2] [--epochs 60]
         [--arms medvol monai]
 
@@ -11,7 +12,10 @@ regions, FLAIR + T1ce) in a temporary folder and prints the val Dice/HD95 of eve
 `sliding-window` times `Segmenter.sliding_window` (Gaussian blending) on one random C x size^3
 volume on the CPU, one fresh process per setting so the peak resident memory is that
 setting's own. `gpu` times training steps of the BraTS experiment's networks on 4 x 128^3
-(4-channel) patches under bf16-mixed autocast: samples/s and `torch.cuda.max_memory_allocated`.
+(4-channel) patches under bf16-mixed autocast: samples/s and `torch.cuda.max_memory_allocated`; `dynunet`
+is the network the experiment's plan builds (`experiment=brats_segmentation` on 1 mm BraTS volumes: its
+given 128^3 patch and 32-320 filters, the plan's strides, kernels and deep supervision); `--device cpu`
+with a small `--size` checks the command (fp32, no memory figure).
 `real` writes BraTS-2021 cases on the MNI152 brain with lesions (`datamodules.sources.brain_lesions`) at
 `--spacing`, then trains on the same files, split and epochs (1) `python train.py model=segmentation
 dataset=brats` as a user types it (the plan from the data) and (2) the plain MONAI script of issue 28
@@ -127,15 +131,33 @@ def torch_threads() -> int:
 
 
 def train_steps(module, optimizer, image, target, steps: int) -> None:  # noqa: ANN001 - torch is imported lazily
-    """`steps` bf16-autocast training steps of the segmentation network on one fixed batch."""
+    """`steps` training steps of the segmentation network on one fixed batch (bf16 autocast on a GPU)."""
     import torch
 
     for _ in range(steps):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = module.loss(module(image), target)
+        with torch.autocast(image.device.type, dtype=torch.bfloat16, enabled=image.device.type == "cuda"):
+            loss = module.training_loss(module(image), target)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+
+
+def network_settings(net: str, size: int) -> dict[str, Any]:
+    """The Segmenter settings of `net` for size^3 patches: UNet and SwinUNETR as the BraTS seed sizes them, DynUNet
+    as the plan of `experiment=brats_segmentation` builds it on 1 mm volumes (`medvol.volumes.plan.topology`)."""
+    if net != "dynunet":
+        return {"net": net, "features": [32, 64, 128, 256, 320], "feature_size": 48}
+    from hydra import compose, initialize_config_dir
+
+    import medvol.run.resolvers  # noqa: F401 - resolvers the configs use
+    from medvol.volumes.plan import topology
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="segmentation_bench"):
+        cfg = compose("train", overrides=["experiment=brats_segmentation", "dataset.root=/unused"])
+    _, strides, kernels = topology([size] * 3, [1.0, 1.0, 1.0])
+    levels = min(len(cfg.model.plan.features), len(strides))
+    return {"net": "dynunet", "features": list(cfg.model.plan.features)[:levels], "strides": strides[:levels],
+            "kernels": kernels[:levels], "deep_supervision": levels >= 3}
 
 
 def gpu(args: argparse.Namespace) -> None:
@@ -143,35 +165,49 @@ def gpu(args: argparse.Namespace) -> None:
 
     from lightning_modules.segmentation.segmentation import Segmenter
 
-    if not torch.cuda.is_available():
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
         raise SystemExit("gpu: no CUDA device visible")
-    device = torch.device("cuda")
-    print(
-        f"{torch.cuda.get_device_name()}; batch {args.batch} of 4 channels x 128^3, bf16-mixed autocast, AdamW, "
-        f"{args.steps} timed steps"
-    )
+    name = torch.cuda.get_device_name() if cuda else "cpu (fp32)"
+    print(f"{name}; batch {args.batch} of 4 channels x {args.size}^3, {'bf16-mixed autocast, ' if cuda else ''}"
+          f"AdamW, {args.steps} timed steps")
     print("| net | parameters (M) | samples/s | step (ms) | peak memory (GiB) |\n|---|---|---|---|---|")
+    rows = []
     for net in args.nets:
         torch.manual_seed(0)
+        settings = network_settings(net, args.size)
         module = Segmenter(
-            in_channels=4, net=net, regions={"WT": [1, 2, 3], "TC": [1, 3], "ET": [3]},
-            features=[32, 64, 128, 256, 320], feature_size=48, patch_size=[128, 128, 128],
+            in_channels=4, regions={"WT": [1, 2, 3], "TC": [1, 3], "ET": [3]}, patch_size=[args.size] * 3, **settings
         ).to(device)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
-        image = torch.randn(args.batch, 4, 128, 128, 128, device=device)
-        target = (torch.rand(args.batch, 3, 128, 128, 128, device=device) > 0.9).to(torch.uint8)
-        torch.cuda.reset_peak_memory_stats()
-        train_steps(module, optimizer, image, target, 3)
-        torch.cuda.synchronize()
+        image = torch.randn(args.batch, 4, *[args.size] * 3, device=device)
+        target = (torch.rand(args.batch, 3, *[args.size] * 3, device=device) > 0.9).to(torch.uint8)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        train_steps(module, optimizer, image, target, 3 if cuda else 1)
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         train_steps(module, optimizer, image, target, args.steps)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         seconds = (time.perf_counter() - start) / args.steps
-        parameters = sum(p.numel() for p in module.parameters()) / 1e6
-        print(f"| {net} | {parameters:.1f} | {args.batch / seconds:.2f} | {seconds * 1000:.0f} | "
-              f"{torch.cuda.max_memory_allocated() / 2**30:.1f} |")
+        rows.append({
+            "net": net, "settings": settings, "parameters_m": sum(p.numel() for p in module.parameters()) / 1e6,
+            "samples_per_s": args.batch / seconds, "step_ms": seconds * 1000,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        })
+        peak = f"{rows[-1]['peak_gib']:.1f}" if cuda else "-"
+        print(f"| {net} | {rows[-1]['parameters_m']:.1f} | {rows[-1]['samples_per_s']:.2f} | "
+              f"{rows[-1]['step_ms']:.0f} | {peak} |", flush=True)
         del module, optimizer
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"device": name, "batch": args.batch, "size": args.size, "steps": args.steps, "rows": rows}, indent=1
+        ))
 
 
 # ---- real: medvol's planned default against a plain MONAI script on real anatomy (issue 28) ----------------------
@@ -381,9 +417,12 @@ def main() -> None:
     window.add_argument("--channels", type=int, default=4)
     window.add_argument("--repeats", type=int, default=3)
     device = sub.add_parser("gpu")
-    device.add_argument("--nets", nargs="+", default=["unet", "swinunetr"])
+    device.add_argument("--nets", nargs="+", default=["unet", "swinunetr"], choices=["unet", "swinunetr", "dynunet"])
     device.add_argument("--batch", type=int, default=2)
     device.add_argument("--steps", type=int, default=20)
+    device.add_argument("--size", type=int, default=128, help="patch edge in voxels")
+    device.add_argument("--device", default="cuda", help="cpu: a check of the command at a small --size")
+    device.add_argument("--json", help="also write the rows to this file")
     side = sub.add_parser("real")
     side.add_argument("--subjects", type=int, default=48)
     side.add_argument("--spacing", type=float, nargs=3, default=[2.0, 2.0, 2.0])

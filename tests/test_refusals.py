@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import re
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoin
 from medvol.run.override_check import override_error
 from medvol.run.refusal import RunDirectoryBefore
 from medvol.run.run_check import check_run, check_trainer
-from tests.conftest import CONF_DIR, ROOT, compose_cfg
+from tests.conftest import CONF_DIR, ROOT, compose_cfg, subprocess_env
 from tests.payloads import crafted_checkpoint
 
 FAST = ["hardware=cpu", "callbacks.progress_bar=null", "dataset.num_subjects=4", "dataset.size=16",
@@ -31,7 +30,7 @@ FAST = ["hardware=cpu", "callbacks.progress_bar=null", "dataset.num_subjects=4",
 
 
 def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = subprocess_env(OMP_NUM_THREADS="1")
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240
     )

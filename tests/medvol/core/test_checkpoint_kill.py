@@ -10,7 +10,6 @@ must equal those of a run that was never interrupted. Checkpoint writes are slow
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, TINY
+from tests.conftest import ROOT, TINY, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +39,7 @@ def start(run_dir: Path, marker: Path, log: Path) -> subprocess.Popen:
     """`train.py` with slow checkpoint writes, resuming from the run's `last.ckpt` when there is one."""
     last = run_dir / "checkpoints" / "last.ckpt"
     resume = [f"ckpt_path={last}"] if last.exists() else []
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MEDVOL_TEST_WRITE_MARKER": str(marker)}
+    env = subprocess_env(OMP_NUM_THREADS="1", MEDVOL_TEST_WRITE_MARKER=str(marker))
     command = [sys.executable, str(ROOT / "tests" / "slow_checkpoint_writes.py"), str(ROOT / "train.py"),
                *TINY, *COMMON, f"hydra.run.dir={run_dir}", *resume]
     with log.open("a") as handle:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from lightning_modules.ldm.first_stage import VQGAN_CLASS
 from lightning_modules.vqgan.vqgan import VQGAN
 from medvol.core.errors import MedvolError
 from medvol.run.training import run
-from tests.conftest import CONF_DIR, ROOT, TINY, compose_cfg
+from tests.conftest import CONF_DIR, ROOT, TINY, compose_cfg, subprocess_env
 from tests.lightning_modules.ldm.test_ldm import TINY_VQGAN, save_checkpoint
 
 MODELS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
@@ -177,7 +176,7 @@ def test_unknown_key_value_or_group_gets_hydras_clear_error(tmp_path):
 
 
 def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = subprocess_env(OMP_NUM_THREADS="1")
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240
     )
