@@ -4,7 +4,6 @@ earlier stages and its hand-off). Resume's case is in tests/test_refusals.py ("c
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from medvol.core.errors import MedvolError
 from medvol.run.cascade import best_checkpoint
 from medvol.run.predicting import load_module, predict
 from medvol.run.training import check_config
-from tests.conftest import ROOT, TINY_MODEL, compose_cfg
+from tests.conftest import ROOT, TINY_MODEL, compose_cfg, subprocess_env
 from tests.medvol.run.test_predict import predict_cfg, trained_run, write_lps_scans  # noqa: F401 - a fixture
 from tests.payloads import crafted_checkpoint
 
@@ -57,7 +56,7 @@ def test_predict_py_prints_the_refusal_alone(tmp_path):
     done = subprocess.run(
         [sys.executable, str(ROOT / "predict.py"), f"ckpt_path={ckpt}", f"input={scans}",
          f"output_dir={tmp_path / 'out'}", "device=cpu"],
-        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        cwd=tmp_path, env=subprocess_env(OMP_NUM_THREADS="1"),
         capture_output=True, text=True, timeout=240,
     )
     lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
