@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import logging
 from pathlib import Path
 
 import nibabel as nib
@@ -11,8 +12,11 @@ import pytest
 
 from datamodules.pipeline.check import check_record
 from medvol.core.errors import MedvolError
+from medvol.run.predict_inputs import input_files
+from medvol.volumes.dicom_io import list_series
 from medvol.volumes.volume_budget import BUDGET_ENV, GIB, load_nifti, machine_memory_bytes, volume_budget_bytes
 from medvol.volumes.volume_reader import LoadVolumed, volume_grid
+from tests.dicom_series import ramp, write_series
 
 
 def promising_header(path: Path, shape: tuple[int, ...], dtype=np.int16) -> Path:
@@ -79,3 +83,36 @@ def test_the_data_doctor_inflates_a_gzip_stream_no_further_than_its_header_promi
     monkeypatch.setattr(gzip.GzipFile, "read", counting)
     check_record({"subject": "s1", "files": {"ct": str(path)}}, None, full=False)
     assert 0 < sum(inflated) <= 3 * plain.stat().st_size  # the header and the voxels, read twice at most
+
+
+def test_other_files_in_an_input_folder_are_counted_and_skipped_unread(tmp_path, caplog):
+    scans = tmp_path / "scans"
+    scans.mkdir()
+    nib.save(nib.Nifti1Image(np.zeros((4, 4, 4), np.float32), np.eye(4)), str(scans / "p1.nii.gz"))
+    for k in range(1500):
+        (scans / f"report{k}.txt").write_bytes(b"x" * 100)
+    series = tmp_path / "series"
+    write_series(series, ramp(4, 4, 3))
+    for k in range(300):
+        (series / f"thumb{k}.jpg").write_bytes(b"\xff\xd8" * 2000)
+    opened: list[int] = []
+    original = Path.open
+
+    def spy(self, mode="r", *args, **kwargs):
+        handle = original(self, mode, *args, **kwargs)
+        if self.suffix in (".txt", ".jpg"):
+            read = handle.read
+            handle.read = lambda size=-1: opened.append(size) or read(size)  # type: ignore[method-assign]
+        return handle
+
+    with caplog.at_level(logging.INFO, logger="medvol"):
+        assert input_files(scans) == [scans / "p1.nii.gz"]
+        Path.open = spy  # type: ignore[method-assign]
+        try:
+            assert len(list_series(series)[next(iter(list_series(series)))]) == 3
+        finally:
+            Path.open = original  # type: ignore[method-assign]
+    assert "1500 file(s) that are not .nii/.nii.gz skipped" in caplog.text
+    assert "300 file(s) that are not DICOM skipped" in caplog.text
+    # Each non-DICOM file is told apart by its first 132 bytes, never read whole.
+    assert opened and max(opened) == 132
