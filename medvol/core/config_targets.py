@@ -82,8 +82,13 @@ def target_problem(target: Any) -> str | None:
 
 
 def check_file_targets(cfg: DictConfig, source: Path) -> None:
-    """Raise `MedvolError` naming the first `_target_` of `cfg` (read from `source`) that may not be built."""
+    """Raise `MedvolError` naming the first `_target_` of `cfg` (read from `source`) that may not be built.
+
+    A `hydra` node (a cascade stage's config keeps the job's) is Hydra's record of how the job ran: medvol
+    builds nothing from it."""
     tree = OmegaConf.to_container(cfg, resolve=False)
+    assert isinstance(tree, dict)
+    tree.pop("hydra", None)
     for key, target in file_targets(tree):
         problem = target_problem(target)
         if problem:
