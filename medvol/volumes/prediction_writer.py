@@ -102,7 +102,10 @@ class PredictionWriter:
     2021's 0, 1, 2, 4) they are written with the values the input used. Patch batches (with
     `patch_origin`) stay on the patch grid and add the patch corner to the name. An `"arrays"`
     output (name -> (B, ...) tensor, e.g. a VQ-GAN's codes) is saved as `<subject>_<name>.npy`; a
-    `"rows"` output (per-subject dicts: risks, class probabilities) goes to `predictions.csv`.
+    `"rows"` output (per-subject dicts: risks, class probabilities) goes to `predictions.csv`. Volumes a model
+    names in `"as_is"` are already on the grid they are written on (the source grid where the batch has one,
+    e.g. segmentation probabilities resampled before the argmax) and in their final units: written as they are.
+    A `volumes` entry may be a list of per-sample tensors (source grids differ in shape from sample to sample).
 
     With `output_format` dicom or both, the volumes of subjects read from a DICOM series (a batch's
     `source_series`) are also written for a PACS (`medvol.volumes.dicom_write`): label maps as
@@ -206,6 +209,7 @@ class PredictionWriter:
         series = batch.get("source_series")
         units = outputs.get("units") or {}
         spreads = set(outputs.get("spreads") or ())
+        as_is = set(outputs.get("as_is") or ())
         planned = []
         for name, batch_volumes in outputs["volumes"].items():
             if name in self.skip:
@@ -219,7 +223,7 @@ class PredictionWriter:
                 if is_label and label_values is not None:
                     lookup = label_values[i].cpu()
                     volume = lookup[volume.long().clamp(0, len(lookup) - 1)]
-                elif not is_label:
+                elif not is_label and name not in as_is:
                     volume = to_source_units(
                         volume.float(),
                         batch,
@@ -233,10 +237,11 @@ class PredictionWriter:
                 if is_label and label_values is not None and segments:
                     segments = {n: [int(lookup[v]) for v in values] for n, values in segments.items()}
                 if on_source:
-                    grid = (batch["source_affine"][i], batch["source_shape"][i])
-                    # Cropped-away voxels: background for labels, the darkest output value for intensities.
-                    fill = 0.0 if is_label else float(volume.min())
-                    volume = to_source_grid(volume, grid, affines[i], "nearest" if is_label else "linear", fill)
+                    if name not in as_is:
+                        grid = (batch["source_affine"][i], batch["source_shape"][i])
+                        # Cropped-away voxels: background for labels, the darkest output value for intensities.
+                        fill = 0.0 if is_label else float(volume.min())
+                        volume = to_source_grid(volume, grid, affines[i], "nearest" if is_label else "linear", fill)
                     affine = batch["source_affine"][i]
                     source_file = sources[i] if sources is not None else ""
                     header = source_file if source_file and Path(source_file).is_file() else None
