@@ -92,37 +92,33 @@ def label_map_dice(scheme: LabelScheme, prediction: np.ndarray, truth: np.ndarra
 
 
 def choose(
-    scheme: LabelScheme, cases: Sequence[tuple[np.ndarray, np.ndarray]],
+    scheme: LabelScheme, cases: Sequence[Callable[[], tuple[np.ndarray, np.ndarray]]],
     dice: Callable[[LabelScheme, np.ndarray, np.ndarray], np.ndarray] = label_map_dice,
 ) -> Postprocessing:
-    """nnU-Net's rule on (prediction, truth) label maps of every fold's validation subjects."""
+    """nnU-Net's rule on the validation subjects of every fold: `cases` load each one's (prediction, reference)
+    label maps, read again for every trial so that only one subject is in memory at a time."""
     if not cases:
         raise MedvolError("post-processing: no validation predictions to choose it on")
     every, per_structure = candidates(scheme)
     names = [name for name, _ in per_structure]
 
-    def mean_dice(predictions: Sequence[np.ndarray]) -> np.ndarray:
-        return np.mean([dice(scheme, p, t) for p, (_, t) in zip(predictions, cases, strict=True)], axis=0)
+    def mean_dice(steps: list[tuple[str, tuple[int, ...]]]) -> np.ndarray:
+        chosen = Postprocessing(tuple(steps))
+        return np.mean([dice(scheme, chosen(p), t) for p, t in (load() for load in cases)], axis=0)
 
-    current = [p for p, _ in cases]
-    before = mean_dice(current)
-    baseline = before
     steps: list[tuple[str, tuple[int, ...]]] = []
-    trial = [keep_largest(p, every) for p in current]
-    after = mean_dice(trial)
-    if after.mean() > before.mean() and bool(np.all(after >= before)):
-        steps.append((ALL_FOREGROUND, every))
-        current, before = trial, after
+    baseline = best = mean_dice(steps)
+    trial = mean_dice([(ALL_FOREGROUND, every)])
+    if trial.mean() > best.mean() and bool(np.all(trial >= best)):
+        steps, best = [(ALL_FOREGROUND, every)], trial
     if len(per_structure) > 1:
-        for index, (name, values) in enumerate(per_structure):
-            trial = [keep_largest(p, values) for p in current]
-            after = mean_dice(trial)
-            if after[index] > before[index]:
-                steps.append((name, values))
-                current, before = trial, after
+        for index, step in enumerate(per_structure):
+            trial = mean_dice([*steps, step])
+            if trial[index] > best[index]:
+                steps, best = [*steps, step], trial
     scores = {
         "dice_before": dict(zip(names, baseline.round(6).tolist(), strict=True)),
-        "dice_after": dict(zip(names, before.round(6).tolist(), strict=True)),
+        "dice_after": dict(zip(names, best.round(6).tolist(), strict=True)),
         "subjects": len(cases),
     }
     return Postprocessing(tuple(steps), scores)

@@ -268,7 +268,8 @@ class Segmenter(MedvolModule):
         """The outputs a user receives from model-grid probabilities: on the source scan's grid where the batch
         has one (probabilities resampled linearly per class, then the argmax or threshold, then the
         post-processing), scored there against the label file as stored; else on the model grid. `extras`:
-        `probabilities` also returns them (written as `<subject>_probabilities.nii.gz`)."""
+        `probabilities` also returns them (written as `<subject>_probabilities.nii.gz`), `reference` the label
+        maps scored against (in model label values, on the same grid)."""
         image = batch[self.hparams.image_key]
         label = batch.get("label")
         if not on_source_grid(batch):
@@ -283,8 +284,10 @@ class Segmenter(MedvolModule):
                 target = self.scheme.target(label.to(probabilities.device))
                 target_masks = target if self.scheme.is_regions else self.scheme.one_hot(target)
                 outputs["subject_metrics"] = self.subject_metrics(label_map, target_masks, batch.get("affine"))
+                if "reference" in extras:
+                    outputs["volumes"]["reference"] = self.scheme.label_map(target_masks)
             return outputs
-        maps, kept, rows = [], [], []
+        maps, kept, references, rows = [], [], [], []
         for i in range(image.shape[0]):
             grid = (batch["source_affine"][i], batch["source_shape"][i])
             source = to_source_grid(
@@ -296,10 +299,14 @@ class Segmenter(MedvolModule):
                 kept.append(source)
             if label is not None:
                 truth = self.source_truth(batch, i, grid)
+                references.append(truth[None])
                 target_masks = self.masks_of(truth[None, None])
                 rows.append(self.subject_metrics(label_map, target_masks, batch["source_affine"][i : i + 1]))
         outputs = {
-            "volumes": {"input": image, "seg": maps, **({"probabilities": kept} if kept else {})},
+            "volumes": {
+                "input": image, "seg": maps, **({"probabilities": kept} if kept else {}),
+                **({"reference": references} if "reference" in extras and references else {}),
+            },
             "segments": self.scheme.segments, "as_is": ["seg", "probabilities"],
         }
         if rows:
