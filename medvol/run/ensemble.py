@@ -46,9 +46,13 @@ class Ensemble:
 
 def same_preprocessing(runs: Sequence[DictConfig], checkpoints: Sequence[str]) -> None:
     """Refuse members whose runs preprocess differently (another spacing, normalization or crop)."""
-    first = OmegaConf.to_container(runs[0].dataset.get("transforms"), resolve=True)
+    def transforms(run: DictConfig) -> Any:
+        node = run.dataset.get("transforms")
+        return OmegaConf.to_container(node, resolve=True) if node is not None else None
+
+    first = transforms(runs[0])
     for run, checkpoint in zip(runs[1:], checkpoints[1:], strict=True):
-        if OmegaConf.to_container(run.dataset.get("transforms"), resolve=True) != first:
+        if transforms(run) != first:
             raise MedvolError(
                 f"`ckpt_path`: {checkpoint} was trained with other preprocessing (dataset.transforms or plan) than "
                 f"{checkpoints[0]}; an ensemble averages members that see the same grid"
