@@ -144,6 +144,8 @@ class Segmenter(MedvolModule):
         # Set by the run from its validation predictions (`postprocessing.json`), or every structure by hand.
         self.postprocessing = Postprocessing(tuple(candidates(self.scheme)[1]) if largest_component else ())
         self.tta = bool(tta)
+        # Per structure, the [smallest, largest] training volume in ml (the run's record): the report flags outliers.
+        self.volume_range: dict[str, list[float]] = {}
         columns = len(self.scheme.names)
         self.val_dice, self.val_hd95 = SubjectScores(columns), SubjectScores(columns)
         self.test_dice, self.test_hd95 = SubjectScores(columns), SubjectScores(columns)
@@ -276,6 +278,7 @@ class Segmenter(MedvolModule):
             label_map = self.label_maps(probabilities)
             outputs: dict[str, Any] = {
                 "volumes": {"input": image, "seg": label_map}, "segments": self.scheme.segments, "as_is": ["seg"],
+                "volume_range": self.volume_range,
             }
             if "probabilities" in extras:
                 outputs["volumes"]["probabilities"] = probabilities.float()
@@ -307,7 +310,7 @@ class Segmenter(MedvolModule):
                 "input": image, "seg": maps, **({"probabilities": kept} if kept else {}),
                 **({"reference": references} if "reference" in extras and references else {}),
             },
-            "segments": self.scheme.segments, "as_is": ["seg", "probabilities"],
+            "segments": self.scheme.segments, "as_is": ["seg", "probabilities"], "volume_range": self.volume_range,
         }
         if rows:
             outputs["subject_metrics"] = {name: torch.cat([row[name] for row in rows]) for name in rows[0]}

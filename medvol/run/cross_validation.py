@@ -32,21 +32,26 @@ from omegaconf import DictConfig
 from lightning_modules.segmentation.label_scheme import LabelScheme
 from lightning_modules.segmentation.postprocessing import Postprocessing, choose
 from lightning_modules.segmentation.segmentation import Segmenter
+from medvol.core.build import build
 from medvol.run.fold_records import (
     FOLD_FILE,
     LABEL_MAPS_DIR,
     POSTPROCESSING_FILE,
     SUMMARY_FILE,
     VALIDATION_DIR,
+    VOLUMES_FILE,
     fold_runs,
     read_postprocessing,
+    read_volume_range,
     write_json,
 )
 from medvol.run.predict_config import window_size
 from medvol.run.predict_inputs import batches, dataset_subjects
 from medvol.run.predicting import load_module, mean_metrics
 from medvol.volumes.prediction_writer import PredictionWriter
+from medvol.volumes.segmentation_report import structure_volumes
 from medvol.volumes.sliding_window import SlidingWindow
+from medvol.volumes.volume_reader import VolumeReader
 
 log = logging.getLogger("medvol")
 
@@ -59,18 +64,17 @@ def after_training(cfg: DictConfig, trainer: pl.Trainer, module: pl.LightningMod
     if not isinstance(module, Segmenter):
         return {}
     metrics: dict[str, float] = {}
+    run_dir = Path(str(cfg.paths.output_dir))
     if not cfg.get("train", True):
-        module.postprocessing = read_postprocessing(Path(str(cfg.paths.output_dir)))
+        module.postprocessing, module.volume_range = read_postprocessing(run_dir), read_volume_range(run_dir)
         return metrics
     if trainer.is_global_zero:
         callback = trainer.checkpoint_callback
         checkpoint = getattr(callback, "best_model_path", "") or getattr(callback, "last_model_path", "")
         if checkpoint:
             metrics = validate(cfg, checkpoint, trainer.strategy.root_device)
-            module.postprocessing = read_postprocessing(Path(str(cfg.paths.output_dir)))
     trainer.strategy.barrier("medvol-final-validation")
-    if not trainer.is_global_zero:
-        module.postprocessing = read_postprocessing(Path(str(cfg.paths.output_dir)))
+    module.postprocessing, module.volume_range = read_postprocessing(run_dir), read_volume_range(run_dir)
     return metrics
 
 
@@ -91,8 +95,9 @@ def validate(cfg: DictConfig, checkpoint: str, device: torch.device) -> dict[str
     writer = PredictionWriter(out, skip=("input", "label", "reference"))
     maps = out / LABEL_MAPS_DIR
     maps.mkdir(parents=True, exist_ok=True)
-    subjects = []
+    subjects, label_values = [], None
     for batch in batches(inputs.dataset):
+        label_values = batch.get("label_values")
         with torch.no_grad():
             outputs = module.predict_volumes(batch, window, ["reference"])
         writer.write(outputs, batch)
@@ -102,6 +107,10 @@ def validate(cfg: DictConfig, checkpoint: str, device: torch.device) -> dict[str
                 maps / f"{subject}.npz", prediction=label_array(prediction), reference=label_array(reference)
             )
             subjects.append(str(subject))
+    write_json(run_dir / VOLUMES_FILE, training_volumes(
+        cfg, module.scheme.segments, label_values[0].tolist() if label_values is not None else None
+    ))
+    module.volume_range = writer.volume_range = read_volume_range(run_dir)
     writer.write_metrics()
     fold = cfg.dataset.get("fold")
     scheme = module.scheme
@@ -124,6 +133,31 @@ def validate(cfg: DictConfig, checkpoint: str, device: torch.device) -> dict[str
     )
     log.info("%s (%s)", decision.describe(), run_dir / POSTPROCESSING_FILE)
     return metrics
+
+
+def training_volumes(
+    cfg: DictConfig, segments: dict[str, list[int]], label_values: list[int] | None, count: int = 32
+) -> dict[str, dict[str, float]]:
+    """Per structure, the smallest, median and largest volume (ml) in up to `count` training label files (evenly
+    spread): the range a prediction's volume is flagged outside of (`medvol.volumes.segmentation_report`)."""
+    datamodule = build(cfg.dataset)
+    datamodule.assign_split()
+    records = [r for r in datamodule.training_records() if r.get("label")]
+    if len(records) > count:
+        records = [records[round(i * (len(records) - 1) / (count - 1))] for i in range(count)]
+    # The structures in the files' own values (BraTS 2021's 4 for the model's 3).
+    in_files = {n: [label_values[v] if label_values else v for v in values] for n, values in segments.items()}
+    volumes: dict[str, list[float]] = {name: [] for name in segments}
+    reader = VolumeReader()
+    for record in records:
+        array, meta = reader.get_data(reader.read(str(record["label"])))
+        found = structure_volumes(np.rint(np.asarray(array)), in_files, np.asarray(meta["affine"]))
+        for name, value in found.items():
+            volumes[name].append(value)
+    return {
+        name: {"min": min(v), "median": float(np.median(v)), "max": max(v), "subjects": len(v)}
+        for name, v in volumes.items() if v
+    }
 
 
 def label_array(volume: torch.Tensor) -> np.ndarray:

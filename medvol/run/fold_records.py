@@ -20,6 +20,7 @@ LABEL_MAPS_DIR = "label_maps"
 FOLD_FILE = "fold.json"
 POSTPROCESSING_FILE = "postprocessing.json"
 SUMMARY_FILE = "cross_validation.json"
+VOLUMES_FILE = "structure_volumes.json"
 
 
 def write_json(path: Path, record: Any) -> None:
@@ -67,3 +68,12 @@ def fold_checkpoints(run_dir: Path) -> list[str]:
             "folder of a `python train.py -m ... dataset.fold=0,1,2,3,4` sweep"
         )
     return [str(record["checkpoint"]) for _, _, record in runs]
+
+
+def read_volume_range(folder: Path) -> dict[str, list[float]]:
+    """Per structure, the [smallest, largest] volume (ml) of the run's training labels; empty where not recorded."""
+    path = folder / VOLUMES_FILE
+    if not path.is_file():
+        return {}
+    record = json.loads(path.read_text())
+    return {name: [float(v["min"]), float(v["max"])] for name, v in record.items()}

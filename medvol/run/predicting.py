@@ -28,7 +28,7 @@ from medvol.core.console import log_file
 from medvol.core.errors import MedvolError
 from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes
 from medvol.run.ensemble import Ensemble, same_preprocessing
-from medvol.run.fold_records import fold_checkpoints, read_postprocessing
+from medvol.run.fold_records import fold_checkpoints, read_postprocessing, read_volume_range
 from medvol.run.generation import intensity_record, on_model_grid, sampled_outputs, with_target_units
 from medvol.run.noise_samples import write_noise_samples
 from medvol.run.predict_check import (
@@ -140,7 +140,10 @@ def segmentation_predictor(
         module.tta = bool(cfg.tta)
     if decided_in is None:
         decided_in = run_dir_of_checkpoint(checkpoints[0])
-    module.postprocessing = read_postprocessing(decided_in) if decided_in is not None else module.postprocessing
+    if decided_in is not None:
+        module.postprocessing = read_postprocessing(decided_in)
+    own = run_dir_of_checkpoint(checkpoints[0])
+    module.volume_range = read_volume_range(own) if own is not None else {}
     if len(checkpoints) == 1:
         return module
     runs = [run] + [recovered_run(with_checkpoint(cfg, c)) for c in checkpoints[1:]]

@@ -135,6 +135,15 @@ def test_test_run_writes_masks_on_the_source_grid_with_brats_values_and_per_subj
     assert {"dice_WT", "dice_TC", "dice_ET", "hd95_WT"} <= set(rows[0])
     assert np.mean([float(r["dice_WT"]) for r in rows] + [float(r["dice_TC"]) for r in rows]
                    + [float(r["dice_ET"]) for r in rows]) == pytest.approx(metrics["test/dice"], abs=1e-5)
+    # The page and a picture per subject beside the masks; each structure's volume in metrics.csv.
+    assert (predictions / "index.html").is_file() and {"volume_WT_ml", "volume_ET_ml"} <= set(rows[0])
+    assert sorted(p.name for p in predictions.glob("*.png")) == sorted(f"{s}_seg.png" for s in test_subjects)
+    # After training, the validation subjects on their source grids, and the post-processing chosen on them.
+    val_subjects = json.loads((tmp_path / "run" / "split.json").read_text())["val"]
+    validation = tmp_path / "run" / "validation"
+    assert sorted(p.name for p in validation.glob("*_seg.nii.gz")) == sorted(f"{s}_seg.nii.gz" for s in val_subjects)
+    assert "validation/dice_WT" in metrics and (tmp_path / "run" / "postprocessing.json").is_file()
+    assert set(json.loads((tmp_path / "run" / "structure_volumes.json").read_text())) == {"WT", "TC", "ET"}
 
 
 @pytest.mark.parametrize(
