@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/segmentation.py sliding-window [--size 128] [--roi 64 48] [--overlap 0.25 0.5]
     .venv/bin/python benchmarks/segmentation.py gpu [--nets unet swinunetr] [--steps 20]
     .venv/bin/python benchmarks/segmentation.py mirroring [--subjects 24] [--epochs 20]
+    .venv/bin/python benchmarks/segmentation.py profile --run <a trained segmentation run> [--repeats 10]
     .venv/bin/python benchmarks/segmentation.py real [--datasets brats,thick,ct] [--subjects 48] [--epochs 60]
         [--arms medvol,nnunet,monai] [--nnunet-venv /work/nnunet-venv]
 
@@ -587,6 +588,120 @@ def mirroring(args: argparse.Namespace) -> None:
         handle.write("\n".join(lines) + "\n\n")
 
 
+def profile(args: argparse.Namespace) -> None:
+    """Where a planned training step and a predict call spend their time, on a trained run's own plan and data.
+
+    The step is timed part by part (loading a batch, the label check, cutting the patches, the forward with
+    and without the deep-supervision heads, the loss, the backward, the optimizer step), median of
+    `--repeats` after two warm-up steps; the predict call part by part for one test subject (preprocessing,
+    the sliding window without and with mirroring, the probabilities onto the source grid, the label map
+    and post-processing, the metrics, the NIfTI, the picture). One thread (`OMP_NUM_THREADS=1`)."""
+    import statistics
+
+    import torch
+    from omegaconf import OmegaConf, open_dict
+
+    from lightning_modules.segmentation.patch_sampling import cut_patches, patch_origins
+    from medvol.core.build import build, build_model
+    from medvol.run.predict_config import recovered_run
+    from medvol.run.predict_inputs import batches, dataset_subjects
+    from medvol.volumes.prediction_writer import PredictionWriter
+    from medvol.volumes.source_grid import to_source_grid
+
+    torch.set_num_threads(1)
+    run_dir = Path(args.run).resolve()
+    best = json.loads((run_dir / "summary.json").read_text())["best_checkpoint"]
+    run = recovered_run(OmegaConf.create({"ckpt_path": best, "model": {}}))
+    with open_dict(run):
+        run.dataset.cache, run.dataset.num_workers = "none", 0
+    module = build_model(run.model)
+    optimizer = module.configure_optimizers()
+    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+    datamodule = build(run.dataset)
+    datamodule.setup("fit")
+    loader = datamodule.train_dataloader()
+    parts: dict[str, list[float]] = {}
+
+    def clock(name: str, start: float) -> float:
+        now = time.perf_counter()
+        parts.setdefault(name, []).append(now - start)
+        return now
+
+    module.train()
+    batches_iter = iter(loader)
+    for step in range(args.repeats + 2):
+        if step == 2:
+            parts.clear()
+        start = time.perf_counter()
+        try:
+            batch = next(batches_iter)
+        except StopIteration:
+            batches_iter = iter(loader)
+            batch = next(batches_iter)
+        start = clock("load a batch", start)
+        image, label = batch["image"], batch["label"]
+        module.scheme.check_label(label)
+        start = clock("label check", start)
+        shape = list(image.shape[2:])
+        origins = patch_origins(image.shape[0], None, shape, module.patch_size, module.hparams.pos_ratio)
+        image, label = cut_patches(image, origins, module.patch_size), cut_patches(label, origins, module.patch_size)
+        start = clock("cut patches", start)
+        output = module(image)
+        start = clock("forward (with deep-supervision heads)" if output.dim() == 6 else "forward", start)
+        loss = module.training_loss(output, module.scheme.target(label))
+        start = clock("loss", start)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        start = clock("backward", start)
+        optimizer.step()
+        clock("optimizer step", start)
+    total = sum(statistics.median(v) for v in parts.values())
+    print(f"training step, plan patch {module.patch_size} x batch {image.shape[0]}, features {module.features}, "
+          f"deep supervision {module.supervision_weights is not None}; median of {args.repeats} steps, 1 thread")
+    print("| part | ms | share |\n|---|---|---|")
+    for name, values in parts.items():
+        print(f"| {name} | {1000 * statistics.median(values):.1f} | {statistics.median(values) / total:.0%} |")
+    print(f"| **step** | **{1000 * total:.1f}** | |")
+
+    module.eval()
+    inputs = dataset_subjects(run, None, "test", False, {})
+    batch = next(batches(inputs.dataset))
+    window = module.window(batch["image"])
+    rows = []
+    with torch.no_grad():
+        start = time.perf_counter()
+        batch = next(batches(inputs.dataset))
+        rows.append(("preprocess one subject (load, reorient, resample, normalise)", time.perf_counter() - start))
+        for tta in (False, True):
+            start = time.perf_counter()
+            probabilities = module.probabilities(batch["image"], window, tta)
+            rows.append((f"sliding window, mirroring {'on (8 copies)' if tta else 'off'}", time.perf_counter() - start))
+        grid = (batch["source_affine"][0], batch["source_shape"][0])
+        start = time.perf_counter()
+        source = to_source_grid(probabilities[0], grid, batch["affine"][0], "linear", module.scheme.background())
+        rows.append(("probabilities onto the source grid (linear, per class)", time.perf_counter() - start))
+        start = time.perf_counter()
+        label_map = module.label_maps(source[None])
+        rows.append(("threshold/argmax and post-processing", time.perf_counter() - start))
+        start = time.perf_counter()
+        outputs = module.outputs_of(batch, probabilities)
+        rows.append(("all of the above from probabilities, with Dice/HD95 against the label file",
+                     time.perf_counter() - start))
+        out = Path(args.out).resolve() / "profile-predict"
+        writer = PredictionWriter(out)
+        start = time.perf_counter()
+        writer.write({**outputs, "segments": {}}, batch)
+        rows.append(("write the mask (NIfTI)", time.perf_counter() - start))
+        start = time.perf_counter()
+        writer.write(outputs, batch)
+        rows.append(("write the mask, its volumes and its picture", time.perf_counter() - start))
+    print(f"\npredict, one test subject {tuple(batch['source_shape'][0].tolist())} (model grid "
+          f"{tuple(batch['image'].shape[2:])}), 1 thread; label map {tuple(label_map.shape[2:])}")
+    print("| part | s |\n|---|---|")
+    for name, seconds in rows:
+        print(f"| {name} | {seconds:.2f} |")
+
+
 def real(args: argparse.Namespace) -> None:
     """Every arm on the same generated files and split of each dataset; one table per dataset."""
     import torch
@@ -702,8 +817,14 @@ def main() -> None:
     mirror.add_argument("--epochs", type=int, default=20)
     mirror.add_argument("--seed", type=int, default=0)
     mirror.add_argument("--out", default="outputs/benchmarks/segmentation-mirroring")
+    where = sub.add_parser("profile")
+    where.add_argument("--run", required=True, help="a trained medvol segmentation run (its summary.json)")
+    where.add_argument("--repeats", type=int, default=10)
+    where.add_argument("--out", default="outputs/benchmarks/segmentation-profile")
     args, overrides = parser.parse_known_args()
-    if args.task == "mirroring":
+    if args.task == "profile":
+        profile(args)
+    elif args.task == "mirroring":
         Path(args.out).mkdir(parents=True, exist_ok=True)
         mirroring(args)
     elif args.task == "real":

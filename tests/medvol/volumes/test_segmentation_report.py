@@ -60,7 +60,7 @@ def test_the_page_parses_names_existing_pictures_and_repeats_metrics_csv(tmp_pat
     full[0, 2:6, 3:8, 2:5] = 1  # 60 voxels of class 1
     full[0, 7, 7, 7] = 2  # one of class 2
     batch = {
-        "subject": ["b_case", "a_empty"], "affine": torch.from_numpy(AFFINE)[None].repeat(2, 1, 1),
+        "subject": ["b_case", "z_empty"], "affine": torch.from_numpy(AFFINE)[None].repeat(2, 1, 1),
         "source_affine": torch.from_numpy(AFFINE)[None].repeat(2, 1, 1), "source_shape": torch.tensor([shape] * 2),
         "source_file": [str(scan_path)] * 2,
     }
@@ -82,7 +82,7 @@ def test_the_page_parses_names_existing_pictures_and_repeats_metrics_csv(tmp_pat
     page.feed((tmp_path / "out" / "index.html").read_text())
     assert page.header[:4] == ["subject", "picture", "volume_core_ml", "volume_oedema_ml"]
     # The empty prediction is flagged and comes first; the other is within the training range.
-    assert [r["cells"][0] for r in page.rows] == ["a_empty", "b_case"]
+    assert [r["cells"][0] for r in page.rows] == ["z_empty", "b_case"]
     assert page.rows[0]["class"] == "flagged" and "empty prediction" in page.rows[0]["cells"][-1]
     assert page.rows[1]["class"] == "ok"
     for row in page.rows:
