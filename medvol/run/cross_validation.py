@@ -121,7 +121,7 @@ def validate(cfg: DictConfig, checkpoint: str, device: torch.device) -> dict[str
     })
     decision = choose(module.scheme, cases(maps, subjects))
     write_json(run_dir / POSTPROCESSING_FILE, decision.to_json())
-    means = mean_metrics(writer.rows)
+    means = {k: v for k, v in mean_metrics(writer.rows).items() if not k.startswith("volume_")}
     names = module.scheme.names
     metrics = {f"validation/{k}": v for k, v in means.items()}
     if all(f"dice_{n}" in means for n in names):

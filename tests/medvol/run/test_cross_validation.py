@@ -96,3 +96,19 @@ def test_predict_with_the_sweep_averages_the_folds(sweep, tmp_path):
 
 def test_a_sweep_without_folds_is_left_alone(tmp_path):
     assert summarise_sweep(tmp_path) is None and not (tmp_path / "cross_validation.json").exists()
+
+
+@pytest.mark.slow
+def test_a_fold_sweep_on_the_command_line_writes_its_cross_validation_once(tmp_path):
+    from tests.conftest import TINY_COMMON, TINY_MODEL
+    from tests.ddp_support import explain, train_cli
+
+    sweep = tmp_path / "sweep"
+    done = train_cli(
+        ["-m", *TINY_COMMON, *TINY_MODEL["segmentation"], *FOLD_RUN, "dataset.fold=0,1",
+         f"hydra.sweep.dir={sweep}"], cwd=tmp_path, tiny=False, timeout=1200,
+    )
+    assert done.returncode == 0, explain(done)
+    summary = json.loads((sweep / "cross_validation.json").read_text())
+    assert sorted(summary["folds"]) == ["0", "1"] and (sweep / "postprocessing.json").is_file()
+    assert "cross-validation of 2 folds" in done.stdout + done.stderr
