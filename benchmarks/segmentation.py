@@ -5,6 +5,7 @@
     .venv/bin/python benchmarks/segmentation.py gpu [--nets unet swinunetr] [--steps 20]
     .venv/bin/python benchmarks/segmentation.py mirroring [--subjects 24] [--epochs 20]
     .venv/bin/python benchmarks/segmentation.py profile --run <a trained segmentation run> [--repeats 10]
+    .venv/bin/python benchmarks/segmentation.py step-time --run <run> --nnunet-plans <nnUNetPlans.json>
     .venv/bin/python benchmarks/segmentation.py real [--datasets brats,thick,ct] [--subjects 48] [--epochs 60]
         [--arms medvol,nnunet,monai] [--nnunet-venv /work/nnunet-venv]
 
@@ -41,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -542,12 +544,25 @@ def plain_monai_arm(root: Path, split: dict[str, list[str]], epochs: int, spacin
 
 def monai_arm_in_a_process(root: Path, split_file: Path, epochs: int, spacing: float, out: Path) -> dict[str, Any]:
     """The plain MONAI arm in a process of its own, so its peak memory is its own."""
+    out.mkdir(parents=True, exist_ok=True)
     log = out / "monai.log"
     timed_result = timed(
         [sys.executable, __file__, "_monai-arm", str(root), str(split_file), str(epochs), str(spacing)], log
     )
-    result = json.loads(log.read_text().strip().splitlines()[-2])
+    result = next(json.loads(line) for line in reversed(log.read_text().splitlines()) if line.startswith('{"scores"'))
     return {**result, "peak_mib": timed_result[1]}
+
+
+def finished(arm_dir: Path, compute: Any) -> dict[str, Any]:
+    """An arm's figures: those it recorded (`<arm_dir>/result.json`, a finished arm of an interrupted benchmark),
+    else computed now (in a fresh folder) and recorded."""
+    record = arm_dir / "result.json"
+    if record.is_file():
+        return json.loads(record.read_text())
+    shutil.rmtree(arm_dir, ignore_errors=True)
+    result = compute()
+    record.write_text(json.dumps(result, indent=2))
+    return result
 
 
 def mirroring(args: argparse.Namespace) -> None:
@@ -702,6 +717,109 @@ def profile(args: argparse.Namespace) -> None:
         print(f"| {name} | {seconds:.2f} |")
 
 
+def nnunet_step(plans_file: str, channels: int, regions: int, patch: list[int], batch: int, repeats: int) -> dict:
+    """In nnU-Net's venv: seconds of one training step of nnU-Net's own network (from its plans, deep supervision)
+    and loss (Dice + BCE per region, targets pooled to each head, its weights) with its SGD, on random data of
+    `batch` x `patch` (median of `repeats` after one warm-up)."""
+    import numpy as np
+    import torch
+    from nnunetv2.training.loss.compound_losses import DC_and_BCE_loss
+    from nnunetv2.training.loss.deep_supervision import DeepSupervisionWrapper
+    from nnunetv2.training.loss.dice import MemoryEfficientSoftDiceLoss
+    from nnunetv2.utilities.get_network_from_plans import get_network_from_plans
+
+    torch.set_num_threads(1)
+    configuration = json.loads(Path(plans_file).read_text())["configurations"]["3d_fullres"]
+    architecture = configuration["architecture"]
+    net = get_network_from_plans(architecture["network_class_name"], architecture["arch_kwargs"],
+                                 architecture["_kw_requires_import"], channels, regions, deep_supervision=True)
+    pools = architecture["arch_kwargs"]["strides"]
+    scales = [list(i) for i in 1 / np.cumprod(np.vstack(pools), axis=0)][:-1]
+    weights = np.array([1 / (2**i) for i in range(len(scales))])
+    weights[-1] = 0
+    loss = DeepSupervisionWrapper(DC_and_BCE_loss({}, {"batch_dice": False, "do_bg": True, "smooth": 1e-5,
+                                                       "ddp": False}, dice_class=MemoryEfficientSoftDiceLoss),
+                                  weights / weights.sum())
+    optimizer = torch.optim.SGD(net.parameters(), 1e-2, momentum=0.99, nesterov=True, weight_decay=3e-5)
+    image = torch.randn(batch, channels, *patch)
+    full = (torch.rand(batch, regions, *patch) > 0.9).float()
+    targets = [torch.nn.functional.interpolate(full, scale_factor=tuple(s), mode="nearest") if any(x != 1 for x in s)
+               else full for s in scales]
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        value = loss(net(image), targets)
+        value.backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    parameters = sum(p.numel() for p in net.parameters()) / 1e6
+    return {"seconds": sorted(times[1:])[len(times[1:]) // 2], "parameters_m": parameters,
+            "features": architecture["arch_kwargs"]["features_per_stage"]}
+
+
+def medvol_step(run_dir: Path, deep_supervision: bool, repeats: int) -> dict:
+    """Seconds of one planned medvol training step (forward, loss, backward, optimizer) on random data of the plan's
+    batch x patch, with or without the deep-supervision heads (median of `repeats` after one warm-up)."""
+    import torch
+    from omegaconf import OmegaConf, open_dict
+
+    from medvol.core.build import build_model
+    from medvol.run.predict_config import recovered_run
+
+    torch.set_num_threads(1)
+    best = json.loads((run_dir / "summary.json").read_text())["best_checkpoint"]
+    run = recovered_run(OmegaConf.create({"ckpt_path": best, "model": {}}))
+    with open_dict(run):
+        run.model.deep_supervision = deep_supervision
+    module = build_model(run.model).train()
+    optimizer = module.configure_optimizers()
+    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+    plan = json.loads((run_dir / "plan.json").read_text())
+    batch, patch = int(plan["batch_size"]), list(module.patch_size)
+    image = torch.randn(batch, module.hparams.in_channels, *patch)
+    target = (torch.rand(batch, module.scheme.out_channels, *patch) > 0.9).to(torch.uint8)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        module.training_loss(module(image), target).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    parameters = sum(p.numel() for p in module.net.parameters()) / 1e6
+    return {"seconds": sorted(times[1:])[len(times[1:]) // 2], "parameters_m": parameters,
+            "features": module.features, "batch": batch, "patch": patch}
+
+
+def step_times(args: argparse.Namespace) -> None:
+    """One training step on the same batch x patch: medvol's planned DynUNet with and without deep supervision and
+    nnU-Net's planned network with its loss, each in a process of its own, interleaved `--rounds` times (the
+    machine is shared: each round's three figures were measured side by side in time)."""
+    run_dir = Path(args.run).resolve()
+    plan = json.loads((run_dir / "plan.json").read_text())
+    regions = len(STRUCTURES["brats"])
+    rows: dict[str, list[dict]] = {}
+    for _ in range(args.rounds):
+        for name, command in (
+            ("medvol, deep supervision on", [sys.executable, __file__, "_medvol-step", str(run_dir), "1",
+                                             str(args.repeats)]),
+            ("medvol, deep supervision off", [sys.executable, __file__, "_medvol-step", str(run_dir), "0",
+                                              str(args.repeats)]),
+            ("nnU-Net (its plan's network and loss)", [
+                str(Path(args.nnunet_venv) / "bin" / "python"), __file__, "_nnunet-step", args.nnunet_plans, "4",
+                str(regions), *[str(p) for p in plan["patch_size"]], str(plan["batch_size"]), str(args.repeats)]),
+        ):
+            result = subprocess.run(command, capture_output=True, text=True, check=True,
+                                    env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+            rows.setdefault(name, []).append(json.loads(result.stdout.strip().splitlines()[-1]))
+    print(f"one training step, batch {plan['batch_size']} x patch {plan['patch_size']} (4 channels, 3 regions), "
+          f"1 thread, median of {args.repeats} steps per process, {args.rounds} interleaved rounds")
+    print("| network | features | parameters (M) | step (s), per round |\n|---|---|---|---|")
+    for name, results in rows.items():
+        print(f"| {name} | {results[0]['features']} | {results[0]['parameters_m']:.2f} | "
+              + ", ".join(f"{r['seconds']:.2f}" for r in results) + " |")
+
+
 def real(args: argparse.Namespace) -> None:
     """Every arm on the same generated files and split of each dataset; one table per dataset."""
     import torch
@@ -729,8 +847,9 @@ def real(args: argparse.Namespace) -> None:
         results: dict[str, dict[str, Any]] = {}
         if "medvol" in args.arms:
             arm_dir = out / f"medvol-{tag}-{args.epochs}ep"
-            shutil.rmtree(arm_dir, ignore_errors=True)
-            results["medvol"] = medvol_arm(kind, root, split_file, arm_dir, args.epochs, split["test"])
+            results["medvol"] = finished(
+                arm_dir, partial(medvol_arm, kind, root, split_file, arm_dir, args.epochs, split["test"])
+            )
         if "nnunet" in args.arms:
             if "medvol" not in results:
                 raise SystemExit("the nnunet arm takes its budget (optimizer steps, spacing) from the medvol arm")
@@ -739,10 +858,14 @@ def real(args: argparse.Namespace) -> None:
                 "val_iterations": max(1, len(split["val"])), "spacing": results["medvol"]["spacing"] or list(spacing),
             }
             arm_dir = out / f"nnunet-{tag}-{args.epochs}ep"
-            shutil.rmtree(arm_dir, ignore_errors=True)
-            results["nnunet"] = nnunet_arm(kind, root, split, arm_dir, Path(args.nnunet_venv), budget, 500 + number)
+            results["nnunet"] = finished(
+                arm_dir, partial(nnunet_arm, kind, root, split, arm_dir, Path(args.nnunet_venv), budget, 500 + number)
+            )
         if "monai" in args.arms and kind == "brats":
-            results["monai"] = monai_arm_in_a_process(root, split_file, args.epochs, args.monai_spacing, out)
+            arm_dir = out / f"monai-{tag}-{args.epochs}ep"
+            results["monai"] = finished(
+                arm_dir, partial(monai_arm_in_a_process, root, split_file, args.epochs, args.monai_spacing, arm_dir)
+            )
         table = results_table(tag, kind, results)
         print(table)
         with (out / "results.md").open("a") as handle:
@@ -773,6 +896,14 @@ def comma_list(value: str) -> list[str]:
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_nnunet-step":
+        plans, channels, regions, *patch, batch, repeats = sys.argv[2:]
+        print(json.dumps(nnunet_step(plans, int(channels), int(regions), [int(p) for p in patch], int(batch),
+                                     int(repeats))))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "_medvol-step":
+        print(json.dumps(medvol_step(Path(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4]))))
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "_monai-arm":
         import torch
 
@@ -821,8 +952,16 @@ def main() -> None:
     where.add_argument("--run", required=True, help="a trained medvol segmentation run (its summary.json)")
     where.add_argument("--repeats", type=int, default=10)
     where.add_argument("--out", default="outputs/benchmarks/segmentation-profile")
+    steps = sub.add_parser("step-time")
+    steps.add_argument("--run", required=True, help="a trained medvol segmentation run (its plan.json)")
+    steps.add_argument("--nnunet-plans", required=True, help="nnUNetPlans.json of the same data (the real arm's)")
+    steps.add_argument("--nnunet-venv", default="/work/nnunet-venv")
+    steps.add_argument("--repeats", type=int, default=3)
+    steps.add_argument("--rounds", type=int, default=2)
     args, overrides = parser.parse_known_args()
-    if args.task == "profile":
+    if args.task == "step-time":
+        step_times(args)
+    elif args.task == "profile":
         profile(args)
     elif args.task == "mirroring":
         Path(args.out).mkdir(parents=True, exist_ok=True)
