@@ -582,9 +582,12 @@ def mirroring(args: argparse.Namespace) -> None:
     split_file = out / f"split-{tag}.json"
     save_split(split_file, split, args.seed)
     run_dir = out / f"medvol-{tag}-{args.epochs}ep"
-    if not (run_dir / "summary.json").is_file():
-        medvol_arm("brats", root, split_file, run_dir, args.epochs, split["test"])
-    best = json.loads((run_dir / "summary.json").read_text())["best_checkpoint"]
+    if args.checkpoint:
+        best = str(Path(args.checkpoint).resolve())
+    else:
+        if not (run_dir / "summary.json").is_file():
+            medvol_arm("brats", root, split_file, run_dir, args.epochs, split["test"])
+        best = json.loads((run_dir / "summary.json").read_text())["best_checkpoint"]
     lines = [f"{tag}, {args.epochs} epochs, {len(split['test'])} test subjects, best checkpoint {Path(best).name}",
              "| mirroring | Dice WT | Dice TC | Dice ET | HD95 WT | HD95 TC | HD95 ET | predict (s) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -947,6 +950,7 @@ def main() -> None:
     mirror.add_argument("--spacing", type=float, nargs=3, default=None)
     mirror.add_argument("--epochs", type=int, default=20)
     mirror.add_argument("--seed", type=int, default=0)
+    mirror.add_argument("--checkpoint", default=None, help="a checkpoint of a run on the same data: no training")
     mirror.add_argument("--out", default="outputs/benchmarks/segmentation-mirroring")
     where = sub.add_parser("profile")
     where.add_argument("--run", required=True, help="a trained medvol segmentation run (its summary.json)")

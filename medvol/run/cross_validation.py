@@ -47,7 +47,7 @@ from medvol.run.fold_records import (
 )
 from medvol.run.predict_config import window_size
 from medvol.run.predict_inputs import batches, dataset_subjects
-from medvol.run.predicting import load_module, mean_metrics
+from medvol.run.trained_model import load_module, mean_metrics
 from medvol.volumes.prediction_writer import PredictionWriter
 from medvol.volumes.segmentation_report import structure_volumes
 from medvol.volumes.sliding_window import SlidingWindow

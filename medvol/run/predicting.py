@@ -12,7 +12,6 @@ code that writes `test=true` outputs: the source grid and units, the source head
 from __future__ import annotations
 
 import logging
-import math
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,10 +22,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lightning_modules.base import MedvolModule
-from medvol.core.build import build_model, target_class
 from medvol.core.console import log_file
 from medvol.core.errors import MedvolError
-from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes
 from medvol.run.ensemble import Ensemble, same_preprocessing
 from medvol.run.fold_records import fold_checkpoints, read_postprocessing, read_volume_range
 from medvol.run.generation import intensity_record, on_model_grid, sampled_outputs, with_target_units
@@ -44,6 +41,7 @@ from medvol.run.predict_config import input_geometry, recovered_run, with_geomet
 from medvol.run.predict_inputs import Inputs, batches, check_output_dir, find_inputs
 from medvol.run.radiographs import ct_from_radiographs
 from medvol.run.resolvers import run_dir_of_checkpoint
+from medvol.run.trained_model import load_module, mean_metrics
 from medvol.volumes.prediction_writer import PredictionWriter, check_output_format
 from medvol.volumes.sliding_window import SlidingWindow
 
@@ -198,34 +196,8 @@ def noise_samples(module: MedvolModule, spacing: Any, output_dir: Path, num_samp
     return {}
 
 
-def load_module(run: DictConfig, ckpt_path: str, device: torch.device) -> MedvolModule:
-    """The run's model with the checkpoint's weights, in eval mode on `device`; what the family restores from the
-    checkpoint itself (`MedvolModule.restoring_settings`: e.g. X-ray-to-CT's earlier stages) over the run's config."""
-    checkpoint = check_checkpoint_family(ckpt_path, run.model._target_)
-    assert checkpoint is not None
-    family = target_class(run.model._target_)
-    module: MedvolModule = build_model(
-        run.model, **family.restoring_settings(dict(checkpoint.get("hyper_parameters") or {}))
-    )
-    check_checkpoint_shapes(ckpt_path, module, checkpoint)
-    module.on_load_checkpoint(checkpoint)
-    module.load_state_dict(checkpoint["state_dict"])
-    return module.to(device).eval()
-
-
 def summary_line(rows: list[dict[str, Any]], count: int, output_dir: Path) -> str:
     """`predicted N subjects -> DIR` and the mean of every per-subject metric."""
     means = [f"{name} {value:.4g}" for name, value in mean_metrics(rows).items()]
     metrics = f"; mean {', '.join(means)}" if means else ""
     return f"predicted {count} subject{'s' if count != 1 else ''} -> {output_dir}{metrics}"
-
-
-def mean_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Per metric, the mean over the subjects where it is finite (HD95 is NaN for an empty mask)."""
-    names = dict.fromkeys(key for row in rows for key in row if key != "subject")
-    means = {}
-    for name in names:
-        values = [row[name] for row in rows if name in row and math.isfinite(row[name])]
-        if values:
-            means[name] = sum(values) / len(values)
-    return means

@@ -112,3 +112,10 @@ def test_a_fold_sweep_on_the_command_line_writes_its_cross_validation_once(tmp_p
     summary = json.loads((sweep / "cross_validation.json").read_text())
     assert sorted(summary["folds"]) == ["0", "1"] and (sweep / "postprocessing.json").is_file()
     assert "cross-validation of 2 folds" in done.stdout + done.stderr
+
+
+def test_mean_metrics_leave_out_undefined_values():
+    from medvol.run.trained_model import mean_metrics
+
+    rows = [{"subject": "a", "dice_x": 0.5, "hd95_x": float("nan")}, {"subject": "b", "dice_x": 1.0, "hd95_x": 4.0}]
+    assert mean_metrics(rows) == {"dice_x": 0.75, "hd95_x": 4.0}
