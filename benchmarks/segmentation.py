@@ -351,7 +351,7 @@ def medvol_arm(kind: str, root: Path, split_file: Path, out: Path, epochs: int, 
     then `python predict.py ckpt_path=<best> split=test` (mirroring); the test masks scored."""
     dataset = (
         ["dataset=brats", "dataset.label_regions=[WT,TC,ET]"] if kind == "brats"
-        else ["dataset=nifti", "dataset.image_modalities=[ct]", "dataset.label_file={subject}/seg.nii.gz",
+        else ["dataset=nifti", "dataset.image_modalities=[ct]", "dataset.label_file='{subject}/seg.nii.gz'",
               "model.num_classes=3", "model.class_names=[organ,lesion]"]
     )
     command = [
