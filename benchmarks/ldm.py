@@ -158,7 +158,8 @@ def snapping(ckpt: str) -> None:
     from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
     from medvol.core.build import build as build_config
-    from medvol.run.predicting import load_module, run_config
+    from medvol.run.predict_config import run_config
+    from medvol.run.trained_model import load_module
 
     run = run_config(ckpt)
     module = load_module(run, ckpt, torch.device("cpu"))

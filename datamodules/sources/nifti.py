@@ -53,7 +53,7 @@ from medvol.volumes.volume_reader import SERIES_KEY, volume_grid
 # outputs go back into the scan's units.
 BATCH_KEYS = (
     "image", "cond", "label", "time", "event", "covariates", "class_label", "subject", "affine",
-    "source_affine", "source_shape", "source_file", "source_series",
+    "source_affine", "source_shape", "source_file", "source_series", "source_label_file",
     "intensity_low", "intensity_high", "cond_intensity_low", "cond_intensity_high", "intensity_range",
 )
 
@@ -111,13 +111,15 @@ def check_modality_kind(kind: str | Sequence[str], channels: int) -> list[str] |
 
 
 class StoreSourceGridd(MapTransform):
-    """Record the grid of `key` as loaded from disk: `source_affine`, `source_shape`, `source_file`, `source_series`.
+    """Record the grid of `key` as loaded from disk: `source_affine`, `source_shape`, `source_file`, `source_series`;
+    and the file of `label_key` (`source_label_file`), which test-time metrics read as stored.
 
     Runs right after loading, before reorientation, resampling and crop/pad change the grid.
     """
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, label_key: str | None = None) -> None:
         super().__init__([key])
+        self.label_key = label_key
 
     def __call__(self, data: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
         d = dict(data)
@@ -127,6 +129,10 @@ class StoreSourceGridd(MapTransform):
         filename = volume.meta.get("filename_or_obj", "")
         d["source_file"] = str(filename[0] if isinstance(filename, (list, tuple)) else filename)
         d["source_series"] = str(volume.meta.get(SERIES_KEY, ""))
+        label = d.get(self.label_key) if self.label_key else None
+        if label is not None and hasattr(label, "meta"):
+            name = label.meta.get("filename_or_obj", "")
+            d["source_label_file"] = str(name[0] if isinstance(name, (list, tuple)) else name)
         return d
 
 
@@ -452,7 +458,7 @@ class NiftiDataModule(VolumeDataModule):
             self.series,
         )
         # After loading (the first step), before anything changes the grid.
-        chain.insert(1, StoreSourceGridd(self.image_keys()[0]))
+        chain.insert(1, StoreSourceGridd(self.image_keys()[0], self.label_key))
         return chain
 
     def random(self, stage: str) -> list[Callable]:

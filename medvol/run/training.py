@@ -21,6 +21,7 @@ from medvol.core.sync_batchnorm import layer_sync_plugins
 from medvol.run.batch_arithmetic import BatchArithmetic, scale_learning_rates
 from medvol.run.cascade import run_cascade
 from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes
+from medvol.run.cross_validation import after_training
 from medvol.run.fingerprint import RecordFingerprint
 from medvol.run.launch import local_ranks
 from medvol.run.planning import planned
@@ -184,6 +185,8 @@ def _run(cfg: DictConfig, world: World) -> dict[str, float]:
     if cfg.get("train", True):
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=weights_only())
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
+    # Segmentation: the best checkpoint on the validation subjects' source grids, and its post-processing.
+    metrics.update(after_training(cfg, trainer, module))
 
     if cfg.get("test", False):
         metrics.update(tested(trainer, module, datamodule, cfg))

@@ -242,7 +242,7 @@ def test_the_segmenters_windows_pad_with_the_datasets_background(tmp_path, overr
     module = build_model(cfg.model)
     seen = []
     module.net.register_forward_pre_hook(lambda _, inputs: seen.append(inputs[0].clone()))
-    module.sliding_window(torch.ones(1, 1, 4, 4, 4))
+    module.probabilities(torch.ones(1, 1, 4, 4, 4))
     assert float(seen[0].min()) == expected[0]
 
 
