@@ -4,7 +4,7 @@ abnormal structure) and its type (tumour, oedema, liver, ...), from the segment'
 A PACS groups, colours and searches segments by these codes, not by their free-text labels, so a tumour coded
 as "Tissue / Tissue" is lost among tissues. A segment named like a common structure gets its code: tumour
 words (tumour, neoplasm, glioma, the BraTS regions WT/TC/ET, enhancing ...) a neoplasm, oedema and necrosis
-their own, an organ named as SNOMED names it (liver, left kidney) that organ; anything else stays
+their own, an organ named as SNOMED names it (liver, left kidney: kidney) that organ; anything else stays
 "Tissue / Tissue". `segment_codes` (`name: {category: ..., type: ...}`) sets any segment's codes, each as
 a SNOMED CT keyword pydicom knows (`Neoplasm`, `Liver`) or `SCHEME:value:meaning` (`SCT:108369006:Neoplasm`).
 """
@@ -42,12 +42,16 @@ def _words(name: str) -> list[str]:
 
 
 def _anatomy(name: str) -> Code | None:
-    """The SNOMED CT code pydicom names like `name` (`left kidney` -> LeftKidney), if it is one."""
-    keyword = "".join(word.capitalize() for word in _words(name))
-    try:
-        return getattr(codes.SCT, keyword) if keyword else None
-    except AttributeError:
-        return None
+    """The SNOMED CT code pydicom names like `name` (`pancreas` -> Pancreas), if it is one; a side (`left kidney`)
+    is dropped where the structure has no sided code (DICOM states laterality apart from the structure)."""
+    words = _words(name)
+    for kept in (words, [w for w in words if w not in ("left", "right")]):
+        keyword = "".join(word.capitalize() for word in kept)
+        try:
+            return getattr(codes.SCT, keyword) if keyword else None
+        except AttributeError:
+            continue
+    return None
 
 
 def named_code(value: Any, key: str) -> Code:
