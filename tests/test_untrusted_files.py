@@ -17,7 +17,8 @@ from lightning_modules.ldm.first_stage import VQGAN_CLASS
 from lightning_modules.xray2ct.earlier_stages import read_stage
 from medvol.core.errors import MedvolError
 from medvol.run.cascade import best_checkpoint
-from medvol.run.predicting import load_module, predict
+from medvol.run.predicting import predict
+from medvol.run.trained_model import load_module
 from medvol.run.training import check_config
 from tests.conftest import ROOT, TINY_MODEL, compose_cfg, subprocess_env
 from tests.medvol.run.test_predict import predict_cfg, trained_run, write_lps_scans  # noqa: F401 - a fixture
