@@ -30,7 +30,7 @@ from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMe
 from lightning_modules.diffusion.diffusion_module import Conditioning, DiffusionModule
 from lightning_modules.diffusion.subject_noise import SubjectNoise, subject_names
 from lightning_modules.ldm.first_stage import EncodeLatent, FirstStage, read_first_stage, weights_digest
-from lightning_modules.ldm.metrics import VolumeSetFID, VolumeSetMMD, load_feature_network, sample_msssim
+from lightning_modules.diffusion.generation_metrics import VolumeSetFID, VolumeSetMMD, load_feature_network, sample_msssim
 from medvol.core.errors import MedvolError
 
 SPACING_DIMS = 3

@@ -1,4 +1,4 @@
-"""Latent diffusion's generation metrics (lightning_modules/ldm/metrics.py): MMD over the epoch's average-pooled
+"""Latent diffusion's generation metrics (lightning_modules.diffusion.generation_metrics.py): MMD over the epoch's average-pooled
 volumes, the user's TorchScript FID network or one line, and MS-SSIM scale weights for small volumes."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from monai.metrics import MMDMetric
 from scipy import linalg
 from torch import nn
 
-from lightning_modules.ldm.metrics import (
+from lightning_modules.diffusion.generation_metrics import (
     MSSSIM_WEIGHTS,
     VolumeSetFID,
     VolumeSetMMD,
