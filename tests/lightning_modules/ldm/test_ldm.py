@@ -26,6 +26,7 @@ from medvol.run.predicting import predict
 from medvol.run.training import check_config, run
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
 from tests.ddp_support import validation_on_two_ranks_and_one
+from tests.lightning_modules.diffusion.test_generation_metrics import gaussian_mmd_by_hand
 from tests.medvol.run.test_predict import predict_cfg, saved_run
 
 TINY_VQGAN = {"n_hiddens": 8, "n_codes": 32, "embedding_dim": 4, "disc_channels": 8, "disc_layers": 2}
@@ -166,21 +167,73 @@ def test_a_condition_is_encoded_by_the_same_first_stage_and_concatenated_first(v
     torch.testing.assert_close(seen["inputs"][:, :4], expected, rtol=0, atol=0)
 
 
-def test_spacing_conditioning_changes_the_prediction_with_the_voxel_size(vqgan_ckpt):
-    module = tiny_ldm(vqgan_ckpt, spacing_conditioning=True)
-    z = torch.randn(2, 4, 4, 4, 4)
-    t = torch.tensor([5, 5])
-    affines = torch.eye(4).repeat(2, 1, 1)
-    affines[1, :3, :3] *= 2.0
+def test_validation_feeds_the_set_metrics_its_samples_against_the_real_volumes_and_the_training_set(vqgan_ckpt):
+    module = tiny_ldm(vqgan_ckpt, ema_decay=None)
+    torch.nn.init.normal_(module.network.out[-1].conv.weight, std=0.1)
+    x, training = phantoms(3), torch.rand(4, 1, 16, 16, 16) * 2 - 1
+    module.set_scale_factor([{"image": x}])
+    for _ in module.recording_training_set([{"image": training}]):
+        pass
+    out = module.validation_step({"image": x, "subject": ["a", "b", "c"]}, 0)
+    sample, real = (out["volumes"][k].flatten(1).double().numpy() for k in ("sample", "target"))
+    paired = ("val/psnr", "val/ssim", "val/recon_psnr", "val/recon_ssim", "val/loss")
+    metrics = {k: float(v.compute()) for k, v in module.val_metrics.items() if k not in paired}
+    assert metrics["val/mmd"] == pytest.approx(gaussian_mmd_by_hand(real, sample), rel=1e-4)
+    reconstruction = out["volumes"]["reconstruction"].flatten(1).double().numpy()
+    assert metrics["val/recon_mmd"] == pytest.approx(gaussian_mmd_by_hand(real, reconstruction), rel=1e-4)
+    correlations = np.corrcoef(np.concatenate([sample, real]), training.flatten(1).numpy())[:6, 6:].max(1)
+    assert metrics["val/nearest_train_corr"] == pytest.approx(correlations[:3].mean(), rel=1e-5)
+    assert metrics["val/real_nearest_train_corr"] == pytest.approx(correlations[3:].mean(), rel=1e-5)
+    assert 0 < metrics["val/real_msssim"] < 1 and 0 < metrics["val/sample_msssim"] <= 1
+
+
+# No attention level at all: a cross-attention token (the old spacing conditioning) could not reach this network.
+ATTENTION_FREE = {"spatial_dims": 3, "channels": [8, 8], "attention_levels": [False, False], "num_res_blocks": 1,
+                  "norm_num_groups": 4}
+
+
+def spacing_module(vqgan_ckpt: Path) -> LatentDiffusion:
+    torch.manual_seed(1)
+    module = LatentDiffusion(partial(DiffusionModelUNet, **ATTENTION_FREE), first_stage_ckpt=str(vqgan_ckpt),
+                             spacing_conditioning=True, ema_decay=None, ssim_kernel_size=3, prediction_type="sample")
     # MONAI zero-initialises the UNet's last layer: random weights make the output depend on its inputs.
-    torch.manual_seed(0)
     count = sum(p.numel() for p in module.network.parameters())
     nn.utils.vector_to_parameters(0.1 * torch.randn(count), module.network.parameters())
+    module.scale_factor.fill_(1.0)
+    return module
+
+
+def test_the_spacing_embedding_is_added_to_the_time_embedding_of_every_block_as_maisi_does(vqgan_ckpt):
+    module = spacing_module(vqgan_ckpt)
+    affines = torch.eye(4).repeat(2, 1, 1)
+    affines[1, :3, :3] = torch.diag(torch.tensor([0.7, 0.7, 2.5]))
     spacing = module.spacing({"affine": affines}, 2)
-    assert spacing.tolist() == [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]
+    np.testing.assert_allclose(spacing.numpy(), [[1.0, 1.0, 1.0], [0.7, 0.7, 2.5]], rtol=1e-6)
+    # The same UNet without a class embedding, its time embedding shifted by MAISI's spacing module written out:
+    # Linear(3, D), SiLU, Linear(D, D).
+    plain = DiffusionModelUNet(in_channels=4, out_channels=4, **ATTENTION_FREE)
+    weights = {k: v for k, v in module.network.state_dict().items() if not k.startswith("class_embedding.")}
+    plain.load_state_dict(weights)
+    first, second = (layer for layer in module.network.class_embedding if isinstance(layer, nn.Linear))
+    hidden = spacing.double().numpy() @ first.weight.double().detach().numpy().T + first.bias.double().detach().numpy()
+    hidden = hidden / (1 + np.exp(-hidden))
+    embedding = hidden @ second.weight.double().detach().numpy().T + second.bias.double().detach().numpy()
+    plain.time_embed.register_forward_hook(lambda _, __, out: out + torch.from_numpy(embedding).float())
+    z, t = torch.randn(2, 4, 4, 4, 4), torch.tensor([5, 700])
     with torch.no_grad():
-        out = module.network_output(module.network, torch.cat([z[:1], z[:1]]), t, spacing=spacing)
-    assert not torch.allclose(out[0], out[1])
+        torch.testing.assert_close(module.network_output(module.network, z, t, spacing=spacing), plain(z, t))
+
+
+def test_two_spacings_give_different_samples_from_the_same_noise(vqgan_ckpt):
+    module = spacing_module(vqgan_ckpt)
+    affines = torch.eye(4).repeat(2, 1, 1)
+    affines[1, :3, :3] *= 2.0
+    spacing = module.spacing({"affine": affines}, 2)
+    z_T = torch.randn(1, 4, 4, 4, 4).repeat(2, 1, 1, 1, 1)
+    sampled = module.sample(z_T, module.conditioning(None, spacing))
+    assert (sampled[0] - sampled[1]).abs().mean() > 0.01 * sampled.abs().mean()
+    again = module.sample(z_T, module.conditioning(None, spacing[:1].repeat(2, 1)))
+    torch.testing.assert_close(again[0], again[1])
 
 
 def test_a_first_stage_of_another_family_or_a_missing_one_is_refused_in_one_line(tmp_path, vqgan_ckpt):
@@ -329,7 +382,9 @@ def test_two_gloo_ranks_give_the_metrics_and_scale_factor_of_one(vqgan_ckpt, tmp
             "model.network._target_=tests.lightning_modules.diffusion.test_ddpm.unet_with_live_output",
             "+callbacks.rank_recorder._target_=tests.ddp_support.RankRecorder"]
     ranks, one = validation_on_two_ranks_and_one(args, tmp_path)
-    for name in ("val/loss", "val/recon_psnr", "val/recon_ssim", "val/mmd", "val/recon_mmd", "val/diversity_msssim"):
+    for name in ("val/loss", "val/recon_psnr", "val/recon_ssim", "val/mmd", "val/recon_mmd", "val/diversity_msssim",
+                 "val/sample_msssim", "val/real_msssim", "val/nearest_train_corr", "val/real_nearest_train_corr",
+                 "val/closer_than_real"):
         assert ranks[0][name] == ranks[1][name], name
         assert ranks[0][name] == pytest.approx(one[name], rel=1e-4), name
     scales = [torch.load(d / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]["scale_factor"]
