@@ -249,8 +249,9 @@ def test_bf16_mixed_training_step_keeps_fp32_tables(tmp_path):
 @pytest.mark.slow
 def test_two_gloo_ranks_validate_like_one(tmp_path: Path):
     # lr = 0 keeps the weights at their (seeded) start, so only evaluation is compared: per-subject
-    # noise and metrics synced over 3 validation subjects split 2 + 1.
-    args = [*TINY_COMMON, *TINY_MODEL["ddpm"], *TINY_DDPM, "dataset.num_subjects=12", "dataset.val_fraction=0.25",
+    # noise and metrics synced over 3 validation subjects split 2 + 1; the training set's 8 subjects split 4 + 4
+    # (the training sampler drops what does not divide among the ranks) and gathered for the training-set metrics.
+    args = [*TINY_COMMON, *TINY_MODEL["ddpm"], *TINY_DDPM, "dataset.num_subjects=11", "dataset.val_fraction=0.25",
             "dataset.test_fraction=0", "trainer.limit_train_batches=2", "model.optimizer.lr=0", "model.ema_decay=null",
             "model.network._target_=tests.lightning_modules.diffusion.test_ddpm.unet_with_live_output",
             "+callbacks.rank_recorder._target_=tests.ddp_support.RankRecorder"]
