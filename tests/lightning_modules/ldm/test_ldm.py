@@ -22,7 +22,8 @@ from lightning_modules.ldm.latent_diffusion import LatentDiffusion
 from lightning_modules.vqgan.vqgan import VQGAN
 from medvol.core.build import build, build_model
 from medvol.core.errors import MedvolError
-from medvol.run.predicting import predict
+from medvol.run.predict_config import run_config
+from medvol.run.predicting import load_module, predict
 from medvol.run.training import check_config, run
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
 from tests.ddp_support import validation_on_two_ranks_and_one
@@ -149,6 +150,29 @@ def test_a_perfect_denoiser_returns_the_training_latents_and_their_decoded_volum
     torch.testing.assert_close(generated, z0, rtol=0, atol=1e-4)
     expected = module.first_stage.decoder(module.first_stage.encoder(x)).clamp(-1, 1)
     torch.testing.assert_close(module.images(generated), expected, rtol=0, atol=1e-4)
+
+
+class VelocityOracle(Oracle):
+    """The perfect v-denoiser of a one-volume training set: v = sqrt(a) eps - sqrt(1 - a) z0 for the noise that took
+    `z0` to x_t (Salimans and Ho 2022), written out here."""
+
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        ab = self.alpha_bar(t).view(-1, 1, 1, 1, 1)
+        eps = (x_t - ab.sqrt() * self.z0) / (1 - ab).sqrt()
+        return ab.sqrt() * eps - (1 - ab).sqrt() * self.z0
+
+
+def test_a_perfect_v_denoiser_returns_the_training_latent_through_the_ten_step_set(vqgan_ckpt):
+    # The presets' target (conf/model/ldm.yaml: v) over Fast-DDPM's 10-step non-uniform set.
+    module = tiny_ldm(vqgan_ckpt, ema_decay=None, decode_quantized=False, prediction_type="v")
+    assert module.sampling_timesteps.tolist() == [0, 199, 399, 599, 699, 799, 849, 899, 949, 999]
+    x = phantoms(1)
+    module.set_scale_factor([{"image": x}])
+    z0 = module.latents(x)
+    module.network = VelocityOracle(z0, module.schedule.alpha_bar)
+    torch.manual_seed(3)
+    generated = module.sample(torch.randn_like(z0))
+    torch.testing.assert_close(generated, z0, rtol=0, atol=1e-4)
 
 
 def test_a_condition_is_encoded_by_the_same_first_stage_and_concatenated_first(vqgan_ckpt):
@@ -298,8 +322,14 @@ def test_predict_with_no_input_writes_n_samples_at_the_spacing_asked_in_hounsfie
         assert np.allclose(np.diag(image.affine)[:3], [2.0, 2.0, 3.0]) and nib.aff2axcodes(image.affine) == ("R", "A",
                                                                                                              "S")
     first, second = (image.get_fdata() for image in images)
-    # The CT window [-1000, 1000] HU of the phantoms, undone from the model's [-1, 1].
-    assert first.min() >= -1000.5 and first.max() <= 1000.5 and first.max() - first.min() > 10
+    # Each file is the model's own draw (the same seed: subject `sample`, draw k) mapped from [-1, 1] to the
+    # phantoms' CT window [-1000, 1000] HU by hand.
+    run = run_config(str(run_dir / "checkpoints" / "last.ckpt"))
+    module = load_module(run, str(run_dir / "checkpoints" / "last.ckpt"), torch.device("cpu"))
+    for draw, written in enumerate((first, second)):
+        batch = {"subject": ["sample"], "affine": torch.from_numpy(np.diag([2.0, 2.0, 3.0, 1.0]))[None]}
+        model_units = module.generate_volumes(batch, draw)["volumes"]["sample"][0, 0].double().numpy()
+        np.testing.assert_allclose(written, -1000.0 + (model_units + 1.0) * 1000.0, atol=0.05)
     assert not np.allclose(first, second)
 
 
