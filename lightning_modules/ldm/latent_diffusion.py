@@ -37,6 +37,7 @@ from lightning_modules.diffusion.generation_metrics import (
 )
 from lightning_modules.diffusion.subject_noise import SubjectNoise, subject_names
 from lightning_modules.ldm.first_stage import EncodeLatent, FirstStage, read_first_stage, weights_digest
+from lightning_modules.ldm.positions import latent_coordinates
 from lightning_modules.ldm.spacing_embedding import with_spacing_embedding
 from medvol.core.errors import MedvolError
 
@@ -44,6 +45,10 @@ from medvol.core.errors import MedvolError
 def voxel_spacings(affine: torch.Tensor) -> torch.Tensor:
     """(B, 3) voxel sizes in mm of (B, 4, 4) affines."""
     return torch.linalg.vector_norm(affine[:, :3, :3].double(), dim=1).float()
+
+
+# Coordinate channels of `position_channels` (z, y, x).
+COORDINATES = 3
 
 
 class LatentDiffusion(DiffusionModule):
@@ -60,6 +65,9 @@ class LatentDiffusion(DiffusionModule):
         cond_channels: channels of the batch's `cond` image (0: unconditional); encoded by the first stage.
         spacing_conditioning: condition every sample on its voxel spacing (mm, from the batch's `affine`): a
             learned embedding of it added to the time embedding, as MAISI (`spacing_embedding`).
+        position_channels: give the network each latent voxel's place in its whole volume as three coordinate
+            channels (PatchDDM), from the batch's `patch_origin` and `volume_shape` (a crop of the patches
+            dataset) or the whole volume: a model trained on crops then puts the anatomy where it belongs.
         decode_quantized: snap generated latents to the nearest codes before decoding.
         decode_slab_elements: decode layer by layer in depth slabs of at most this many values on the
             device (`slab_decoding`: exactly the whole-volume output, for volumes whose decoder
@@ -86,6 +94,7 @@ class LatentDiffusion(DiffusionModule):
         first_stage_settings: Mapping[str, Any] | None = None,
         cond_channels: int = 0,
         spacing_conditioning: bool = False,
+        position_channels: bool = False,
         decode_quantized: bool = True,
         decode_slab_elements: int | None = None,
         decode_offload: bool = False,
@@ -121,7 +130,7 @@ class LatentDiffusion(DiffusionModule):
         self.register_buffer("scale_factor", torch.tensor(0.0))
         self.register_buffer("training_latent_size", torch.zeros(3, dtype=torch.long))
         latent = self.first_stage.embedding_dim
-        inputs = latent * (2 if self.cond_channels else 1)
+        inputs = latent * (2 if self.cond_channels else 1) + (COORDINATES if position_channels else 0)
         if spacing_conditioning:
             unet = with_spacing_embedding(network(in_channels=inputs, out_channels=latent, num_class_embeds=1))
         else:
@@ -246,18 +255,38 @@ class LatentDiffusion(DiffusionModule):
             )
         return voxel_spacings(affine)[:size].to(self.device)
 
-    def conditioning(self, cond: torch.Tensor | None, spacing: torch.Tensor | None) -> Conditioning:
-        """The latent condition (cut to each sampling window) and the spacing (one row per sample)."""
-        return Conditioning(
-            volumes={} if cond is None else {"cond": cond}, per_sample={} if spacing is None else {"spacing": spacing}
-        )
+    def positions(
+        self, batch: Mapping[str, Any], latent_shape: Sequence[int], volume: Sequence[int] | None = None
+    ) -> torch.Tensor | None:
+        """(B, 3, D, H, W) coordinates of a (B, C, D, H, W) latent in its whole volume, with `position_channels`:
+        a patch's from the batch's `patch_origin` and `volume_shape`, else those of a whole volume (of `volume` image
+        voxels, default the latent's own grid)."""
+        if not self.hparams.position_channels:
+            return None
+        size, factors = [int(s) for s in latent_shape[2:]], self.first_stage.downsample
+        count = int(latent_shape[0])
+        whole = torch.tensor(volume or [s * d for s, d in zip(size, factors, strict=True)], device=self.device)
+        origin = batch.get("patch_origin")
+        shape = batch.get("volume_shape")
+        origin = torch.zeros(count, 3, device=self.device) if origin is None else origin.to(self.device)[:count]
+        shape = whole.expand(count, 3) if shape is None else shape.to(self.device)[:count]
+        return latent_coordinates(origin, shape, size, factors)
+
+    def conditioning(
+        self, cond: torch.Tensor | None, spacing: torch.Tensor | None, coordinates: torch.Tensor | None = None
+    ) -> Conditioning:
+        """The latent condition and the coordinates (both cut to each sampling window) and the spacing (one row per
+        sample)."""
+        volumes = {name: v for name, v in (("cond", cond), ("coordinates", coordinates)) if v is not None}
+        return Conditioning(volumes=volumes, per_sample={} if spacing is None else {"spacing": spacing})
 
     def network_output(
         self, network: nn.Module, x_t: torch.Tensor, t: torch.Tensor, cond: torch.Tensor | None = None,
-        spacing: torch.Tensor | None = None,
+        spacing: torch.Tensor | None = None, coordinates: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # Condition first, as Fast-DDPM concatenates in pixel space.
-        inputs = x_t if cond is None else torch.cat([cond.to(x_t.dtype), x_t], dim=1)
+        # Condition first, as Fast-DDPM concatenates in pixel space, then the coordinates, then x_t.
+        given = [v.to(x_t.dtype) for v in (cond, coordinates) if v is not None]
+        inputs = torch.cat([*given, x_t], dim=1) if given else x_t
         if spacing is None:
             return network(inputs, t)
         return network(inputs, t, class_labels=spacing.float())
@@ -266,7 +295,9 @@ class LatentDiffusion(DiffusionModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         z0 = self.raw_latents(batch) * self.scale
-        conditioning = self.conditioning(self.latent_condition(batch), self.spacing(batch, z0.shape[0]))
+        conditioning = self.conditioning(
+            self.latent_condition(batch), self.spacing(batch, z0.shape[0]), self.positions(batch, z0.shape)
+        )
         t = self.draw_timesteps(z0.shape[0], z0.device)
         output, target, _ = self.training_prediction(self.network, z0, t, self.noise_like(z0), conditioning)
         loss = self.regression_loss(output, target)
@@ -287,7 +318,7 @@ class LatentDiffusion(DiffusionModule):
         names = subject_names(batch, batch_idx, size)
         z0 = self.raw_latents(batch) * self.scale
         cond = self.latent_condition(batch)
-        conditioning = self.conditioning(cond, self.spacing(batch, size))
+        conditioning = self.conditioning(cond, self.spacing(batch, size), self.positions(batch, z0.shape))
         noise = SubjectNoise(names, self.sample_seed, salt="sample")
         sample = self.draw(batch, z0.shape[1:], conditioning, noise)
         second = self.draw(batch, z0.shape[1:], conditioning, SubjectNoise(names, self.sample_seed, salt="second"))
@@ -351,12 +382,15 @@ class LatentDiffusion(DiffusionModule):
                 )
             latent = [s // d for s, d in zip(size, self.first_stage.downsample, strict=True)]
             shape = [self.first_stage.embedding_dim, *latent]
-            return {"volumes": {"sample": self.draw(batch, shape, self.conditioning(None, spacing), noise)}}
+            conditioning = self.conditioning(None, spacing, self.positions({}, [len(names), *shape]))
+            return {"volumes": {"sample": self.draw(batch, shape, conditioning, noise)}}
         cond = batch[self.hparams.cond_key].float().to(self.device)
         size = cond.shape[2:]
         # A whole scan of any size: padded at the far end (with its darkest value) to what the grids halve.
         pad = [-n % m for n, m in zip(size, multiple, strict=True)]
         cond = F.pad(cond, (0, pad[2], 0, pad[1], 0, pad[0]), value=float(cond.min()))
         latent_cond = self.latents(cond)
-        sample = self.draw(batch, latent_cond.shape[1:], self.conditioning(latent_cond, spacing), noise)
+        # The scan is the whole volume: the padding lies beyond its far end (coordinates above 1).
+        coordinates = self.positions({}, latent_cond.shape, [int(s) for s in size])
+        sample = self.draw(batch, latent_cond.shape[1:], self.conditioning(latent_cond, spacing, coordinates), noise)
         return {"volumes": {"sample": sample[..., : size[0], : size[1], : size[2]]}}
