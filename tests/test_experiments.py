@@ -142,6 +142,9 @@ def ct_files(root, spacings: list[float], shape=(40, 40, 36)):
 def test_the_ldm_pipeline_preset_takes_a_users_brats_folder_as_the_issue_typed_it(tmp_path):
     from datamodules.sources.example_data import write_brats
 
+    # On its phantoms the preset keeps their size and count (conf/experiment_data/ldm_cpu_synthetic.yaml).
+    phantoms = compose_cfg(tmp_path / "phantoms", ["experiment=ldm_cpu"], tiny=False)
+    assert (phantoms.dataset.size, phantoms.dataset.num_subjects) == (32, 24)
     root = write_brats(tmp_path / "brats", subjects=4, year=2021, size=20)
     cfg = compose_cfg(tmp_path / "run", [
         "experiment=ldm_cpu", "dataset=brats", f"dataset.root={root}", "dataset.image_modalities=[t1]",
