@@ -19,6 +19,7 @@ from lightning_modules.base import MODEL_KEY
 from lightning_modules.diffusion.fast_ddpm import ConditionalDiffusion
 from lightning_modules.ldm.first_stage import VQGAN_CLASS, FirstStage
 from lightning_modules.ldm.latent_diffusion import LatentDiffusion
+from lightning_modules.ldm.spacing_embedding import SpacingEmbedding, with_spacing_embedding
 from lightning_modules.vqgan.vqgan import VQGAN
 from medvol.core.build import build, build_model
 from medvol.core.errors import MedvolError
@@ -235,7 +236,10 @@ def test_the_spacing_embedding_is_added_to_the_time_embedding_of_every_block_as_
     np.testing.assert_allclose(spacing.numpy(), [[1.0, 1.0, 1.0], [0.7, 0.7, 2.5]], rtol=1e-6)
     # The same UNet without a class embedding, its time embedding shifted by MAISI's spacing module written out:
     # Linear(3, D), SiLU, Linear(D, D).
+    assert isinstance(module.network.class_embedding, SpacingEmbedding)
     plain = DiffusionModelUNet(in_channels=4, out_channels=4, **ATTENTION_FREE)
+    with pytest.raises(TypeError, match="num_class_embeds"):
+        with_spacing_embedding(plain)
     weights = {k: v for k, v in module.network.state_dict().items() if not k.startswith("class_embedding.")}
     plain.load_state_dict(weights)
     first, second = (layer for layer in module.network.class_embedding if isinstance(layer, nn.Linear))

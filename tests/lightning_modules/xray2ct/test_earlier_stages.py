@@ -155,12 +155,17 @@ def test_an_earlier_stage_checkpoint_with_other_radiographs_is_refused_before_an
         check_config(cfg)
 
 
-def test_a_cascade_whose_stages_see_other_radiographs_stops_before_its_first_stage(tmp_path):
+@pytest.mark.parametrize(("override", "refusal"), [
+    ("+cascade.stage3.dataset.mu_water=0.03", r"`cascade.stage3.model.mu_water` 0.03 differs from the mu_water 0.02"),
+    # 32 voxels of 7 mm: 224 mm where stage 1's 16 voxels of 12 mm span 192 (the field of view, size x spacing).
+    ("cascade.stage3.dataset.spacing=7.0", r"`cascade.stage3.model.field_of_view` \[224.0, 224.0, 224.0\] differs "
+                                           r"from the field_of_view \[192.0, 192.0, 192.0\]"),
+])
+def test_a_cascade_whose_stages_see_other_radiographs_stops_before_its_first_stage(tmp_path, override, refusal):
     from medvol.run.training import run
     from tests.conftest import compose_cfg
 
-    cfg = compose_cfg(tmp_path, ["experiment=xray2ct_cascade", "+cascade.stage3.dataset.mu_water=0.03"], tiny=False)
-    with pytest.raises(MedvolError, match=r"`cascade.stage3.model.mu_water` 0.03 differs from the mu_water 0.02 of "
-                                          r"stage 1 \(cascade.stage1\)"):
+    cfg = compose_cfg(tmp_path, ["experiment=xray2ct_cascade", override], tiny=False)
+    with pytest.raises(MedvolError, match=refusal + r" of stage 1 \(cascade.stage1\)"):
         run(cfg)
     assert not (tmp_path / "stage1").exists()
