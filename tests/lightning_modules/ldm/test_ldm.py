@@ -448,6 +448,24 @@ def test_fid_is_the_frechet_distance_of_the_given_networks_features_and_absent_w
         LatentDiffusion.check_settings({"first_stage_ckpt": str(vqgan_ckpt), "fid_network": str(tmp_path / "none.pt")})
 
 
+def test_the_2p5d_fid_is_logged_per_plane_and_as_their_mean_at_the_epochs_end(tmp_path, vqgan_ckpt):
+    torch.jit.save(torch.jit.script(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh())), str(tmp_path / "net2d.pt"))
+    module = tiny_ldm(vqgan_ckpt, ema_decay=None, fid_network_2d=str(tmp_path / "net2d.pt"))
+    x = phantoms(3)
+    module.set_scale_factor([{"image": x}])
+    logged = {}
+    module.log = lambda *args, **kwargs: None
+    module.log_dict = lambda values, **kwargs: logged.update({k: float(v) for k, v in values.items()})
+    module.validation_step({"image": x, "subject": ["a", "b", "c"]}, 0)
+    expected = {k: float(v) for k, v in module.val_metrics["val/fid_2p5d"].compute().items()}
+    module.on_validation_epoch_end()
+    assert logged == pytest.approx({"val/fid_2p5d": expected["mean"], **{f"val/fid_2p5d_{p}": expected[p]
+                                                                          for p in ("sagittal", "coronal", "axial")}})
+    assert module.val_metrics["val/fid_2p5d"].update_count == 0
+    with pytest.raises(MedvolError, match="`model.fid_network_2d`: no file at"):
+        LatentDiffusion.check_settings({"fid_network_2d": str(tmp_path / "none.pt")})
+
+
 def test_latents_are_cached_once_per_subject_and_another_first_stage_never_reuses_them(tmp_path, vqgan_ckpt):
     torch.manual_seed(5)
     retrained = save_checkpoint(VQGAN(**TINY_VQGAN), tmp_path / "retrained.ckpt", VQGAN_CLASS)
