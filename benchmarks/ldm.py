@@ -20,8 +20,22 @@ measurement.
 and SSIM over the val and test subjects of the run of an LDM checkpoint, decoding each encoded
 latent as it is (false) and snapped to its nearest codes (true), with the run's own transforms.
 
+`--denoise` measures one denoising call (no gradient) of the preset's UNet on whole latents of growing size, with
+MONAI's attention and with `use_flash_attention` (PyTorch's fused attention): the memory a whole-latent walk needs,
+per latent voxel, to extrapolate to a whole CTPA latent.
+
+`--anatomy OUT` measures whether whole volumes get whole anatomy (issue 38 item 5): on the MNI152 BraTS-layout brains
+(`datamodules.sources.brain_lesions`, T1 at 4 mm, 48^3), one VQ-GAN, then latent models trained three ways and
+sampled whole (48^3, a 12^3 latent): trained on whole latents and sampled whole (MAISI); trained on 24^3 crops
+(6^3 latents of the patches dataset) without positions, sampled by 6^3 windows (the CTPA preset before) and whole;
+trained on the crops with position channels (PatchDDM), sampled by windows and whole. Each set of samples against
+the training set: the mean intensity profile along each axis (the anatomy's place), and the generation metrics
+against the test subjects.
+
     OMP_NUM_THREADS=1 python benchmarks/ldm.py                              # CPU rows, reduced sizes
     OMP_NUM_THREADS=1 python benchmarks/ldm.py --snapping <run>/stage2/best.ckpt
+    OMP_NUM_THREADS=1 python benchmarks/ldm.py --denoise --preset ctpa      # whole-latent memory, CPU
+    OMP_NUM_THREADS=1 python benchmarks/ldm.py --anatomy DIR                # whole anatomy, CPU (about an hour)
     python benchmarks/ldm.py --device cuda --preset ctpa                    # GPU rows (one 80 GB GPU)
     python benchmarks/ldm.py --device cuda --preset ctpa --rows train generate --samplers fast_ddpm_10 --json l.json
 
@@ -180,11 +194,161 @@ def snapping(ckpt: str) -> None:
             print(f"| {split} | {len(values)} | {str(quantized).lower()} | {psnr:.2f} | {ssim:.4f} |")
 
 
+def denoise_row(preset: str, latent: list[int], flash: bool, device: torch.device) -> dict:
+    """Peak memory and time of one denoising call (no gradient) on a whole latent."""
+    network = DiffusionModelUNet(spatial_dims=3, in_channels=FIRST_STAGE["embedding_dim"],
+                                 out_channels=FIRST_STAGE["embedding_dim"], use_flash_attention=flash,
+                                 **PRESETS[preset]["network"]).to(device).eval()
+    z = torch.randn(1, FIRST_STAGE["embedding_dim"], *latent, device=device)
+    start = peak_start(device)
+    began = time.perf_counter()
+    with torch.no_grad(), autocast(device):
+        network(z, torch.tensor([500], device=device))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return {"call_s": time.perf_counter() - began, "peak_gib": peak_gib(device, start)}
+
+
+# ---- whole volumes with whole anatomy (--anatomy) -------------------------------------------------------------------
+
+ANATOMY_GRID = 48
+ANATOMY_CROP = 24
+DOWNSAMPLE = 4
+
+
+def train_run(out: Path, name: str, overrides: list[str]) -> Path:
+    """`python train.py <overrides>` in `out/name` unless done; the run's best checkpoint."""
+    run_dir = out / name
+    if not (run_dir / "summary.json").is_file():
+        began = time.perf_counter()
+        with (out / f"{name}.log").open("w") as log:
+            subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
+                           check=True, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        (run_dir / "wall_s.txt").write_text(f"{time.perf_counter() - began:.0f}\n")
+    return Path(json.loads((run_dir / "summary.json").read_text())["best_checkpoint"])
+
+
+def axis_profiles(volumes: torch.Tensor) -> list[torch.Tensor]:
+    """The mean intensity along each spatial axis of (B, 1, D, H, W) volumes, over the set: where the anatomy is."""
+    return [volumes.mean(dim=tuple(d for d in (0, 1, 2, 3, 4) if d != axis)).double() for axis in (2, 3, 4)]
+
+
+def profile_error(volumes: torch.Tensor, training: torch.Tensor) -> tuple[float, float]:
+    """(mean, worst axis) of the mean absolute difference between the set's axis profiles and the training set's."""
+    errors = [float((a - b).abs().mean()) for a, b in zip(axis_profiles(volumes), axis_profiles(training),
+                                                           strict=True)]
+    return sum(errors) / 3, max(errors)
+
+
+def sampled(ckpt: Path, count: int, window: list[int] | None) -> tuple[torch.Tensor, float]:
+    """`count` whole 48^3 samples (model units) of an LDM checkpoint, by latent windows or the whole latent at once,
+    and the seconds per sample."""
+    from medvol.run.predict_config import run_config
+    from medvol.run.predicting import load_module
+
+    module = load_module(run_config(str(ckpt)), str(ckpt), torch.device("cpu"))
+    module.hparams.sample_size = [ANATOMY_GRID] * 3
+    module.sampling_window = None if window is None else tuple(window)
+    began = time.perf_counter()
+    with torch.no_grad():
+        volumes = [module.generate_volumes({"subject": [f"sample-{k}"], "affine": torch.eye(4)[None]})["volumes"]
+                   ["sample"] for k in range(count)]
+    return torch.cat(volumes).float(), (time.perf_counter() - began) / count
+
+
+def anatomy_sets(out: Path, common: list[str]) -> list[torch.Tensor]:
+    """(training, validation, test) brains in model units, by the whole-volume runs' own transforms."""
+    from hydra import compose, initialize_config_dir
+
+    from medvol.core.build import build
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="train"):
+        cfg = compose("train", overrides=["dataset=nifti", *common, "dataset.cache=none", "dataset.num_workers=0",
+                                          "paths.output_dir=/tmp"])
+    datamodule = build(cfg.dataset)
+    datamodule.setup("fit")
+    datamodule.setup("test")
+    return [torch.stack([datamodule.datasets[s][i]["image"] for i in range(len(datamodule.datasets[s]))]).float()
+            for s in ("train", "val", "test")]
+
+
+def anatomy_row(name: str, volumes: torch.Tensor, training: torch.Tensor, test: torch.Tensor, seconds: float) -> str:
+    from lightning_modules.diffusion.generation_metrics import generation_metrics, pooled
+
+    metrics = generation_metrics(16, 32, 5)
+    for metric in metrics.values():
+        if hasattr(metric, "reference"):
+            metric.reference = pooled(training, 16)
+    metrics["mmd"].update(volumes, test)
+    metrics["closer_than_real"].update(volumes, test)
+    metrics["sample_msssim"].update(volumes)
+    metrics["nearest_train_corr"].update(volumes)
+    mean, worst = profile_error(volumes, training)
+    values = [mean, worst, *(float(metrics[k].compute()) for k in ("mmd", "sample_msssim", "nearest_train_corr",
+                                                                   "closer_than_real"))]
+    return f"| {name} | {len(volumes)} | " + " | ".join(f"{v:.3f}" for v in values) + f" | {seconds:.2f} |"
+
+
+def whole_anatomy(out: Path, subjects: int, samples: int, epochs: list[int]) -> None:
+    """The arms of `--anatomy`, trained as a user types them, then the table."""
+    from datamodules.sources.brain_lesions import write_brain_lesions
+
+    torch.set_num_threads(1)
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / f"data-{subjects}s-4x4x4mm"
+    if not (data / "complete").is_file():
+        write_brain_lesions(data, subjects, (4.0, 4.0, 4.0))
+        (data / "complete").write_text("written\n")
+    grid = [ANATOMY_GRID] * 3
+    common = [f"dataset.root={data}", "dataset.pattern='{subject}/{subject}_{modality}.nii.gz'",
+              "dataset.image_modalities=[t1]", "dataset.transforms.spacing=[4.0,4.0,4.0]",
+              f"dataset.transforms.spatial_size=[{','.join(map(str, grid))}]", "dataset.val_fraction=0.2",
+              "dataset.test_fraction=0.2", f"dataset.split_file={out / 'split.json'}"]
+    run = ["hardware=cpu", "logger=csv", "callbacks.volume_slices=null", "callbacks.progress_bar=null"]
+    # experiment=ldm_cpu's two stages, run apart so three latent models share one VQ-GAN.
+    vqgan = train_run(out, "vqgan", ["model=vqgan", "dataset=nifti", *common, *run, "dataset.batch_size=4",
+                                     "model.n_codes=128", "model.n_hiddens=16", "model.disc_channels=16",
+                                     "model.disc_layers=2", "model.discriminator_iter_start=100",
+                                     f"trainer.max_epochs={epochs[0]}", "optimized_metric=val/psnr"])
+    ldm = ["model=ldm", f"model.first_stage_ckpt={vqgan}", *run, "model.network.channels=[32,64]",
+           "model.network.attention_levels=[false,true]", "model.network.norm_num_groups=8",
+           "model.network.num_head_channels=8", "model.ssim_kernel_size=5", "model.optimizer.lr=1e-3",
+           f"trainer.max_epochs={epochs[1]}", "optimized_metric=val/loss", "optimized_mode=min"]
+    crops = ["dataset=patches", *common, f"dataset.patch_size=[{ANATOMY_CROP},{ANATOMY_CROP},{ANATOMY_CROP}]",
+             "dataset.sampling=random", "dataset.patches_per_volume=4", "dataset.batch_size=1"]
+    window = [ANATOMY_CROP // DOWNSAMPLE] * 3
+    whole = train_run(out, "ldm-whole", [*ldm, "dataset=nifti", *common, "dataset.batch_size=4"])
+    crop = train_run(out, "ldm-crops", [*ldm, *crops, f"model.sampling_window=[{','.join(map(str, window))}]"])
+    positioned = train_run(out, "ldm-crops-positions", [*ldm, *crops, "model.position_channels=true",
+                                                        f"model.sampling_window=[{','.join(map(str, window))}]"])
+    training, validation, test = anatomy_sets(out, common)
+    lines = ["| set | volumes | profile error (mean of axes) | worst axis | MMD vs test | MS-SSIM | "
+             "nearest-training r | closer than real | s per sample |", "|---|---|---|---|---|---|---|---|---|",
+             anatomy_row("held-out real (validation subjects)", validation, training, test, 0.0)]
+    for name, ckpt, sampling in (
+        ("trained whole, sampled whole (MAISI)", whole, None),
+        ("trained on crops, sampled by windows", crop, window),
+        ("trained on crops, sampled whole", crop, None),
+        ("crops with position channels, sampled by windows", positioned, window),
+        ("crops with position channels, sampled whole (PatchDDM)", positioned, None),
+    ):
+        volumes, seconds = sampled(ckpt, samples, sampling)
+        lines.append(anatomy_row(name, volumes, training, test, seconds))
+        print(lines[-1], flush=True)
+    walls = {name: (out / name / "wall_s.txt").read_text().strip() for name in ("vqgan", "ldm-whole", "ldm-crops",
+                                                                                 "ldm-crops-positions")}
+    text = "\n".join([*lines, "", f"training wall seconds: {walls}"])
+    print(text)
+    (out / "results.md").write_text(text + "\n")
+
+
 def one(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     kind, value = args.one.split(":")
     if kind == "train":
         return train_row(args.preset, [int(v) for v in value.split("x")], device, args.repeats)
+    if kind.startswith("denoise"):
+        return denoise_row(args.preset, [int(v) for v in value.split("x")], kind == "denoise-flash", device)
     if kind == "generate":
         return generate_row(args.preset, value, device)
     return decode_row(args.preset, value == "slabs", device)
@@ -200,10 +364,25 @@ def main() -> None:
                         choices=["train", "generate", "decode"], help="the kinds of row to measure")
     parser.add_argument("--json", type=Path, help="also write every row's figures to this file")
     parser.add_argument("--snapping", metavar="CKPT", help="measure model.decode_quantized on an LDM run instead")
+    parser.add_argument("--denoise", nargs="*", type=int, metavar="EDGE",
+                        help="one whole-latent denoising call at these latent edges (default 16 24 32)")
+    parser.add_argument("--anatomy", type=Path, metavar="OUT", help="whole anatomy in whole volumes, in OUT")
+    parser.add_argument("--subjects", type=int, default=60, help="--anatomy: brains written")
+    parser.add_argument("--samples", type=int, default=12, help="--anatomy: samples per arm")
+    parser.add_argument("--epochs", type=int, nargs=2, default=[12, 40], help="--anatomy: VQ-GAN and LDM epochs")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.snapping:
         snapping(args.snapping)
+        return
+    if args.anatomy:
+        whole_anatomy(args.anatomy.resolve(), args.subjects, args.samples, args.epochs)
+        return
+    if args.denoise is not None:
+        for edge in args.denoise or [16, 24, 32]:
+            for kind in ("denoise", "denoise-flash"):
+                result = pairs(run_one(args, f"{kind}:{edge}x{edge}x{edge}"))
+                print(f"| {args.preset} | {args.device} | {kind}:{edge}^3 | {result} |", flush=True)
         return
     if args.one:
         print(json.dumps(one(args)))
@@ -216,17 +395,25 @@ def main() -> None:
     }
     results = {}
     for row in [name for kind in args.rows for name in rows[kind]]:
-        command = [sys.executable, __file__, "--one", row, "--device", args.device, "--preset", args.preset,
-                   "--repeats", str(args.repeats)]
-        done = subprocess.run(command, capture_output=True, text=True)
-        result = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {
-            "error": (done.stderr.strip().splitlines() or ["failed"])[-1][:120]}
-        results[row] = result
-        print(f"| {args.preset} | {args.device} | {row} | " + ", ".join(
-            f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()) + " |", flush=True)
+        results[row] = run_one(args, row)
+        print(f"| {args.preset} | {args.device} | {row} | {pairs(results[row])} |", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"preset": args.preset, "device": args.device, "repeats": args.repeats,
                                          "generate_latent": preset["generate"], "rows": results}, indent=1))
+
+
+def run_one(args: argparse.Namespace, row: str) -> dict:
+    """One row in a fresh process (its peak memory its own): its figures, or the error it ended with."""
+    command = [sys.executable, __file__, "--one", row, "--device", args.device, "--preset", args.preset,
+               "--repeats", str(args.repeats)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {
+        "error": (done.stderr.strip().splitlines() or ["failed"])[-1][:120]}
+
+
+def pairs(result: dict) -> str:
+    """A row's figures as `key value` pairs."""
+    return ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items())
 
 
 if __name__ == "__main__":

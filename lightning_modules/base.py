@@ -112,6 +112,11 @@ class MedvolModule(pl.LightningModule):
         stage), from the `model` config alone: the run calls it with its other checks, before anything is built."""
 
     @classmethod
+    def check_cascade(cls, stages: Mapping[int, Mapping[str, Any]]) -> None:
+        """Refuse (`MedvolError`) the `model` settings of a cascade's stages of this family (stage number -> settings)
+        that cannot work together; the cascade runner calls it before its first stage starts. Default: any."""
+
+    @classmethod
     def generates_from_noise(cls, settings: Mapping[str, Any]) -> bool:
         """Whether the model that `settings` (its `model` config) builds generates volumes from noise alone, so
         predict.py runs it with no input (an unconditional latent diffusion model). Default no."""

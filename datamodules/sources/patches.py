@@ -2,8 +2,9 @@
 
 As in the CTPA VQ-GAN setup (512x512x604 volumes, ~80 patches of 128^3 per volume per
 step). A loader batch of `batch_size` volumes becomes `batch_size * patches_per_volume`
-patches. Each patch carries its own `affine` (the volume's, shifted to the patch corner) and
-`patch_origin` (voxel index of the corner), so outputs can be written or stitched in place.
+patches. Each patch carries its own `affine` (the volume's, shifted to the patch corner),
+`patch_origin` (voxel index of the corner) and `volume_shape` (the grid it was cut from), so outputs
+can be written or stitched in place and a model can know where in the volume a patch lies.
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class PatchSamplesd(Randomizable, MapTransform):
                 affine[:3, 3] += affine[:3, :3] @ torch.tensor(origin, dtype=affine.dtype)
                 item["affine"] = affine
             item["patch_origin"] = torch.tensor(origin, dtype=torch.int64)
+            item["volume_shape"] = torch.tensor(shape, dtype=torch.int64)
             patches.append(item)
         return patches
 
@@ -152,7 +154,7 @@ class PatchesDataModule(NiftiDataModule):
         self.collate_fn = list_data_collate
 
     def batch_keys(self) -> list[str]:
-        return [*BATCH_KEYS, "patch_origin"]
+        return [*BATCH_KEYS, "patch_origin", "volume_shape"]
 
     def deterministic(self, stage: str) -> list[Callable]:
         chain = super().deterministic(stage)

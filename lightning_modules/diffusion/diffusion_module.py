@@ -11,7 +11,7 @@ windowed sampling. A family adds its network (`attach_network`), says how the ne
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -23,6 +23,7 @@ from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMe
 
 from lightning_modules.base import MedvolModule
 from lightning_modules.diffusion.ema import EMA
+from lightning_modules.diffusion.generation_metrics import TrainingSetMetric, VolumeSetFID2p5D, pooled
 from lightning_modules.diffusion.prediction import (
     check_prediction_type,
     clip_x0,
@@ -209,6 +210,72 @@ class DiffusionModule(MedvolModule, ABC):
         )
         self.val_metrics = evaluation.clone(prefix="val/")
         self.test_metrics = evaluation.clone(prefix="test/")
+
+    def log_evaluation(self, metrics: Mapping[str, Metric], size: int, shown: Sequence[str] = ()) -> None:
+        """Log every metric of `metrics` but the 2.5D FID (logged per plane at the epoch's end), those named in
+        `shown` on the progress bar."""
+        for name, metric in metrics.items():
+            if not isinstance(metric, VolumeSetFID2p5D):
+                self.log(name, metric, prog_bar=name in shown, batch_size=size)
+
+    def log_plane_fids(self, metrics: MetricCollection) -> None:
+        """The 2.5D FID of the epoch (`VolumeSetFID2p5D`), per plane and their mean: `<prefix>fid_2p5d[_<plane>]`."""
+        for name, metric in metrics.items():
+            if isinstance(metric, VolumeSetFID2p5D) and metric.update_count:
+                values = metric.compute()
+                self.log_dict({f"{name}_{k}" if k != "mean" else name: v for k, v in values.items()})
+                metric.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        self.log_plane_fids(self.val_metrics)
+
+    def on_test_epoch_end(self) -> None:
+        self.log_plane_fids(self.test_metrics)
+
+    # ---- the training set, for the metrics that compare with it ---------------------------
+
+    def training_set_metrics(self) -> list[TrainingSetMetric]:
+        """The validation and test metrics that need the training volumes (nearest-training correlation, copies)."""
+        collections = (self.val_metrics, self.test_metrics)
+        return [m for c in collections for m in c.values() if isinstance(m, TrainingSetMetric)]
+
+    def recording_training_set(self, batches: Iterable[Mapping[str, Any]], key: str = "image") -> Iterator[Any]:
+        """Yield `batches`, keeping each batch's `key` volumes average-pooled; once the last has been yielded,
+        hand them, gathered over ranks, to the metrics that compare with the training set (one pass of the training
+        data serves both the family's own pass, e.g. the LDM's scale factor, and these)."""
+        metrics = self.training_set_metrics()
+        size = max((m.size for m in metrics), default=1)
+        kept = []
+        for batch in batches:
+            if metrics:
+                kept.append(pooled(batch[key], size).cpu())
+            yield batch
+        if not metrics or not kept:
+            return
+        reference = torch.cat(kept)
+        if self._trainer is not None and self.trainer.world_size > 1:
+            reference = self.gathered_rows(reference)
+        for metric in metrics:
+            metric.reference = reference
+
+    def gathered_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every rank's (n_rank, F) rows, concatenated in rank order (ranks may hold different counts)."""
+        strategy = self.trainer.strategy
+        counts = strategy.all_gather(torch.tensor([len(rows)], device=self.device)).flatten().tolist()
+        padded = torch.zeros(max(counts), rows.shape[1], dtype=rows.dtype, device=self.device)
+        padded[: len(rows)] = rows.to(self.device)
+        every = strategy.all_gather(padded)
+        return torch.cat([every[rank, :count] for rank, count in enumerate(counts)]).cpu()
+
+    def on_fit_start(self) -> None:
+        if self.training_set_metrics():
+            for _ in self.recording_training_set(self.trainer.datamodule.train_dataloader(), self.generated_key):
+                pass
+
+    @property
+    def generated_key(self) -> str:
+        """The batch key of the volumes the family generates."""
+        return str(getattr(self.hparams, "image_key", "image"))
 
     @abstractmethod
     def _evaluate(self, batch: dict[str, Any], batch_idx: int, metrics: MetricCollection) -> dict[str, Any]:

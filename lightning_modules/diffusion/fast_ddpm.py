@@ -12,7 +12,7 @@ the condition volume (cut to each window when sampling is windowed) and its task
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -22,6 +22,11 @@ from torchmetrics import MeanMetric, MetricCollection
 
 from lightning_modules.diffusion.checkpointing import checkpoint_blocks, unet_blocks
 from lightning_modules.diffusion.diffusion_module import Conditioning, DiffusionModule
+from lightning_modules.diffusion.generation_metrics import (
+    generation_metrics,
+    load_feature_network,
+    update_generation_metrics,
+)
 from lightning_modules.diffusion.samplers import Denoise
 from lightning_modules.diffusion.subject_noise import SubjectNoise, subject_names
 from medvol.core.errors import MedvolError
@@ -43,7 +48,12 @@ class ConditionalDiffusion(DiffusionModule):
         downsample_factor: pooling factor that makes a super-resolution condition from the image.
         image_key: batch key of the target volume.
         cond_key: batch key of the condition.
-        ssim_kernel_size: Gaussian window of the 3D SSIM metric.
+        ssim_kernel_size: Gaussian window of the 3D SSIM and MS-SSIM metrics.
+        mmd_size: volumes are pooled to at most this many voxels per axis for the Gaussian-kernel MMD and the
+            training-set metrics (`generation_metrics`).
+        diversity_size: volumes are pooled to at most this many voxels per axis for the set MS-SSIM.
+        fid_network: a local TorchScript 3D feature network: 3D FID of the samples (`fid`); null: none.
+        fid_network_2d: a local TorchScript 2D feature network: MAISI's 2.5D FID (`fid_2p5d`); null: none.
         **diffusion: the diffusion core's settings (`DiffusionModule`): schedule, timestep sets,
             sampler, prediction type, loss reduction, EMA, sampling seed and window, optimizer.
     """
@@ -60,6 +70,10 @@ class ConditionalDiffusion(DiffusionModule):
         image_key: str = "image",
         cond_key: str = "cond",
         ssim_kernel_size: int = 11,
+        mmd_size: int = 16,
+        diversity_size: int = 32,
+        fid_network: str | None = None,
+        fid_network_2d: str | None = None,
         **diffusion: Any,
     ) -> None:
         if task not in TASKS:
@@ -83,7 +97,14 @@ class ConditionalDiffusion(DiffusionModule):
         )
         if activation_checkpointing:
             checkpoint_blocks(unet_blocks(self.network))
-        self.set_metrics(ssim_kernel_size, loss=MeanMetric())
+        generation = generation_metrics(mmd_size, diversity_size, ssim_kernel_size, fid_network, fid_network_2d)
+        self.set_metrics(ssim_kernel_size, loss=MeanMetric(), **generation)
+
+    @classmethod
+    def check_settings(cls, settings: Mapping[str, Any]) -> None:
+        for key in ("fid_network", "fid_network_2d"):
+            if settings.get(key):
+                load_feature_network(settings.get(key), key=f"model.{key}")
 
     # ---- condition and noise -------------------------------------------------------------
 
@@ -173,10 +194,10 @@ class ConditionalDiffusion(DiffusionModule):
             metrics[f"{prefix}ssim"].update(sample, x0)
         volumes["sample"] = sample.detach()
         volumes["target"] = x0.detach()
-        # Unconditional samples have no paired target: only the loss is a metric then.
-        names = [name for name in metrics if cond is not None or name.endswith("loss")]
-        for name in names:
-            self.log(name, metrics[name], prog_bar=name in (f"{prefix}psnr", f"{prefix}ssim"), batch_size=size)
+        update_generation_metrics(metrics, prefix, sample, x0)
+        # Unconditional samples have no paired target: PSNR/SSIM against one would mean nothing.
+        logged = {n: m for n, m in metrics.items() if cond is not None or not n.endswith(("/psnr", "/ssim"))}
+        self.log_evaluation(logged, size, [f"{prefix}psnr", f"{prefix}ssim"])
         # The condition is in the units of the batch's `cond` (e.g. T1), the rest in those of `image`.
         return {"volumes": volumes, "units": {"condition": "cond"}}
 

@@ -102,10 +102,14 @@ class FirstStage(nn.Module):
         return run_in_slabs(self.decoder, storage, slab_elements, z.device).to(z.device)
 
     def snap(self, z: torch.Tensor) -> torch.Tensor:
-        """Every latent vector replaced by its nearest code (exactly the code: no straight-through arithmetic)."""
-        channels_last = z.movedim(1, -1)
-        indices = self.codebook.nearest(channels_last.reshape(-1, self.embedding_dim))
-        return self.codebook.embeddings[indices].view(channels_last.shape).movedim(-1, 1)
+        """Every latent vector replaced by its nearest code (exactly the code: no straight-through arithmetic).
+
+        The distances are fp32 under any autocast, as in the codebook's own forward: in bf16 a few percent
+        of the latent vectors would get a code that is not their nearest."""
+        with torch.autocast(device_type=z.device.type, enabled=False):
+            channels_last = z.float().movedim(1, -1)
+            indices = self.codebook.nearest(channels_last.reshape(-1, self.embedding_dim))
+            return self.codebook.embeddings[indices].view(channels_last.shape).movedim(-1, 1)
 
     def check_grid(self, size: Sequence[int]) -> None:
         bad = [int(s) for s, d in zip(size, self.downsample, strict=True) if s % d]

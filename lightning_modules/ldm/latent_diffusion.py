@@ -28,12 +28,18 @@ from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 
 from lightning_modules.diffusion.diffusion_module import Conditioning, DiffusionModule
+from lightning_modules.diffusion.generation_metrics import (
+    VolumeSetMMD,
+    generation_metrics,
+    load_feature_network,
+    sample_msssim,
+    update_generation_metrics,
+)
 from lightning_modules.diffusion.subject_noise import SubjectNoise, subject_names
 from lightning_modules.ldm.first_stage import EncodeLatent, FirstStage, read_first_stage, weights_digest
-from lightning_modules.ldm.metrics import VolumeSetFID, VolumeSetMMD, load_feature_network, sample_msssim
+from lightning_modules.ldm.positions import latent_coordinates
+from lightning_modules.ldm.spacing_embedding import with_spacing_embedding
 from medvol.core.errors import MedvolError
-
-SPACING_DIMS = 3
 
 
 def voxel_spacings(affine: torch.Tensor) -> torch.Tensor:
@@ -41,27 +47,40 @@ def voxel_spacings(affine: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(affine[:, :3, :3].double(), dim=1).float()
 
 
+# Coordinate channels of `position_channels` (z, y, x).
+COORDINATES = 3
+
+
 class LatentDiffusion(DiffusionModule):
     """Diffusion over the latents of a frozen VQ-GAN.
 
     Args:
         network: partial denoiser (MONAI's `DiffusionModelUNet`), called with `in_channels` and
-            `out_channels` (and, with `spacing_conditioning`, `with_conditioning` and `cross_attention_dim`).
+            `out_channels` (and, with `spacing_conditioning`, `num_class_embeds`: its class embedding becomes the
+            spacing embedding).
         first_stage_ckpt: the trained VQ-GAN, `<vqgan run>/checkpoints/<file>`; read at construction
             for training (its settings and weights then travel in this model's checkpoint).
         first_stage_settings: the VQ-GAN's network settings, recorded in this model's hyperparameters;
             a module restored from its checkpoint builds the first stage from them and reads no file.
         cond_channels: channels of the batch's `cond` image (0: unconditional); encoded by the first stage.
-        spacing_conditioning: condition every sample on its voxel spacing (mm, from the batch's `affine`).
+        spacing_conditioning: condition every sample on its voxel spacing (mm, from the batch's `affine`): a
+            learned embedding of it added to the time embedding, as MAISI (`spacing_embedding`).
+        position_channels: give the network each latent voxel's place in its whole volume as three coordinate
+            channels (PatchDDM), from the batch's `patch_origin` and `volume_shape` (a crop of the patches
+            dataset) or the whole volume: a model trained on crops then puts the anatomy where it belongs.
         decode_quantized: snap generated latents to the nearest codes before decoding.
         decode_slab_elements: decode layer by layer in depth slabs of at most this many values on the
             device (`slab_decoding`: exactly the whole-volume output, for volumes whose decoder
             activations do not fit at once); null decodes the whole volume in one call.
         decode_offload: with slabs, keep each layer's whole activation on the CPU (only slabs on the GPU).
         sample_size: image size (D, H, W) of unconditional samples (null: the training volume's).
-        mmd_size: volumes are pooled to at most this many voxels per axis for the MMD metric.
+        mmd_size: volumes are pooled to at most this many voxels per axis for the MMD and the training-set
+            metrics (`generation_metrics`).
+        diversity_size: volumes are pooled to at most this many voxels per axis for the set MS-SSIM.
         fid_network: a local TorchScript 3D feature network: 3D FID between samples and real volumes
             (`fid`); null: no FID (features of an untrained network would not be FID).
+        fid_network_2d: a local TorchScript 2D feature network (RadImageNet's ResNet-50 in MAISI): MAISI's 2.5D
+            FID over the axial, coronal and sagittal slices (`fid_2p5d`, per plane `fid_2p5d_<plane>`); null: none.
         image_key: batch key of the volume to generate.
         cond_key: batch key of the condition image.
         ssim_kernel_size: Gaussian window of the SSIM and MS-SSIM metrics.
@@ -75,12 +94,15 @@ class LatentDiffusion(DiffusionModule):
         first_stage_settings: Mapping[str, Any] | None = None,
         cond_channels: int = 0,
         spacing_conditioning: bool = False,
+        position_channels: bool = False,
         decode_quantized: bool = True,
         decode_slab_elements: int | None = None,
         decode_offload: bool = False,
         sample_size: Sequence[int] | None = None,
         mmd_size: int = 16,
+        diversity_size: int = 32,
         fid_network: str | None = None,
+        fid_network_2d: str | None = None,
         image_key: str = "image",
         cond_key: str = "cond",
         ssim_kernel_size: int = 11,
@@ -108,17 +130,20 @@ class LatentDiffusion(DiffusionModule):
         self.register_buffer("scale_factor", torch.tensor(0.0))
         self.register_buffer("training_latent_size", torch.zeros(3, dtype=torch.long))
         latent = self.first_stage.embedding_dim
-        spacing = {"with_conditioning": True, "cross_attention_dim": SPACING_DIMS} if spacing_conditioning else {}
-        inputs = latent * (2 if self.cond_channels else 1)
-        self.attach_network(network(in_channels=inputs, out_channels=latent, **spacing))
+        inputs = latent * (2 if self.cond_channels else 1) + (COORDINATES if position_channels else 0)
+        if spacing_conditioning:
+            unet = with_spacing_embedding(network(in_channels=inputs, out_channels=latent, num_class_embeds=1))
+        else:
+            unet = network(in_channels=inputs, out_channels=latent)
+        self.attach_network(unet)
         image = {
             "psnr": PeakSignalNoiseRatio(data_range=2.0, reduction="elementwise_mean", dim=(1, 2, 3, 4)),
             "ssim": StructuralSimilarityIndexMeasure(data_range=2.0, kernel_size=ssim_kernel_size),
         }
-        fid = {"fid": VolumeSetFID(fid_network)} if fid_network else {}
+        generation = generation_metrics(mmd_size, diversity_size, ssim_kernel_size, fid_network, fid_network_2d)
         self.set_metrics(
             ssim_kernel_size, loss=MeanMetric(), recon_psnr=image["psnr"], recon_ssim=image["ssim"],
-            mmd=VolumeSetMMD(mmd_size), recon_mmd=VolumeSetMMD(mmd_size), diversity_msssim=MeanMetric(), **fid,
+            recon_mmd=VolumeSetMMD(mmd_size), diversity_msssim=MeanMetric(), **generation,
         )
 
     @classmethod
@@ -134,6 +159,8 @@ class LatentDiffusion(DiffusionModule):
             read_first_stage(settings.get("first_stage_ckpt"))
         if settings.get("fid_network"):
             load_feature_network(settings.get("fid_network"))
+        if settings.get("fid_network_2d"):
+            load_feature_network(settings.get("fid_network_2d"), key="model.fid_network_2d")
 
     @classmethod
     def generates_from_noise(cls, settings: Mapping[str, Any]) -> bool:
@@ -188,11 +215,14 @@ class LatentDiffusion(DiffusionModule):
         self.scale_factor.fill_(float(1.0 / std))
 
     def on_fit_start(self) -> None:
-        # A resumed run restores the factor with the weights: computed once per run.
+        # One pass over the training data: the training-set metrics' volumes, and the scale factor unless a resumed
+        # run restored it with the weights (computed once per run).
+        batches = self.recording_training_set(self.trainer.datamodule.train_dataloader(), self.hparams.image_key)
         if float(self.scale_factor) > 0:
+            for _ in batches:
+                pass
             return
-        datamodule = self.trainer.datamodule
-        self.set_scale_factor(datamodule.train_dataloader())
+        self.set_scale_factor(batches)
         sizes = self.training_latent_size.clone()
         if self.trainer.world_size > 1:
             # Every rank keeps rank 0's record, so checkpoints agree.
@@ -225,27 +255,49 @@ class LatentDiffusion(DiffusionModule):
             )
         return voxel_spacings(affine)[:size].to(self.device)
 
-    def conditioning(self, cond: torch.Tensor | None, spacing: torch.Tensor | None) -> Conditioning:
-        """The latent condition (cut to each sampling window) and the spacing (one row per sample)."""
-        return Conditioning(
-            volumes={} if cond is None else {"cond": cond}, per_sample={} if spacing is None else {"spacing": spacing}
-        )
+    def positions(
+        self, batch: Mapping[str, Any], latent_shape: Sequence[int], volume: Sequence[int] | None = None
+    ) -> torch.Tensor | None:
+        """(B, 3, D, H, W) coordinates of a (B, C, D, H, W) latent in its whole volume, with `position_channels`:
+        a patch's from the batch's `patch_origin` and `volume_shape`, else those of a whole volume (of `volume` image
+        voxels, default the latent's own grid)."""
+        if not self.hparams.position_channels:
+            return None
+        size, factors = [int(s) for s in latent_shape[2:]], self.first_stage.downsample
+        count = int(latent_shape[0])
+        whole = torch.tensor(volume or [s * d for s, d in zip(size, factors, strict=True)], device=self.device)
+        origin = batch.get("patch_origin")
+        shape = batch.get("volume_shape")
+        origin = torch.zeros(count, 3, device=self.device) if origin is None else origin.to(self.device)[:count]
+        shape = whole.expand(count, 3) if shape is None else shape.to(self.device)[:count]
+        return latent_coordinates(origin, shape, size, factors)
+
+    def conditioning(
+        self, cond: torch.Tensor | None, spacing: torch.Tensor | None, coordinates: torch.Tensor | None = None
+    ) -> Conditioning:
+        """The latent condition and the coordinates (both cut to each sampling window) and the spacing (one row per
+        sample)."""
+        volumes = {name: v for name, v in (("cond", cond), ("coordinates", coordinates)) if v is not None}
+        return Conditioning(volumes=volumes, per_sample={} if spacing is None else {"spacing": spacing})
 
     def network_output(
         self, network: nn.Module, x_t: torch.Tensor, t: torch.Tensor, cond: torch.Tensor | None = None,
-        spacing: torch.Tensor | None = None,
+        spacing: torch.Tensor | None = None, coordinates: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # Condition first, as Fast-DDPM concatenates in pixel space.
-        inputs = x_t if cond is None else torch.cat([cond.to(x_t.dtype), x_t], dim=1)
+        # Condition first, as Fast-DDPM concatenates in pixel space, then the coordinates, then x_t.
+        given = [v.to(x_t.dtype) for v in (cond, coordinates) if v is not None]
+        inputs = torch.cat([*given, x_t], dim=1) if given else x_t
         if spacing is None:
             return network(inputs, t)
-        return network(inputs, t, context=spacing[:, None, :].to(inputs.dtype))
+        return network(inputs, t, class_labels=spacing.float())
 
     # ---- Lightning steps --------------------------------------------------------------------
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         z0 = self.raw_latents(batch) * self.scale
-        conditioning = self.conditioning(self.latent_condition(batch), self.spacing(batch, z0.shape[0]))
+        conditioning = self.conditioning(
+            self.latent_condition(batch), self.spacing(batch, z0.shape[0]), self.positions(batch, z0.shape)
+        )
         t = self.draw_timesteps(z0.shape[0], z0.device)
         output, target, _ = self.training_prediction(self.network, z0, t, self.noise_like(z0), conditioning)
         loss = self.regression_loss(output, target)
@@ -266,7 +318,7 @@ class LatentDiffusion(DiffusionModule):
         names = subject_names(batch, batch_idx, size)
         z0 = self.raw_latents(batch) * self.scale
         cond = self.latent_condition(batch)
-        conditioning = self.conditioning(cond, self.spacing(batch, size))
+        conditioning = self.conditioning(cond, self.spacing(batch, size), self.positions(batch, z0.shape))
         noise = SubjectNoise(names, self.sample_seed, salt="sample")
         sample = self.draw(batch, z0.shape[1:], conditioning, noise)
         second = self.draw(batch, z0.shape[1:], conditioning, SubjectNoise(names, self.sample_seed, salt="second"))
@@ -279,10 +331,8 @@ class LatentDiffusion(DiffusionModule):
         metrics[f"{prefix}loss"].update(self.regression_loss(output, target), weight=size)
         metrics[f"{prefix}recon_psnr"].update(reconstruction, x0)
         metrics[f"{prefix}recon_ssim"].update(reconstruction, x0)
-        metrics[f"{prefix}mmd"].update(sample, x0)
+        update_generation_metrics(metrics, prefix, sample, x0)
         metrics[f"{prefix}recon_mmd"].update(reconstruction, x0)
-        if f"{prefix}fid" in metrics:
-            metrics[f"{prefix}fid"].update(sample, x0)
         diversity = sample_msssim(sample, second, int(self.hparams.ssim_kernel_size))
         metrics[f"{prefix}diversity_msssim"].update(diversity.mean(), weight=size)
         volumes = {"sample": sample.detach(), "target": x0.detach(), "reconstruction": reconstruction.detach()}
@@ -291,9 +341,8 @@ class LatentDiffusion(DiffusionModule):
             metrics[f"{prefix}ssim"].update(sample, x0)
             volumes["condition"] = batch[self.hparams.cond_key].detach()
         # Unconditional samples have no paired target: PSNR/SSIM against one would mean nothing.
-        shown = [name for name in metrics if cond is not None or not name.endswith(("/psnr", "/ssim"))]
-        for name in shown:
-            self.log(name, metrics[name], prog_bar=name.endswith(("psnr", "mmd")), batch_size=size)
+        logged = {n: m for n, m in metrics.items() if cond is not None or not n.endswith(("/psnr", "/ssim"))}
+        self.log_evaluation(logged, size, [n for n in logged if n.endswith(("psnr", "/mmd"))])
         return {"volumes": volumes, "units": {"condition": "cond"}}
 
     # ---- generation (predict.py) ------------------------------------------------------------
@@ -333,12 +382,15 @@ class LatentDiffusion(DiffusionModule):
                 )
             latent = [s // d for s, d in zip(size, self.first_stage.downsample, strict=True)]
             shape = [self.first_stage.embedding_dim, *latent]
-            return {"volumes": {"sample": self.draw(batch, shape, self.conditioning(None, spacing), noise)}}
+            conditioning = self.conditioning(None, spacing, self.positions({}, [len(names), *shape]))
+            return {"volumes": {"sample": self.draw(batch, shape, conditioning, noise)}}
         cond = batch[self.hparams.cond_key].float().to(self.device)
         size = cond.shape[2:]
         # A whole scan of any size: padded at the far end (with its darkest value) to what the grids halve.
         pad = [-n % m for n, m in zip(size, multiple, strict=True)]
         cond = F.pad(cond, (0, pad[2], 0, pad[1], 0, pad[0]), value=float(cond.min()))
         latent_cond = self.latents(cond)
-        sample = self.draw(batch, latent_cond.shape[1:], self.conditioning(latent_cond, spacing), noise)
+        # The scan is the whole volume: the padding lies beyond its far end (coordinates above 1).
+        coordinates = self.positions({}, latent_cond.shape, [int(s) for s in size])
+        sample = self.draw(batch, latent_cond.shape[1:], self.conditioning(latent_cond, spacing, coordinates), noise)
         return {"volumes": {"sample": sample[..., : size[0], : size[1], : size[2]]}}

@@ -8,7 +8,7 @@ way each is checked against the stage that holds it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,12 +79,37 @@ def rebuilt_stages(recorded: Sequence[Any]) -> list[EarlierStage]:
     return [(s, frozen_network(s), "this checkpoint") for s in settings]
 
 
-def check_same_views(views: Sequence[str], earlier: dict[str, Any], source: str) -> None:
-    """Refuse an earlier stage that saw other radiographs than this one."""
-    if list(earlier["views"]) != list(views):
+# What every stage of a cascade must share: the radiographs it is given (their names, size and field of view) and
+# how their values relate to Hounsfield units (the window the CT maps onto the model's range, water's attenuation).
+SHARED_SETTINGS = ("views", "xray_size", "window", "mu_water", "field_of_view")
+
+
+def _listed(value: Any) -> Any:
+    """A setting as a config shows it (tuples as lists)."""
+    return [_listed(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def _same(mine: Any, theirs: Any) -> bool:
+    if isinstance(mine, (list, tuple)) and isinstance(theirs, (list, tuple)):
+        return len(mine) == len(theirs) and all(_same(a, b) for a, b in zip(mine, theirs, strict=True))
+    if isinstance(mine, (int, float)) and isinstance(theirs, (int, float)):
+        return abs(float(mine) - float(theirs)) <= 1e-6 * max(1.0, abs(float(theirs)))
+    return mine == theirs
+
+
+def check_same_radiographs(
+    settings: Mapping[str, Any], earlier: Mapping[str, Any], source: str, key_prefix: str = "model."
+) -> None:
+    """Refuse an earlier stage that saw other radiographs than this one (`SHARED_SETTINGS`; a setting either stage
+    does not record, as checkpoints older than it, is not compared); `key_prefix` names this stage's settings."""
+    for key in SHARED_SETTINGS:
+        mine, theirs = _listed(_container(settings.get(key))), _listed(_container(earlier.get(key)))
+        if mine is None or theirs is None or _same(mine, theirs):
+            continue
         raise MedvolError(
-            f"`model.views` {list(views)} differ from the views {list(earlier['views'])} of stage "
-            f"{earlier['stage']} ({source}); every stage sees the same radiographs"
+            f"`{key_prefix}{key}` {mine} differs from the {key} {theirs} of stage {earlier.get('stage')} ({source}); "
+            "every stage of a cascade sees the same radiographs (views, xray_size, field_of_view) in the same "
+            "units (window, mu_water)"
         )
 
 

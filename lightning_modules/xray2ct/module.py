@@ -25,7 +25,7 @@ recovered from the network's output, plus the base at a residual stage) with the
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -49,7 +49,8 @@ from lightning_modules.xray2ct.denoiser import (
 )
 from lightning_modules.xray2ct.earlier_stages import (
     EarlierStage,
-    check_same_views,
+    check_same_radiographs,
+    read_stage,
     read_stages,
     rebuilt_stages,
     start_from_stage,
@@ -127,6 +128,8 @@ class XrayToCT(DiffusionModule):
         physics_weight: weight of the projection-consistency loss.
         window: the HU window the dataset mapped onto [-1, 1] (for the physics loss and HU outputs).
         mu_water: attenuation of water per mm, as the dataset's projector used.
+        field_of_view: the millimetres the stage's CT grid spans per axis (its views' field of view; null:
+            unknown, a dataset at each scan's own spacing); every stage of a cascade must see the same.
         previous_noise: largest std of the noise added to the previous-stage input in training.
         previous_sampling_noise: std added to the previous stages' outputs at sampling time.
         crop_size: the training crop of a stage >= 2 (an int is a cube; capped at the volume; null:
@@ -164,6 +167,7 @@ class XrayToCT(DiffusionModule):
         physics_weight: float = 0.1,
         window: Sequence[float] = (-1024.0, 3071.0),
         mu_water: float = 0.02,
+        field_of_view: Sequence[float] | None = None,
         previous_noise: float = 0.2,
         previous_sampling_noise: float = 0.05,
         crop_size: int | Sequence[int] | None = 64,
@@ -206,7 +210,7 @@ class XrayToCT(DiffusionModule):
         # Each earlier stage's own sampling plan and hand-off noise (not module state: rebuilt from its settings).
         self.previous_plans: list[tuple[SamplingPlan, float]] = []
         for previous, previous_network, source in earlier:
-            check_same_views(views, previous, source)
+            check_same_radiographs(self.hparams, previous, source)
             self.previous_plans.append(stage_plan(previous, source))
             self.previous.append(previous_network)
             self.previous_settings.append(previous)
@@ -215,6 +219,25 @@ class XrayToCT(DiffusionModule):
             {key: value for key, value in previous.items() if key != "previous_settings"}
             for previous in self.previous_settings
         ]
+
+    @classmethod
+    def check_settings(cls, settings: Mapping[str, Any]) -> None:
+        """Before anything is built: the stage's grids fit its network's downsampling, and the earlier stages'
+        checkpoints (`model.previous_stages`) saw the radiographs this stage is set up for."""
+        if settings.get("size") is not None and settings.get("channels") is not None:
+            grids = {key: settings.get(key) for key in ("stage", "size", "crop_size", "sampling_window")}
+            check_grids(grids, 2 ** (len(settings["channels"]) - 1))
+        for path in settings.get("previous_stages") or ():
+            earlier, _ = read_stage(str(path))
+            check_same_radiographs(settings, earlier, str(path))
+
+    @classmethod
+    def check_cascade(cls, stages: Mapping[int, Mapping[str, Any]]) -> None:
+        """Every stage of one cascade is set up for the same radiographs as its first."""
+        (first, settings), *later = sorted(stages.items())
+        for stage, other in later:
+            check_same_radiographs(other, {**settings, "stage": first}, f"cascade.stage{first}",
+                                   key_prefix=f"cascade.stage{stage}.model.")
 
     @classmethod
     def restoring_settings(cls, hyper_parameters: dict[str, Any]) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from medvol.core.build import target_class
 from medvol.core.checkpoint_read import load_checkpoint
 from medvol.core.errors import MedvolError
 
@@ -156,6 +157,7 @@ def run_cascade(
         ckpt_path = cfg.ckpt_path if stage == resume_stage else None
         stage_configs[stage] = _stage_config(cfg, stage, root / f"stage{stage}", ckpt_path)
         check_stage(stage_configs[stage])
+    check_stages_together(stage_configs)
 
     metrics: dict[str, float] = {}
     summary: dict[str, dict] = {}
@@ -177,6 +179,16 @@ def run_cascade(
     metrics.update({k: v for k, v in stage_metrics.items()})
     write_summary(root, summary)
     return metrics
+
+
+def check_stages_together(stage_configs: dict[int, DictConfig]) -> None:
+    """Each family's check of its stages' settings side by side (`check_cascade`: X-ray-to-CT's stages see the same
+    radiographs), before the first stage starts."""
+    families: dict[str, dict[int, DictConfig]] = {}
+    for stage, stage_cfg in stage_configs.items():
+        families.setdefault(str(stage_cfg.model._target_), {})[stage] = stage_cfg.model
+    for target, stages in families.items():
+        target_class(target).check_cascade(stages)
 
 
 def stages_to_run(cfg: DictConfig) -> tuple[Path, list[int], int | None]:

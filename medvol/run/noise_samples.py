@@ -2,7 +2,8 @@
 
 Each draw k is written as `<output_dir>/sample_<k>.nii.gz` by the code that writes every prediction
 (`PredictionWriter`), on a RAS grid of the spacing asked (default the training spacing, from the
-checkpoint's record) and in the training data's units (HU for CT, from the record's intensity scaling).
+checkpoint's record; the training scans' median spacing for a model trained on each scan's own grid) and in
+the training data's units (HU for CT, from the record's intensity scaling).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from lightning_modules.base import MedvolModule
 from medvol.core.errors import MedvolError
 from medvol.run.generation import intensity_record, with_target_units
+from medvol.run.predict_config import input_geometry
 from medvol.volumes.prediction_writer import PredictionWriter
 
 SUBJECT = "sample"
@@ -32,6 +34,16 @@ def ras_affine(spacing: Sequence[float], shape: Sequence[int]) -> torch.Tensor:
 def noise_batch(spacing: Sequence[float], shape: Sequence[int], intensity: Mapping[str, Any] | None) -> dict[str, Any]:
     """The batch a model generates from noise: a subject name, its grid, and the training data's units."""
     return with_target_units({"subject": [SUBJECT], "affine": ras_affine(spacing, shape)[None]}, intensity)
+
+
+def noise_geometry(spacing: Any, record: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The grid of samples from noise: `spacing=[...]` when asked, else the spacing the checkpoint records: the
+    training spacing, or, for a model trained on each scan's own grid (`resampled` false, e.g. experiment=ctpa_ldm),
+    the training scans' median (noise has no grid of its own to keep)."""
+    geometry = input_geometry(spacing, record)
+    if spacing is None and not geometry.get("spacing") and (record or {}).get("spacing"):
+        geometry = {**geometry, "spacing": [float(s) for s in record["spacing"]]}  # type: ignore[index]
+    return geometry
 
 
 def write_noise_samples(module: MedvolModule, geometry: Mapping[str, Any], num_samples: int, output_dir: Path) -> int:

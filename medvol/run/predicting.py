@@ -28,7 +28,7 @@ from medvol.core.errors import MedvolError
 from medvol.run.ensemble import Ensemble, same_preprocessing
 from medvol.run.fold_records import fold_checkpoints, read_postprocessing, read_volume_range
 from medvol.run.generation import intensity_record, on_model_grid, sampled_outputs, with_target_units
-from medvol.run.noise_samples import write_noise_samples
+from medvol.run.noise_samples import noise_geometry, write_noise_samples
 from medvol.run.predict_check import (
     check_inputs,
     check_predict,
@@ -204,7 +204,7 @@ def from_radiographs(
 def noise_samples(module: MedvolModule, spacing: Any, output_dir: Path, num_samples: int) -> dict[str, float]:
     """`num_samples` volumes from noise alone, for an unconditional generator given no input (`noise_samples`)."""
     with log_file(output_dir / LOG_FILE):
-        count = write_noise_samples(module, input_geometry(spacing, module.training_data), num_samples, output_dir)
+        count = write_noise_samples(module, noise_geometry(spacing, module.training_data), num_samples, output_dir)
         log.info("generated %d sample%s -> %s", count, "s" if count != 1 else "", output_dir)
     return {}
 

@@ -6,11 +6,13 @@ is given a folder of 2D radiographs, one file per view and subject, as
 spacing (rows, columns) in mm and the orientation in the header's affine (sform or qform): where
 in the patient (RAS) the rows and the columns run. Each view is put into the projector's display
 convention (`medvol.volumes.projection.VIEW_FRAME`: rows from the head down, AP columns from the
-patient's right to left, lateral columns from front to back) by turning it; a view with no
-orientation, an oblique one, one in another plane than its name says (a lateral labelled AP), or a
-mirrored one (a PA film, a flipped export: no turn makes it the convention) is refused, as is a
-size or pixel spacing other than the model was trained with (from its run's dataset: the CT
-grid's field of view over the view size); each with one line before anything is written. Each subject's
+patient's right to left, lateral columns from front to back) by turning and mirroring it as its
+affine says: a PA film (seen from behind, the patient's right on the viewer's right) is, under the
+parallel-beam projector, the AP view mirrored, and a right lateral the left one mirrored. A view
+with no orientation, an oblique one, one in another plane than its name says (a lateral labelled
+AP), values outside the model's 1 - I/I0 in [0, 1] (a raw 12-bit detector image), or a size or
+pixel spacing other than the model was trained with (from its run's dataset: the CT grid's field of
+view over the view size) is refused; each with one line naming the file before anything is written. Each subject's
 views go through the family's `generate_volumes` (the sampling code of `test=true`), and its CT is
 written in HU as `<subject>_ct.nii.gz` on the stage's grid: its size and spacing, RAS, centred on
 the origin as the training volumes were. HU beyond the window is written as generated (no clamp).
@@ -131,8 +133,9 @@ def _direction(vector: np.ndarray) -> tuple[int, int] | None:
 def in_view_frame(
     image: nib.Nifti1Image, data: np.ndarray, path: Path, view: str
 ) -> tuple[np.ndarray, tuple[float, float]]:
-    """The pixels turned into the projector's frame for `view` (`VIEW_FRAME`) and their (row, column) spacing in mm,
-    from the file's affine; refused when the file has no usable orientation, another plane, or a mirrored one."""
+    """The pixels turned (and mirrored, a PA film's or a right lateral's) into the projector's frame for `view`
+    (`VIEW_FRAME`) and their (row, column) spacing in mm, from the file's affine; refused when the file has no usable
+    orientation or lies in another plane."""
     if int(image.header["sform_code"]) == 0 and int(image.header["qform_code"]) == 0:
         raise MedvolError(
             f"`input`: {path.name} has no orientation (sform and qform codes 0); expected a 2D NIfTI whose affine says "
@@ -159,23 +162,32 @@ def in_view_frame(
     transposed = rows[0] != expected[0][0]
     if transposed:
         data, rows, columns, spacing = data.T, columns, rows, (spacing[1], spacing[0])
+    # A parallel-beam projection seen from the other side is the same image mirrored: the affine says which way.
     flip_rows, flip_columns = rows[1] != expected[0][1], columns[1] != expected[1][1]
-    if transposed ^ flip_rows ^ flip_columns:
-        seen = "front" if view == "ap" else "patient's left"
-        raise MedvolError(
-            f"`input`: {path.name} is mirrored for a {view} view (rows toward the {TOWARD[rows]}, columns toward the "
-            f"{TOWARD[columns]}: a PA film or a flipped export); expected it as seen from the {seen} (docs/xray2ct.md)"
-        )
     data = data[::-1] if flip_rows else data
     data = data[:, ::-1] if flip_columns else data
     return np.ascontiguousarray(data), spacing
 
 
+def check_values(data: np.ndarray, stored: np.dtype, path: Path) -> None:
+    """Refuse pixel values outside the range the model learned: 1 - I/I0 in [0, 1], finite."""
+    if data.size and np.isfinite(data).all() and float(data.min()) >= 0.0 and float(data.max()) <= 1.0:
+        return
+    finite = data[np.isfinite(data)]
+    span = f"{float(finite.min()):g}..{float(finite.max()):g}" if finite.size else "no finite value"
+    kind = f" (stored as {stored}: detector counts?)" if np.issubdtype(stored, np.integer) else ""
+    raise MedvolError(
+        f"`input`: {path.name} holds values {span}{kind}{'' if np.isfinite(data).all() else ' and NaN or Inf'}; "
+        "the model learned radiographs as 1 - I/I0 in [0, 1] (a DRR's attenuation); convert the view to that range"
+    )
+
+
 def read_view(path: Path, view: str, geometry: ViewGeometry) -> np.ndarray:
-    """One radiograph as (rows, columns) in the projector's frame, refused unless its orientation fits its view name
-    and its size and pixel spacing are the training views'."""
+    """One radiograph as (rows, columns) in the projector's frame, refused unless its values are 1 - I/I0 in [0, 1],
+    its orientation fits its view name and its size and pixel spacing are the training views'."""
     image = load_nifti(path)
     data = np.asarray(image.dataobj, dtype=np.float32)
+    check_values(data, image.get_data_dtype(), path)
     data = data.reshape(data.shape[:2]) if data.ndim > 2 and int(np.prod(data.shape[2:])) == 1 else data
     data, spacing = in_view_frame(image, data, path, view)
     if data.shape != geometry.size:
@@ -199,7 +211,7 @@ def model_views(folder: Path, geometry: ViewGeometry) -> dict[str, torch.Tensor]
     views = {}
     for subject, files in radiograph_subjects(folder, geometry).items():
         radiographs = torch.from_numpy(np.stack([read_view(files[v], v, geometry) for v in geometry.views]))
-        views[subject] = low + radiographs.clamp(0.0, 1.0) * (high - low)
+        views[subject] = low + radiographs * (high - low)
     return views
 
 

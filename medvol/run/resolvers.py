@@ -130,6 +130,16 @@ def background_value(transforms: Any, channels: int) -> list[float]:
     return TransformSettings.from_config(plain(transforms)).background(int(channels))
 
 
+def field_of_view(size: Any, spacing: Any) -> list[float] | None:
+    """The millimetres a grid of `size` voxels (an int or three) at `spacing` mm (a number or three) spans per axis;
+    None when either is unknown (a dataset at each scan's own spacing)."""
+    if size is None or spacing is None:
+        return None
+    sizes = [size] * 3 if isinstance(size, (int, float)) else list(size)
+    steps = [spacing] * 3 if isinstance(spacing, (int, float)) else list(spacing)
+    return [float(n) * float(d) for n, d in zip(sizes, steps, strict=True)]
+
+
 def register_resolvers() -> None:
     """Register medvol's resolvers once; safe to call repeatedly."""
     for name, fn in {
@@ -144,6 +154,7 @@ def register_resolvers() -> None:
         "batch_per_device": batch_per_device,
         "label_regions": label_regions,
         "background_value": background_value,
+        "field_of_view": field_of_view,
     }.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

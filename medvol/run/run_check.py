@@ -3,13 +3,14 @@ runs."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from medvol.core.build import build
+from medvol.core.build import build, target_class
 from medvol.core.errors import MedvolError
 from medvol.run.resolvers import label_regions
 
@@ -113,13 +114,14 @@ def missing_values(cfg: DictConfig) -> list[str]:
 
 
 def check_run(cfg: DictConfig) -> None:
-    """Raise `MedvolError` for a required value left out, or a bad `seed`, `optimized_mode`,
-    `dataset.num_workers` or `model.optimizer` value."""
+    """Raise `MedvolError` for a required value left out, a `dataset.*` key the dataset does not take, or a bad
+    `seed`, `optimized_mode`, `dataset.num_workers` or `model.optimizer` value."""
     missing = missing_values(cfg)
     if missing:
         raise MedvolError(
             f"`{missing[0]}` has no value and this config needs one; give it on the command line, e.g. {missing[0]}=..."
         )
+    check_dataset_settings(cfg)
     seed = cfg.get("seed")
     if seed is not None and not _whole(seed):
         raise MedvolError(f"`seed`: got {seed!r}; expected a whole number or null for a random run")
@@ -166,3 +168,35 @@ def check_label_regions(cfg: DictConfig) -> None:
 
 def _values(node: DictConfig) -> str:
     return ", ".join(f"{k}={v}" for k, v in node.items() if not str(k).startswith("_"))
+
+
+def constructor_settings(cls: type) -> set[str] | None:
+    """The keyword arguments `cls(...)` accepts: its `__init__`'s, and its bases' while each passes `**kwargs` on;
+    None when one takes `**kwargs` without a base to pass them to (anything goes)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass) or klass is object:
+            continue
+        parameters = list(inspect.signature(klass.__init__).parameters.values())[1:]
+        names |= {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            return names
+    return None
+
+
+def check_dataset_settings(cfg: DictConfig) -> None:
+    """Raise `MedvolError` naming a `dataset.*` key the chosen dataset does not take (a preset's key for another
+    dataset, a misspelling), before Hydra's multi-line TypeError would stop the run at the dataset's construction."""
+    dataset = cfg.get("dataset")
+    if not isinstance(dataset, DictConfig) or "_target_" not in dataset:
+        return
+    cls = target_class(str(dataset._target_))
+    accepted = constructor_settings(cls) if isinstance(cls, type) else None
+    if accepted is None:
+        return
+    unknown = [str(k) for k in dataset if not str(k).startswith("_") and str(k) not in accepted]
+    if unknown:
+        raise MedvolError(
+            f"`dataset.{unknown[0]}`: {cls.__name__} ({dataset._target_}) takes no such setting; its settings: "
+            f"{', '.join(sorted(accepted))} (`python train.py dataset=<name> --cfg job` lists a dataset's)"
+        )

@@ -23,6 +23,7 @@ from medvol.core.errors import MedvolError
 from medvol.run.training import run
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
 from tests.ddp_support import validation_on_two_ranks_and_one
+from tests.lightning_modules.diffusion.test_generation_metrics import gaussian_mmd_by_hand
 from tests.lightning_modules.diffusion.test_windowed_sampling import ConvDenoiser, _fast_ddpm
 
 TINY_DDPM = ["model=ddpm", "logger=csv"]
@@ -62,6 +63,25 @@ def test_translation_on_synthetic_pairs_t1_to_t2_and_concatenates_the_condition_
     assert torch.allclose(seen[0][:, 1:],
                           module.schedule.add_noise(batch["image"], torch.zeros_like(batch["image"]),
                                                     torch.tensor([0, 0])))
+
+
+def test_validation_feeds_the_set_metrics_its_samples_against_its_targets_and_the_training_set(tmp_path):
+    live = "model.network._target_=tests.lightning_modules.diffusion.test_ddpm.unet_with_live_output"
+    module = build_model(compose_cfg(tmp_path, [*TINY_DDPM, live]).model)
+    batch = synthetic_batch(module, batch=3)
+    training = torch.rand(4, 1, 16, 16, 16) * 2 - 1
+    for _ in module.recording_training_set([{"image": training[:2]}, {"image": training[2:]}]):
+        pass
+    out = module.validation_step(batch, 0)
+    sample, target = (out["volumes"][k].flatten(1).double().numpy() for k in ("sample", "target"))
+    metrics = {k: float(v.compute()) for k, v in module.val_metrics.items() if k != "val/loss"}
+    # Volumes of 16^3 kept whole (mmd_size 16): the formulas of test_generation_metrics, on these volumes.
+    assert metrics["val/mmd"] == pytest.approx(gaussian_mmd_by_hand(target, sample), rel=1e-4)
+    correlations = np.corrcoef(np.concatenate([sample, target]), training.flatten(1).numpy())[:6, 6:].max(1)
+    assert metrics["val/nearest_train_corr"] == pytest.approx(correlations[:3].mean(), rel=1e-5)
+    assert metrics["val/real_nearest_train_corr"] == pytest.approx(correlations[3:].mean(), rel=1e-5)
+    assert metrics["val/closer_than_real"] == pytest.approx(np.mean(correlations[:3] > correlations[3:].max()))
+    assert 0 < metrics["val/real_msssim"] < 1 and 0 < metrics["val/sample_msssim"] <= 1
 
 
 def test_training_draws_only_from_the_set_in_antithetic_pairs(module):
@@ -219,7 +239,9 @@ def test_checkpoint_with_other_channel_counts_is_refused(tmp_path):
 
 def test_bf16_mixed_training_step_keeps_fp32_tables(tmp_path):
     metrics = run(compose_cfg(tmp_path, [*TINY_DDPM, "trainer.precision=bf16-mixed", "trainer.fast_dev_run=true"]))
-    assert all(np.isfinite(v) for v in metrics.values())
+    # The set metrics of one validation volume are NaN by definition (no pair to compare).
+    one_volume = {"val/mmd", "val/sample_msssim", "val/real_msssim"}
+    assert all(np.isfinite(v) for k, v in metrics.items() if k not in one_volume)
     module = build_model(compose_cfg(tmp_path, TINY_DDPM).model).to(torch.bfloat16)
     assert module.schedule.alphas_cumprod.dtype == torch.float32
 
@@ -227,13 +249,15 @@ def test_bf16_mixed_training_step_keeps_fp32_tables(tmp_path):
 @pytest.mark.slow
 def test_two_gloo_ranks_validate_like_one(tmp_path: Path):
     # lr = 0 keeps the weights at their (seeded) start, so only evaluation is compared: per-subject
-    # noise and metrics synced over 3 validation subjects split 2 + 1.
-    args = [*TINY_COMMON, *TINY_MODEL["ddpm"], *TINY_DDPM, "dataset.num_subjects=12", "dataset.val_fraction=0.25",
+    # noise and metrics synced over 3 validation subjects split 2 + 1; the training set's 8 subjects split 4 + 4
+    # (the training sampler drops what does not divide among the ranks) and gathered for the training-set metrics.
+    args = [*TINY_COMMON, *TINY_MODEL["ddpm"], *TINY_DDPM, "dataset.num_subjects=11", "dataset.val_fraction=0.25",
             "dataset.test_fraction=0", "trainer.limit_train_batches=2", "model.optimizer.lr=0", "model.ema_decay=null",
             "model.network._target_=tests.lightning_modules.diffusion.test_ddpm.unet_with_live_output",
             "+callbacks.rank_recorder._target_=tests.ddp_support.RankRecorder"]
     ranks, one = validation_on_two_ranks_and_one(args, tmp_path)
-    for name in ("val/psnr", "val/ssim", "val/loss"):
+    for name in ("val/psnr", "val/ssim", "val/loss", "val/mmd", "val/sample_msssim", "val/real_msssim",
+                 "val/nearest_train_corr", "val/real_nearest_train_corr", "val/closer_than_real"):
         assert ranks[0][name] == ranks[1][name], name
         assert ranks[0][name] == pytest.approx(one[name], rel=1e-4), name
 

@@ -19,14 +19,18 @@ from lightning_modules.base import MODEL_KEY
 from lightning_modules.diffusion.fast_ddpm import ConditionalDiffusion
 from lightning_modules.ldm.first_stage import VQGAN_CLASS, FirstStage
 from lightning_modules.ldm.latent_diffusion import LatentDiffusion
+from lightning_modules.ldm.spacing_embedding import SpacingEmbedding, with_spacing_embedding
 from lightning_modules.vqgan.vqgan import VQGAN
 from medvol.core.build import build, build_model
 from medvol.core.errors import MedvolError
 from medvol.core.plain_values import plain
+from medvol.run.predict_config import run_config
 from medvol.run.predicting import predict
+from medvol.run.trained_model import load_module
 from medvol.run.training import check_config, run
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
 from tests.ddp_support import validation_on_two_ranks_and_one
+from tests.lightning_modules.diffusion.test_generation_metrics import gaussian_mmd_by_hand
 from tests.medvol.run.test_predict import predict_cfg, saved_run
 
 TINY_VQGAN = {"n_hiddens": 8, "n_codes": 32, "embedding_dim": 4, "disc_channels": 8, "disc_layers": 2}
@@ -99,6 +103,22 @@ def test_decoding_quantized_snaps_every_latent_vector_to_its_nearest_code(vqgan_
     torch.testing.assert_close(module.first_stage.decode(z, quantized=True), module.first_stage.decoder(nearest))
 
 
+@pytest.mark.parametrize("codes", [2048, 16384])
+def test_snapping_under_bf16_autocast_picks_the_nearest_codes_in_full_precision(codes):
+    from scipy.spatial.distance import cdist
+
+    torch.manual_seed(0)
+    first_stage = FirstStage(1, 8, codes, 8, (4, 4, 4))
+    z = torch.randn(1, 8, 12, 12, 12)
+    embeddings = first_stage.codebook.embeddings.numpy().astype(np.float64)
+    flat = z.movedim(1, -1).reshape(-1, 8).numpy().astype(np.float64)
+    nearest = embeddings[cdist(flat, embeddings, "sqeuclidean").argmin(1)]
+    # The CTPA preset samples under bf16 autocast: 3-5% of these vectors got another code in bf16.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        snapped = first_stage.snap(z)
+    np.testing.assert_array_equal(snapped.movedim(1, -1).reshape(-1, 8).double().numpy(), nearest)
+
+
 @pytest.mark.parametrize("elements", [1, 3000, 10**9])
 def test_slab_decoding_equals_decoding_the_whole_volume(elements):
     torch.manual_seed(0)
@@ -135,6 +155,29 @@ def test_a_perfect_denoiser_returns_the_training_latents_and_their_decoded_volum
     torch.testing.assert_close(module.images(generated), expected, rtol=0, atol=1e-4)
 
 
+class VelocityOracle(Oracle):
+    """The perfect v-denoiser of a one-volume training set: v = sqrt(a) eps - sqrt(1 - a) z0 for the noise that took
+    `z0` to x_t (Salimans and Ho 2022), written out here."""
+
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        ab = self.alpha_bar(t).view(-1, 1, 1, 1, 1)
+        eps = (x_t - ab.sqrt() * self.z0) / (1 - ab).sqrt()
+        return ab.sqrt() * eps - (1 - ab).sqrt() * self.z0
+
+
+def test_a_perfect_v_denoiser_returns_the_training_latent_through_the_ten_step_set(vqgan_ckpt):
+    # The presets' target (conf/model/ldm.yaml: v) over Fast-DDPM's 10-step non-uniform set.
+    module = tiny_ldm(vqgan_ckpt, ema_decay=None, decode_quantized=False, prediction_type="v")
+    assert module.sampling_timesteps.tolist() == [0, 199, 399, 599, 699, 799, 849, 899, 949, 999]
+    x = phantoms(1)
+    module.set_scale_factor([{"image": x}])
+    z0 = module.latents(x)
+    module.network = VelocityOracle(z0, module.schedule.alpha_bar)
+    torch.manual_seed(3)
+    generated = module.sample(torch.randn_like(z0))
+    torch.testing.assert_close(generated, z0, rtol=0, atol=1e-4)
+
+
 def test_a_condition_is_encoded_by_the_same_first_stage_and_concatenated_first(vqgan_ckpt):
     module = tiny_ldm(vqgan_ckpt, cond_channels=1)
     x = phantoms(2)
@@ -151,21 +194,76 @@ def test_a_condition_is_encoded_by_the_same_first_stage_and_concatenated_first(v
     torch.testing.assert_close(seen["inputs"][:, :4], expected, rtol=0, atol=0)
 
 
-def test_spacing_conditioning_changes_the_prediction_with_the_voxel_size(vqgan_ckpt):
-    module = tiny_ldm(vqgan_ckpt, spacing_conditioning=True)
-    z = torch.randn(2, 4, 4, 4, 4)
-    t = torch.tensor([5, 5])
-    affines = torch.eye(4).repeat(2, 1, 1)
-    affines[1, :3, :3] *= 2.0
+def test_validation_feeds_the_set_metrics_its_samples_against_the_real_volumes_and_the_training_set(vqgan_ckpt):
+    module = tiny_ldm(vqgan_ckpt, ema_decay=None)
+    torch.nn.init.normal_(module.network.out[-1].conv.weight, std=0.1)
+    x, training = phantoms(3), torch.rand(4, 1, 16, 16, 16) * 2 - 1
+    module.set_scale_factor([{"image": x}])
+    for _ in module.recording_training_set([{"image": training}]):
+        pass
+    out = module.validation_step({"image": x, "subject": ["a", "b", "c"]}, 0)
+    sample, real = (out["volumes"][k].flatten(1).double().numpy() for k in ("sample", "target"))
+    paired = ("val/psnr", "val/ssim", "val/recon_psnr", "val/recon_ssim", "val/loss")
+    metrics = {k: float(v.compute()) for k, v in module.val_metrics.items() if k not in paired}
+    assert metrics["val/mmd"] == pytest.approx(gaussian_mmd_by_hand(real, sample), rel=1e-4)
+    reconstruction = out["volumes"]["reconstruction"].flatten(1).double().numpy()
+    assert metrics["val/recon_mmd"] == pytest.approx(gaussian_mmd_by_hand(real, reconstruction), rel=1e-4)
+    correlations = np.corrcoef(np.concatenate([sample, real]), training.flatten(1).numpy())[:6, 6:].max(1)
+    assert metrics["val/nearest_train_corr"] == pytest.approx(correlations[:3].mean(), rel=1e-5)
+    assert metrics["val/real_nearest_train_corr"] == pytest.approx(correlations[3:].mean(), rel=1e-5)
+    assert 0 < metrics["val/real_msssim"] < 1 and 0 < metrics["val/sample_msssim"] <= 1
+
+
+# No attention level at all: a cross-attention token (the old spacing conditioning) could not reach this network.
+ATTENTION_FREE = {"spatial_dims": 3, "channels": [8, 8], "attention_levels": [False, False], "num_res_blocks": 1,
+                  "norm_num_groups": 4}
+
+
+def spacing_module(vqgan_ckpt: Path) -> LatentDiffusion:
+    torch.manual_seed(1)
+    module = LatentDiffusion(partial(DiffusionModelUNet, **ATTENTION_FREE), first_stage_ckpt=str(vqgan_ckpt),
+                             spacing_conditioning=True, ema_decay=None, ssim_kernel_size=3, prediction_type="sample")
     # MONAI zero-initialises the UNet's last layer: random weights make the output depend on its inputs.
-    torch.manual_seed(0)
     count = sum(p.numel() for p in module.network.parameters())
     nn.utils.vector_to_parameters(0.1 * torch.randn(count), module.network.parameters())
+    module.scale_factor.fill_(1.0)
+    return module
+
+
+def test_the_spacing_embedding_is_added_to_the_time_embedding_of_every_block_as_maisi_does(vqgan_ckpt):
+    module = spacing_module(vqgan_ckpt)
+    affines = torch.eye(4).repeat(2, 1, 1)
+    affines[1, :3, :3] = torch.diag(torch.tensor([0.7, 0.7, 2.5]))
     spacing = module.spacing({"affine": affines}, 2)
-    assert spacing.tolist() == [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]
+    np.testing.assert_allclose(spacing.numpy(), [[1.0, 1.0, 1.0], [0.7, 0.7, 2.5]], rtol=1e-6)
+    # The same UNet without a class embedding, its time embedding shifted by MAISI's spacing module written out:
+    # Linear(3, D), SiLU, Linear(D, D).
+    assert isinstance(module.network.class_embedding, SpacingEmbedding)
+    unconditioned = DiffusionModelUNet(in_channels=4, out_channels=4, **ATTENTION_FREE)
+    with pytest.raises(TypeError, match="num_class_embeds"):
+        with_spacing_embedding(unconditioned)
+    weights = {k: v for k, v in module.network.state_dict().items() if not k.startswith("class_embedding.")}
+    unconditioned.load_state_dict(weights)
+    first, second = (layer for layer in module.network.class_embedding if isinstance(layer, nn.Linear))
+    hidden = spacing.double().numpy() @ first.weight.double().detach().numpy().T + first.bias.double().detach().numpy()
+    hidden = hidden / (1 + np.exp(-hidden))
+    embedding = hidden @ second.weight.double().detach().numpy().T + second.bias.double().detach().numpy()
+    unconditioned.time_embed.register_forward_hook(lambda _, __, out: out + torch.from_numpy(embedding).float())
+    z, t = torch.randn(2, 4, 4, 4, 4), torch.tensor([5, 700])
     with torch.no_grad():
-        out = module.network_output(module.network, torch.cat([z[:1], z[:1]]), t, spacing=spacing)
-    assert not torch.allclose(out[0], out[1])
+        torch.testing.assert_close(module.network_output(module.network, z, t, spacing=spacing), unconditioned(z, t))
+
+
+def test_two_spacings_give_different_samples_from_the_same_noise(vqgan_ckpt):
+    module = spacing_module(vqgan_ckpt)
+    affines = torch.eye(4).repeat(2, 1, 1)
+    affines[1, :3, :3] *= 2.0
+    spacing = module.spacing({"affine": affines}, 2)
+    z_T = torch.randn(1, 4, 4, 4, 4).repeat(2, 1, 1, 1, 1)
+    sampled = module.sample(z_T, module.conditioning(None, spacing))
+    assert (sampled[0] - sampled[1]).abs().mean() > 0.01 * sampled.abs().mean()
+    again = module.sample(z_T, module.conditioning(None, spacing[:1].repeat(2, 1)))
+    torch.testing.assert_close(again[0], again[1])
 
 
 def test_a_first_stage_of_another_family_or_a_missing_one_is_refused_in_one_line(tmp_path, vqgan_ckpt):
@@ -230,8 +328,14 @@ def test_predict_with_no_input_writes_n_samples_at_the_spacing_asked_in_hounsfie
         assert np.allclose(np.diag(image.affine)[:3], [2.0, 2.0, 3.0]) and nib.aff2axcodes(image.affine) == ("R", "A",
                                                                                                              "S")
     first, second = (image.get_fdata() for image in images)
-    # The CT window [-1000, 1000] HU of the phantoms, undone from the model's [-1, 1].
-    assert first.min() >= -1000.5 and first.max() <= 1000.5 and first.max() - first.min() > 10
+    # Each file is the model's own draw (the same seed: subject `sample`, draw k) mapped from [-1, 1] to the
+    # phantoms' CT window [-1000, 1000] HU by hand.
+    run = run_config(str(run_dir / "checkpoints" / "last.ckpt"))
+    module = load_module(run, str(run_dir / "checkpoints" / "last.ckpt"), torch.device("cpu"))
+    for draw, written in enumerate((first, second)):
+        batch = {"subject": ["sample"], "affine": torch.from_numpy(np.diag([2.0, 2.0, 3.0, 1.0]))[None]}
+        model_units = module.generate_volumes(batch, draw)["volumes"]["sample"][0, 0].double().numpy()
+        np.testing.assert_allclose(written, -1000.0 + (model_units + 1.0) * 1000.0, atol=0.05)
     assert not np.allclose(first, second)
 
 
@@ -314,7 +418,9 @@ def test_two_gloo_ranks_give_the_metrics_and_scale_factor_of_one(vqgan_ckpt, tmp
             "model.network._target_=tests.lightning_modules.diffusion.test_ddpm.unet_with_live_output",
             "+callbacks.rank_recorder._target_=tests.ddp_support.RankRecorder"]
     ranks, one = validation_on_two_ranks_and_one(args, tmp_path)
-    for name in ("val/loss", "val/recon_psnr", "val/recon_ssim", "val/mmd", "val/recon_mmd", "val/diversity_msssim"):
+    for name in ("val/loss", "val/recon_psnr", "val/recon_ssim", "val/mmd", "val/recon_mmd", "val/diversity_msssim",
+                 "val/sample_msssim", "val/real_msssim", "val/nearest_train_corr", "val/real_nearest_train_corr",
+                 "val/closer_than_real"):
         assert ranks[0][name] == ranks[1][name], name
         assert ranks[0][name] == pytest.approx(one[name], rel=1e-4), name
     scales = [torch.load(d / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]["scale_factor"]
@@ -342,6 +448,24 @@ def test_fid_is_the_frechet_distance_of_the_given_networks_features_and_absent_w
     assert float(fid.compute()) == pytest.approx(expected, rel=1e-6)
     with pytest.raises(MedvolError, match="`model.fid_network`: no file at"):
         LatentDiffusion.check_settings({"first_stage_ckpt": str(vqgan_ckpt), "fid_network": str(tmp_path / "none.pt")})
+
+
+def test_the_2p5d_fid_is_logged_per_plane_and_as_their_mean_at_the_epochs_end(tmp_path, vqgan_ckpt):
+    torch.jit.save(torch.jit.script(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh())), str(tmp_path / "net2d.pt"))
+    module = tiny_ldm(vqgan_ckpt, ema_decay=None, fid_network_2d=str(tmp_path / "net2d.pt"))
+    x = phantoms(3)
+    module.set_scale_factor([{"image": x}])
+    logged = {}
+    module.log = lambda *args, **kwargs: None
+    module.log_dict = lambda values, **kwargs: logged.update({k: float(v) for k, v in values.items()})
+    module.validation_step({"image": x, "subject": ["a", "b", "c"]}, 0)
+    expected = {k: float(v) for k, v in module.val_metrics["val/fid_2p5d"].compute().items()}
+    module.on_validation_epoch_end()
+    assert logged == pytest.approx({"val/fid_2p5d": expected["mean"], **{f"val/fid_2p5d_{p}": expected[p]
+                                                                          for p in ("sagittal", "coronal", "axial")}})
+    assert module.val_metrics["val/fid_2p5d"].update_count == 0
+    with pytest.raises(MedvolError, match="`model.fid_network_2d`: no file at"):
+        LatentDiffusion.check_settings({"fid_network_2d": str(tmp_path / "none.pt")})
 
 
 def test_latents_are_cached_once_per_subject_and_another_first_stage_never_reuses_them(tmp_path, vqgan_ckpt):

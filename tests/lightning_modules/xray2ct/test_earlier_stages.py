@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from lightning_modules.xray2ct.denoiser import CONDITION_CHANNELS, ViewConditionedDenoiser, network_settings
 from lightning_modules.xray2ct.earlier_stages import (
-    check_same_views,
+    check_same_radiographs,
     read_stage,
     read_stages,
     rebuilt_stages,
@@ -108,12 +108,21 @@ def test_recorded_stages_are_rebuilt_as_plain_settings_and_frozen_networks_from_
         assert not network.training and not any(p.requires_grad for p in network.parameters())
 
 
-def test_an_earlier_stage_that_saw_other_views_is_refused():
-    check_same_views(("ap", "lateral"), STAGE_ONE, "stage1.ckpt")
-    assert _refusal(check_same_views, ["ap"], STAGE_ONE, "stage1.ckpt") == (
-        "`model.views` ['ap'] differ from the views ['ap', 'lateral'] of stage 1 (stage1.ckpt); every stage sees "
-        "the same radiographs"
+SHARED = {**STAGE_ONE, "window": [-1000.0, 1000.0], "mu_water": 0.02, "field_of_view": [192.0, 192.0, 192.0]}
+
+
+@pytest.mark.parametrize(("key", "other"), [
+    ("views", ["ap"]), ("xray_size", [32, 32]), ("window", [-1024.0, 3071.0]), ("mu_water", 0.03),
+    ("field_of_view", [192.0, 192.0, 240.0]),
+])
+def test_an_earlier_stage_that_saw_other_radiographs_is_refused_naming_the_setting(key, other):
+    check_same_radiographs({**SHARED, "stage": 2}, SHARED, "stage1.ckpt")
+    assert _refusal(check_same_radiographs, {**SHARED, "stage": 2, key: other}, SHARED, "stage1.ckpt") == (
+        f"`model.{key}` {other} differs from the {key} {SHARED[key]} of stage 1 (stage1.ckpt); every stage of a "
+        "cascade sees the same radiographs (views, xray_size, field_of_view) in the same units (window, mu_water)"
     )
+    # A stage saved before it recorded the setting is not compared on it.
+    check_same_radiographs({**SHARED, key: other}, {k: v for k, v in SHARED.items() if k != key}, "old.ckpt")
 
 
 def test_stage_two_starts_from_stage_one_with_its_condition_channels_at_zero(tmp_path, caplog):
@@ -132,3 +141,31 @@ def test_stage_two_starts_from_stage_one_with_its_condition_channels_at_zero(tmp
     assert torch.equal(weight[:, -1:], raw[first])
     assert not weight[:, :-1].any()
     assert f"stage 2 starts from {path} (0 tensors not carried over)" in caplog.messages
+
+
+def test_an_earlier_stage_checkpoint_with_other_radiographs_is_refused_before_anything_is_built(tmp_path):
+    from medvol.run.training import check_config
+    from tests.conftest import TINY_MODEL, compose_cfg
+
+    stage_one = _save(tmp_path / "stage1.ckpt", _prefixed("network.", _random_weights(0)))
+    cfg = compose_cfg(tmp_path / "run", ["model=xray2ct", *TINY_MODEL["xray2ct"], "dataset.xray_size=[24,24]",
+                                         "model.stage=2", f"model.previous_stages=[{stage_one}]"])
+    with pytest.raises(MedvolError, match=r"`model.xray_size` \[24, 24\] differs from the xray_size \[16, 16\] of "
+                                          r"stage 1 \(.*stage1.ckpt\)"):
+        check_config(cfg)
+
+
+@pytest.mark.parametrize(("override", "refusal"), [
+    ("+cascade.stage3.dataset.mu_water=0.03", r"`cascade.stage3.model.mu_water` 0.03 differs from the mu_water 0.02"),
+    # 32 voxels of 7 mm: 224 mm where stage 1's 16 voxels of 12 mm span 192 (the field of view, size x spacing).
+    ("cascade.stage3.dataset.spacing=7.0", r"`cascade.stage3.model.field_of_view` \[224.0, 224.0, 224.0\] differs "
+                                           r"from the field_of_view \[192.0, 192.0, 192.0\]"),
+])
+def test_a_cascade_whose_stages_see_other_radiographs_stops_before_its_first_stage(tmp_path, override, refusal):
+    from medvol.run.training import run
+    from tests.conftest import compose_cfg
+
+    cfg = compose_cfg(tmp_path, ["experiment=xray2ct_cascade", override], tiny=False)
+    with pytest.raises(MedvolError, match=refusal + r" of stage 1 \(cascade.stage1\)"):
+        run(cfg)
+    assert not (tmp_path / "stage1").exists()

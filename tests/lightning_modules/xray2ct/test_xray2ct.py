@@ -83,6 +83,7 @@ def test_stage_two_starts_from_stage_one_best_weights(cascade_run):
     module = XrayToCT(
         stage=2, size=16, xray_size=(16, 16), channels=(8, 16), attention_levels=(False, True), num_head_channels=8,
         encoder_channels=(8, 16), token_dim=16, timesteps=4, previous_stages=[str(best)], init_from=str(best),
+        window=(-1000.0, 1000.0),  # stage 1's (the class default, the 12-bit window, is refused as another scale)
     )
     started = module.network.state_dict()
     first_conv = "unet.conv_in.conv.weight"
@@ -152,7 +153,7 @@ def test_bad_input_gets_one_clear_line(tmp_path, override, message):
 
 def test_a_view_count_other_than_the_previous_stage_is_refused(cascade_run):
     root, _ = cascade_run
-    with pytest.raises(MedvolError, match="differ from the views"):
+    with pytest.raises(MedvolError, match=r"`model.views` \['ap'\] differs from the views \['ap', 'lateral'\]"):
         XrayToCT(stage=2, size=16, views=("ap",), previous_stages=[str(root / "stage1" / "best.ckpt")])
 
 

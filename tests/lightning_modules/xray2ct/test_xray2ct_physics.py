@@ -57,18 +57,36 @@ def test_intensity_scaling_round_trips_inside_the_window():
     assert torch.allclose(scale_from_range(model_units, -1000.0, 1000.0, (-1.0, 1.0)), hounsfield, atol=1e-3)
 
 
-def test_projection_loss_is_zero_for_the_true_volume_and_differentiable():
-    hounsfield = _ball(16, 5.0, 800.0).float()
-    affine = torch.diag(torch.tensor([3.0, 3.0, 3.0, 1.0]))[None]
-    loss_fn = ProjectionLoss(["ap", "lateral"], window=(-1000.0, 1000.0))
-    truth = scale_to_range(hounsfield, -1000.0, 1000.0, (-1.0, 1.0))[None, None]
-    views = radiographs(hounsfield[None], torch.tensor([[3.0, 3.0, 3.0]]), ["ap", "lateral"], (12, 12))
-    assert float(loss_fn(truth, views, affine)) == pytest.approx(0.0, abs=1e-6)
+def numpy_views(hounsfield: np.ndarray, spacing: tuple[float, float, float], mu_water: float) -> np.ndarray:
+    """(2, z, x|y) AP and lateral DRRs of an (x, y, z) HU volume in [-1, 1], written out with numpy: line integrals of
+    mu_water (1 + HU / 1000), clipped at 0, along y (AP) and x (lateral); rows from the head, columns from the
+    patient's right (AP) or front (lateral)."""
+    mu = mu_water * np.clip(1.0 + hounsfield / 1000.0, 0.0, None)
+    ap = 1.0 - np.exp(-mu.sum(axis=1) * spacing[1])
+    lateral = 1.0 - np.exp(-mu.sum(axis=0) * spacing[0])
+    return np.stack([ap.T[::-1, ::-1], lateral.T[::-1, ::-1]]) * 2.0 - 1.0
 
-    guess = torch.zeros_like(truth, requires_grad=True)
+
+def test_projection_loss_compares_the_volumes_drrs_with_views_made_elsewhere():
+    # (x, y, z) = (12, 12, 20) voxels of 1.5 x 2.5 x 3.0 mm, views of (20, 12) pixels: no resampling between.
+    hounsfield = np.full((12, 12, 20), -1000.0)
+    hounsfield[1:4, 7:11, 13:19] = 1000.0
+    hounsfield[6:11, 2:4, 2:6] = 0.0
+    spacing, mu_water, window = (1.5, 2.5, 3.0), 0.03, (-1000.0, 2000.0)
+    affine = torch.diag(torch.tensor([*spacing, 1.0]))[None]
+    views = torch.from_numpy(numpy_views(hounsfield, spacing, mu_water)).float()[None]
+    loss_fn = ProjectionLoss(["ap", "lateral"], window=window, mu_water=mu_water)
+
+    def model_units(hu: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(2.0 * (hu - window[0]) / (window[1] - window[0]) - 1.0).float()[None, None]
+
+    assert float(loss_fn(model_units(hounsfield), views, affine)) == pytest.approx(0.0, abs=1e-5)
+    guess_hu = np.random.default_rng(0).uniform(-1000.0, 500.0, hounsfield.shape)
+    guess = model_units(guess_hu).requires_grad_(True)
     loss = loss_fn(guess, views, affine)
+    expected = np.abs(numpy_views(guess_hu, spacing, mu_water) - views[0].numpy()).mean()
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-4) and expected > 0.05
     loss.backward()
-    assert float(loss.detach()) > 0.05
     assert guess.grad is not None and float(guess.grad.abs().sum()) > 0
 
 

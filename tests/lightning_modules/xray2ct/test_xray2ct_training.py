@@ -133,7 +133,8 @@ def test_stage_two_trains_on_the_ground_truth_degraded_to_stage_ones_grid(tmp_pa
 
 def test_a_residual_stage_diffuses_the_ct_minus_the_degraded_ground_truth_and_adds_that_back(tmp_path):
     window, mu_water, weight = (-1000.0, 2000.0), 0.03, 0.5
-    module = _xray_stage_two(tmp_path, physics_weight=weight, window=window, mu_water=mu_water, crop_size=None)
+    module = _xray_stage_two(tmp_path, first={"window": window, "mu_water": mu_water}, physics_weight=weight,
+                             window=window, mu_water=mu_water, crop_size=None)
     module.log = module.log_dict = lambda *args, **kwargs: None
     torch.manual_seed(4)
     x0 = torch.rand(2, 1, 16, 16, 16) * 2 - 1
