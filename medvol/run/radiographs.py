@@ -1,4 +1,4 @@
-"""predict.py from radiographs alone: a CT generated from each subject's `<subject>_<view>.nii.gz` files.
+"""predict.py from radiographs alone: a CT generated from each subject's `<subject>_<view>.nii.gz` (or `.dcm`) files.
 
 A model that generates from the batch key `xray` (X-ray-to-CT: `generation_inputs() == {"xray": V}`)
 is given a folder of 2D radiographs, one file per view and subject, as
@@ -7,7 +7,9 @@ spacing (rows, columns) in mm and the orientation in the header's affine (sform 
 in the patient (RAS) the rows and the columns run. Each view is put into the projector's display
 convention (`medvol.volumes.projection.VIEW_FRAME`: rows from the head down, AP columns from the
 patient's right to left, lateral columns from front to back) by turning and mirroring it as its
-affine says: a PA film (seen from behind, the patient's right on the viewer's right) is, under the
+affine says (a DICOM radiograph `<subject>_<view>.dcm`, CR or DX, gets its affine from PatientOrientation and
+its pixel spacing and its values from its stored range, MONOCHROME1 inverted: `medvol.volumes.dicom_radiograph`):
+a PA film (seen from behind, the patient's right on the viewer's right) is, under the
 parallel-beam projector, the AP view mirrored, and a right lateral the left one mirrored. A view
 with no orientation, an oblique one, one in another plane than its name says (a lateral labelled
 AP), values outside the model's 1 - I/I0 in [0, 1] (a raw 12-bit detector image), or a size or
@@ -36,9 +38,12 @@ from omegaconf import DictConfig
 from lightning_modules.base import MedvolModule
 from medvol.core.errors import MedvolError
 from medvol.run.generation import sampled_outputs
+from medvol.volumes.dicom_radiograph import read_radiograph
 from medvol.volumes.projection import VIEW_FRAME, view_pixel_spacing
 from medvol.volumes.volume_budget import load_nifti
 
+# The files a view may be: a 2D NIfTI, or a DICOM radiograph (CR, DX) as `medvol.volumes.dicom_radiograph` reads it.
+RADIOGRAPH_SUFFIXES = (".nii.gz", ".nii", ".dcm")
 # A view's pixel spacing counts as the training one within this relative margin.
 SPACING_TOLERANCE = 1e-3
 # A file axis runs along a patient axis when its direction is within ~25 degrees of it (cosine 0.9).
@@ -97,19 +102,34 @@ def view_geometry(run: DictConfig) -> ViewGeometry:
     )
 
 
+def _radiograph_stem(path: Path) -> str | None:
+    """`<subject>_<view>` of a radiograph file (`.nii`, `.nii.gz` or a DICOM `.dcm`), None for any other file."""
+    for suffix in RADIOGRAPH_SUFFIXES:
+        if path.name.lower().endswith(suffix) and len(path.name) > len(suffix):
+            return path.name[: -len(suffix)]
+    return None
+
+
 def radiograph_subjects(folder: Path, geometry: ViewGeometry) -> dict[str, dict[str, Path]]:
-    """subject -> view -> file, for every `<subject>_<view>.nii(.gz)` in `folder`; each subject must have every view."""
+    """subject -> view -> file, for every `<subject>_<view>.nii(.gz)` or `.dcm` in `folder`; each subject must have
+    every view, each view one file."""
     found: dict[str, dict[str, Path]] = {}
     for path in sorted(folder.iterdir()):
-        stem = path.name.removesuffix(".gz").removesuffix(".nii")
-        if stem == path.name or not path.is_file():
+        stem = _radiograph_stem(path)
+        if stem is None or not path.is_file():
             continue
         for view in geometry.views:
             if stem.endswith(f"_{view}"):
-                found.setdefault(stem.removesuffix(f"_{view}"), {})[view] = path
+                subject = stem.removesuffix(f"_{view}")
+                if view in found.get(subject, {}):
+                    raise MedvolError(
+                        f"`input`: subject {subject} has two {view} views ({found[subject][view].name} and "
+                        f"{path.name}); expected one file per view"
+                    )
+                found.setdefault(subject, {})[view] = path
     if not found:
         names = " and ".join(f"<subject>_{v}.nii.gz" for v in geometry.views)
-        raise MedvolError(f"`input`: {folder} holds no radiographs; expected {names} per subject")
+        raise MedvolError(f"`input`: {folder} holds no radiographs; expected {names} (or .dcm) per subject")
     for subject, views in found.items():
         missing = [v for v in geometry.views if v not in views]
         if missing:
@@ -185,10 +205,14 @@ def check_values(data: np.ndarray, stored: np.dtype, path: Path) -> None:
 def read_view(path: Path, view: str, geometry: ViewGeometry) -> np.ndarray:
     """One radiograph as (rows, columns) in the projector's frame, refused unless its values are 1 - I/I0 in [0, 1],
     its orientation fits its view name and its size and pixel spacing are the training views'."""
-    image = load_nifti(path)
-    data = np.asarray(image.dataobj, dtype=np.float32)
-    check_values(data, image.get_data_dtype(), path)
-    data = data.reshape(data.shape[:2]) if data.ndim > 2 and int(np.prod(data.shape[2:])) == 1 else data
+    if path.name.lower().endswith(".dcm"):
+        radiograph = read_radiograph(path)
+        data, image = radiograph.pixels, nib.Nifti1Image(radiograph.pixels, radiograph.affine)
+    else:
+        image = load_nifti(path)
+        data = np.asarray(image.dataobj, dtype=np.float32)
+        check_values(data, image.get_data_dtype(), path)
+        data = data.reshape(data.shape[:2]) if data.ndim > 2 and int(np.prod(data.shape[2:])) == 1 else data
     data, spacing = in_view_frame(image, data, path, view)
     if data.shape != geometry.size:
         raise MedvolError(

@@ -388,7 +388,7 @@ def _check_not_sheared(folder: Path, ordered: Sequence[Slice], normal: np.ndarra
             )
 
 
-def _decoded(item: Slice) -> np.ndarray:
+def stored_pixels(item: Slice) -> np.ndarray:
     """The stored values of one slice; refuses a file larger than a volume may be, and a transfer syntax no
     installed decoder reads."""
     check_file_size(item.path)
@@ -409,7 +409,7 @@ def slice_values(item: Slice) -> np.ndarray:
     """One slice in its units: stored values times RescaleSlope plus RescaleIntercept, (rows, columns) float32."""
     slope = float(item.header.get("RescaleSlope", 1.0) or 1.0)
     intercept = float(item.header.get("RescaleIntercept", 0.0) or 0.0)
-    return (_decoded(item).astype(np.float64) * slope + intercept).astype(np.float32)
+    return (stored_pixels(item).astype(np.float64) * slope + intercept).astype(np.float32)
 
 
 def read_series(folder: str | Path, series: str | None = None) -> tuple[np.ndarray, SeriesGeometry]:
