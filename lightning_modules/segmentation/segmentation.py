@@ -34,10 +34,9 @@ def voxel_spacing(affine: torch.Tensor) -> list[list[float]]:
 
 def supervision_weights(levels: int) -> list[float]:
     """Weights of the full-resolution output and the deep-supervision heads, as nnU-Net's `_build_loss`: halving per
-    level, the lowest-resolution head 0, summing to 1 (with a single head there is nothing to zero)."""
+    level, the lowest-resolution head 0, summing to 1."""
     raw = [0.5**i for i in range(1 + supervised_heads(levels))]
-    if len(raw) > 2:
-        raw[-1] = 0.0
+    raw[-1] = 0.0
     return [w / sum(raw) for w in raw]
 
 

@@ -16,7 +16,7 @@ from monai.metrics import DiceMetric, HausdorffDistanceMetric
 
 from lightning_modules.segmentation.label_scheme import LabelScheme
 from lightning_modules.segmentation.losses import build_loss
-from lightning_modules.segmentation.segmentation import Segmenter
+from lightning_modules.segmentation.segmentation import Segmenter, supervision_weights
 from lightning_modules.segmentation.subject_scores import SubjectScores, subject_scores
 from medvol.core.errors import MedvolError
 from medvol.run.training import run
@@ -53,6 +53,14 @@ def test_region_loss_is_sigmoid_dice_plus_binary_cross_entropy_not_monais_softma
     softmax_ce = DiceCELoss(sigmoid=True)(logits, target)
     assert not torch.allclose(loss, softmax_ce, atol=1e-3)
     assert torch.allclose(softmax_ce, DiceLoss(sigmoid=True)(logits, target) + F.cross_entropy(logits, target.float()))
+
+
+@pytest.mark.parametrize("stages", [3, 4, 6])
+def test_deep_supervision_weights_are_nnunets(stages):
+    """nnU-Net's `_build_loss`: one weight per decoder stage's output, 1/2^i, the lowest 0, normalised to 1."""
+    weights = np.array([1 / 2**i for i in range(stages - 1)])
+    weights[-1] = 0
+    assert supervision_weights(stages) == pytest.approx((weights / weights.sum()).tolist())
 
 
 def test_class_loss_is_dice_without_background_plus_cross_entropy_over_every_class():

@@ -19,11 +19,12 @@ from tests.medvol.run.test_predict import predict_cfg, saved_run
 
 
 def touch(folder: Path, *names: str) -> list[Path]:
+    """Empty files `names`, returned in the order given (a listing need not be sorted)."""
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / n for n in names]
     for p in paths:
         p.write_bytes(b"")
-    return sorted(paths)
+    return paths
 
 
 def test_nnunet_channel_files_group_into_one_subject_per_case_in_channel_order(tmp_path):
@@ -34,7 +35,7 @@ def test_nnunet_channel_files_group_into_one_subject_per_case_in_channel_order(t
     # One channel: nnU-Net's case name, without the channel index.
     assert list(channel_groups(touch(tmp_path / "one", "a_0000.nii.gz"), 1)) == ["a"]
     # Files of another naming (a 4D file each, or 3D volumes): one subject per file.
-    assert list(channel_groups(touch(tmp_path / "plain", "brain.nii.gz", "BRATS_001.nii.gz"), 1)) == [
+    assert list(channel_groups(touch(tmp_path / "plain", "BRATS_001.nii.gz", "brain.nii.gz"), 1)) == [
         "BRATS_001", "brain"]
 
 

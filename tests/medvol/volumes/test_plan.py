@@ -93,7 +93,8 @@ def test_mr_normalization_is_numpys_z_score_over_the_non_zero_mask_and_keeps_zer
     rng = np.random.default_rng(1)
     volume = np.zeros((2, 10, 9, 8), np.float32)
     volume[:, 2:8, 2:7, 1:6] = rng.normal(500.0, 80.0, (2, 6, 5, 5))
-    volume[0, 4, 4, 3] = 0.0  # a hole in channel 0 inside the brain
+    volume[:, 4, 4, 3] = 0.0  # a hole inside the brain in every channel: inside the filled mask
+    volume[0, 5, 3, 2] = 0.0  # a zero in one channel only
     plans = [{"kind": "mr", "use_mask": True}] * 2
     out = PlannedNormalized(["image"], plans)({"image": torch.from_numpy(volume)})["image"]
     inside = np.zeros(volume.shape[1:], bool)
