@@ -18,6 +18,7 @@ from typing import Any
 import pytorch_lightning as pl
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from lightning_modules.segmentation.segmentation import Segmenter
 from medvol.core.build import target_class
 from medvol.core.errors import MedvolError
 from medvol.run.world import global_rank
@@ -130,7 +131,9 @@ def planned(cfg: DictConfig, datamodule: pl.LightningDataModule, accelerator: st
 def with_data_classes(cfg: DictConfig, datamodule: pl.LightningDataModule) -> DictConfig:
     """A segmentation config whose `model.num_classes` is null and has no regions, with the dataset's classes."""
     model = cfg.model
-    if "num_classes" not in model or model.get("num_classes") is not None or model.get("regions") is not None:
+    if not issubclass(target_class(model._target_), Segmenter):
+        return cfg
+    if model.get("num_classes") is not None or model.get("regions") is not None:
         return cfg
     names = getattr(datamodule, "label_names", None)
     if not callable(names) or names() is None:
