@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -277,14 +278,181 @@ def reference(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}")
 
 
+# ---- compare: both planners on the same files (item 7) --------------------------------------------------------------
+
+COMPARED = {
+    # name: (writer, spacing, subjects)
+    "brats_4mm": ("brats", (4.0, 4.0, 4.0), 24),
+    "brats_2mm": ("brats", (2.0, 2.0, 2.0), 24),
+    "brats_thick_0.9x0.9x4mm": ("brats", (0.9, 0.9, 4.0), 16),
+    "ct_0.7x0.7x2.5mm": ("ct", (0.7, 0.7, 2.5), 16),
+}
+BRATS_FILES = ("t1", "t1ce", "t2", "flair")
+
+
+def write_ct_phantoms(root: Path, subjects: int, spacing: tuple[float, ...]) -> None:
+    """CT head phantoms (HU, air at -1000) at `spacing` in nnU-Net's raw layout; subject 1 lesion-free."""
+    from datamodules.sources.phantom import make_phantom
+
+    cases = {}
+    for index in range(subjects):
+        phantom = make_phantom(0, index, (128, 128, 48))
+        label = phantom.label.astype("uint8") * (index != 1)
+        cases[f"ct_{index:03d}"] = ([phantom.channels["ct"]], label, list(spacing))
+    write_raw(root.parent, root.name, ["CT"], {"background": 0, "core": 1, "oedema": 2}, cases)
+
+
+def brats_as_raw(brats: Path, raw: Path) -> None:
+    """The BraTS case folders linked into nnU-Net's raw layout (the files themselves, not copies)."""
+    (raw / "imagesTr").mkdir(parents=True, exist_ok=True)
+    (raw / "labelsTr").mkdir(parents=True, exist_ok=True)
+    cases = sorted(p.name for p in brats.iterdir() if p.is_dir())
+    for case in cases:
+        for k, name in enumerate(BRATS_FILES):
+            link = raw / "imagesTr" / f"{case}_{k:04d}.nii.gz"
+            if not link.exists():
+                link.symlink_to(brats / case / f"{case}_{name}.nii.gz")
+        link = raw / "labelsTr" / f"{case}.nii.gz"
+        if not link.exists():
+            link.symlink_to(brats / case / f"{case}_seg.nii.gz")
+    (raw / "dataset.json").write_text(json.dumps({
+        "channel_names": {str(k): n for k, n in enumerate(BRATS_FILES)},
+        # BraTS 2021 stores ET as 4: nnU-Net plans on the label count (background + 3 regions, as medvol's regions).
+        "labels": {"background": 0, "whole tumor": [1, 2, 4], "tumor core": [1, 4], "enhancing tumor": 4},
+        "regions_class_order": [2, 1, 4], "numTraining": len(cases), "file_ending": ".nii.gz",
+    }, indent=2))
+
+
+def plan_raw(args: argparse.Namespace) -> None:
+    """nnU-Net venv: fingerprint and plan the raw datasets named, print their 3d_fullres plans as JSON."""
+    from nnunetv2.experiment_planning.plan_and_preprocess_api import extract_fingerprints, plan_experiments
+
+    os.environ["nnUNet_raw"], os.environ["nnUNet_preprocessed"] = args.raw, args.preprocessed
+    os.environ.setdefault("nnUNet_results", args.preprocessed)
+    ids = [int(name[7:10]) for name in args.names]
+    extract_fingerprints(ids, num_processes=1, check_dataset_integrity=False, clean=True, verbose=False)
+    plan_experiments(ids)
+    answers = {}
+    for name in args.names:
+        plans = json.loads((Path(args.preprocessed) / name / "nnUNetPlans.json").read_text())
+        full = plans["configurations"]["3d_fullres"]
+        arch = full["architecture"]["arch_kwargs"]
+        answers[name] = {
+            "transpose_forward": plans["transpose_forward"], "spacing": full["spacing"],
+            "patch_size": full["patch_size"], "batch_size": full["batch_size"], "strides": arch["strides"],
+            "kernels": arch["kernel_sizes"], "normalization": full["normalization_schemes"],
+            "use_mask_for_norm": full["use_mask_for_norm"],
+        }
+    print("NNUNET_PLANS " + json.dumps(answers))
+
+
+def untransposed(values: list[Any], forward: list[int]) -> list[Any]:
+    out: list[Any] = [None] * 3
+    for position, axis in enumerate(forward):
+        out[axis] = values[position]
+    return out[::-1]
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Project venv: write the datasets, plan them with nnU-Net (its venv) and medvol, print the table."""
+    sys.path.insert(0, str(ROOT))
+    from datamodules.sources.brain_lesions import write_brain_lesions
+    from datamodules.sources.brats import BratsDataModule
+    from datamodules.sources.nnunet_raw import NnunetDataModule
+    from medvol.run.resolvers import nnunet_channels
+    from medvol.volumes.plan import make_plan
+
+    out = Path(args.out).resolve()
+    raw, preprocessed = out / "nnUNet_raw", out / "nnUNet_preprocessed"
+    names, medvol = {}, {}
+    for number, (name, (kind, spacing, subjects)) in enumerate(COMPARED.items(), start=950):
+        dataset = f"Dataset{number}_{name.replace('.', 'p')}"
+        names[name] = dataset
+        if kind == "brats":
+            brats = out / f"brats-{name}"
+            if not brats.is_dir():
+                write_brain_lesions(brats, subjects, spacing, seed=0)
+            brats_as_raw(brats, raw / dataset)
+            data = BratsDataModule(root=str(brats), label_regions=["WT", "TC", "ET"], val_fraction=0.0,
+                                   test_fraction=0.0, split_file=None)
+            regions = {"WT": [1, 2, 3], "TC": [1, 3], "ET": [3]}
+        else:
+            if not (raw / dataset).is_dir():
+                write_ct_phantoms(raw / dataset, subjects, spacing)
+            data = NnunetDataModule(root=str(raw / dataset), image_modalities=nnunet_channels(str(raw / dataset)),
+                                    val_fraction=0.0, test_fraction=0.0, split_file=None)
+            regions = None
+        fingerprint = data.plan_fingerprint()
+        medvol[name] = {
+            "nnU-Net defaults (8 GB, 32 filters)": make_plan(fingerprint, 8192, 32, kinds=data.modality_kind,
+                                                             regions=regions),
+            "CPU default (512 MiB, 16 filters)": make_plan(fingerprint, 512, 16, kinds=data.modality_kind,
+                                                           regions=regions),
+        }
+    result = subprocess.run(
+        [NNUNET_PYTHON, __file__, "plan-raw", "--raw", str(raw), "--preprocessed", str(preprocessed),
+         "--names", *names.values()],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    line = next((x for x in result.stdout.splitlines() if x.startswith("NNUNET_PLANS ")), None)
+    if line is None:
+        raise SystemExit(f"nnU-Net's planner failed: {result.stderr[-3000:]}")
+    nnunet = json.loads(line.removeprefix("NNUNET_PLANS "))
+    print("| data | planner | spacing (mm) | patch | batch | strides (after the first) | kernels | normalization |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, dataset in names.items():
+        theirs = nnunet[dataset]
+        forward = theirs["transpose_forward"]
+        rows = {"nnU-Net 2.8.1 `nnUNetPlans.json`": {
+            "spacing": untransposed(theirs["spacing"], forward), "patch": untransposed(theirs["patch_size"], forward),
+            "batch": theirs["batch_size"], "strides": [untransposed(x, forward) for x in theirs["strides"]],
+            "kernels": [untransposed(x, forward) for x in theirs["kernels"]],
+            "normalization": [f"{n.removesuffix('Normalization')}{' masked' if m else ''}"
+                              for n, m in zip(theirs["normalization"], theirs["use_mask_for_norm"], strict=True)],
+        }}
+        for planner, plan in medvol[name].items():
+            rows[f"medvol, {planner}"] = {
+                "spacing": plan["spacing"], "patch": plan["patch_size"], "batch": plan["batch_size"],
+                "strides": plan["strides"], "kernels": plan["kernels"],
+                "normalization": [("CT" if c["kind"] == "ct" else "ZScore") + (" masked" if c.get("use_mask") else "")
+                                  for c in plan["normalization"]],
+            }
+        reference_row = rows["nnU-Net 2.8.1 `nnUNetPlans.json`"]
+        for planner, row in rows.items():
+            same = "" if planner.startswith("nnU-Net") else (
+                " **identical**" if all(_close(row[k], reference_row[k]) for k in row) else "")
+            print(f"| {name} | {planner}{same} | {'x'.join(f'{s:.3g}' for s in row['spacing'])} | "
+                  f"{'x'.join(map(str, row['patch']))} | {row['batch']} | "
+                  f"{' '.join(''.join(map(str, x)) for x in row['strides'][1:])} | "
+                  f"{' '.join(''.join(map(str, x)) for x in row['kernels'])} | {', '.join(row['normalization'])} |")
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) or isinstance(b, float):
+        return abs(float(a) - float(b)) <= 1e-4 * max(1.0, abs(float(b)))
+    return a == b
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="task", required=True)
     ref = sub.add_parser("reference")
     ref.add_argument("--out", default=str(ROOT / "tests" / "data" / "nnunet_plans.json"))
+    both = sub.add_parser("compare")
+    both.add_argument("--out", default="outputs/benchmarks/nnunet-plans")
+    raw = sub.add_parser("plan-raw")
+    raw.add_argument("--raw", required=True)
+    raw.add_argument("--preprocessed", required=True)
+    raw.add_argument("--names", nargs="+", required=True)
     args = parser.parse_args()
     if args.task == "reference":
         reference(args)
+    elif args.task == "compare":
+        compare(args)
+    else:
+        plan_raw(args)
 
 
 if __name__ == "__main__":

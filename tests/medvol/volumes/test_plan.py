@@ -89,16 +89,17 @@ def test_mr_data_is_planned_as_mr_and_modality_kind_overrides_it(tmp_path):
 
 def test_mr_normalization_is_numpys_z_score_over_the_non_zero_mask_and_keeps_zeros():
     """With the mask (nnU-Net's `use_mask_for_norm`): one hole-filled mask of the voxels non-zero in any channel, so
-    a zero inside the brain is normalized and the air stays 0."""
+    a zero inside the brain, or where only another channel is non-zero, is normalized and the air stays 0."""
     rng = np.random.default_rng(1)
     volume = np.zeros((2, 10, 9, 8), np.float32)
     volume[:, 2:8, 2:7, 1:6] = rng.normal(500.0, 80.0, (2, 6, 5, 5))
+    volume[1, 8, 2:7, 1:6] = rng.normal(500.0, 80.0, (5, 5))  # a slab only channel 1 covers
     volume[:, 4, 4, 3] = 0.0  # a hole inside the brain in every channel: inside the filled mask
     volume[0, 5, 3, 2] = 0.0  # a zero in one channel only
     plans = [{"kind": "mr", "use_mask": True}] * 2
     out = PlannedNormalized(["image"], plans)({"image": torch.from_numpy(volume)})["image"]
     inside = np.zeros(volume.shape[1:], bool)
-    inside[2:8, 2:7, 1:6] = True
+    inside[2:9, 2:7, 1:6] = True
     for c in range(2):
         expected = (volume[c][inside] - volume[c][inside].mean()) / volume[c][inside].std()
         assert np.asarray(out[c])[inside] == pytest.approx(expected, abs=1e-4)
