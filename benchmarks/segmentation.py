@@ -8,7 +8,7 @@
     .venv/bin/python benchmarks/segmentation.py profile --run <a trained segmentation run> [--repeats 10]
     .venv/bin/python benchmarks/segmentation.py step-time --run <run> --nnunet-plans <nnUNetPlans.json>
     .venv/bin/python benchmarks/segmentation.py real [--datasets brats,thick,ct] [--subjects 48] [--epochs 60]
-        [--arms medvol,nnunet,monai] [--nnunet-venv /work/nnunet-venv]
+        [--iterations 8] [--arms medvol,medvol-noaug,medvol-adam,nnunet,monai] [--nnunet-venv /work/nnunet-venv]
 
 `dice` trains `python train.py model=segmentation` on the synthetic phantoms (lesion and core
 regions, FLAIR + T1ce) in a temporary folder and prints the val Dice/HD95 of every epoch.
@@ -22,8 +22,10 @@ with a small `--size` checks the command (fp32, no memory figure).
 `real` is the head-to-head of issue 35: per dataset (`brats`: BraTS-2021 cases on the MNI152 brain with
 lesions, `datamodules.sources.brain_lesions`, at 4 mm; `thick`: the same at 2 x 2 x 6 mm; `ct`: an
 abdomen-like CT in HU with an organ and a lesion in it) it writes the files once, one split, then
-(1) medvol as a user types it: `python train.py model=segmentation dataset=...` (the plan, the validation
-after training) and `python predict.py ckpt_path=<best> split=test` (mirroring); (2) nnU-Net v2 through its
+(1) medvol as a user types it: `python train.py model=segmentation dataset=...` (the plan with nnU-Net's
+augmentation, SGD and `--iterations` batches an epoch, the plan's 250 by default; the validation after training)
+and `python predict.py ckpt_path=<best> split=test` (mirroring); `medvol-noaug` the same with
+`model.plan.augmentation=false`, `medvol-adam` with Adam 1e-3 instead of nnU-Net's SGD; (2) nnU-Net v2 through its
 own CLI from `--nnunet-venv`: `nnUNetv2_plan_and_preprocess` at medvol's target spacing, `nnUNetv2_train`
 fold 0 (= the same train/val split) on `-device cpu` with nnU-Net's default trainer cut to medvol's optimizer
 steps (epochs x iterations, `nnUNetTrainer_medvolBudget` through `nnUNet_extTrainer`), `nnUNetv2_predict`
@@ -31,7 +33,8 @@ with its mirroring; (3) on the BraTS layouts, the plain MONAI script of issue 28
 over the brain, whole volumes at `--monai-spacing` mm, DiceCE, Adam 1e-3, batch 2, best validation epoch).
 Every arm's test masks are scored against the label files (Dice and HD95 per region or class); the table
 (optimizer steps and batch, training and prediction wall time, peak resident memory of the largest process,
-GNU time) goes to `<out>/results.md` and the figures to `<out>/results-<dataset>-...json`.
+GNU time; for medvol the share of a training step spent waiting for data, `summary.json`'s telemetry) goes to
+`<out>/results.md` and the figures to `<out>/results-<dataset>-...json`.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -382,9 +386,23 @@ def timed(
     return wall, float(peak[-1].split()[1]) / 1024 if peak else float("nan")
 
 
-def medvol_arm(kind: str, root: Path, split_file: Path, out: Path, epochs: int, test: list[str]) -> dict[str, Any]:
-    """`python train.py model=segmentation dataset=...` as a user types it (the plan, its validation after training),
-    then `python predict.py ckpt_path=<best> split=test` (mirroring); the test masks scored."""
+# medvol's arms: the planned default and the two departures measured against it (overrides of the default).
+MEDVOL_ARMS = {
+    "medvol": [],
+    "medvol-noaug": ["model.plan.augmentation=false"],
+    "medvol-adam": [
+        "model.optimizer._target_=torch.optim.Adam", "~model.optimizer.momentum", "~model.optimizer.nesterov",
+        "model.optimizer.lr=1e-3",
+    ],
+}
+
+
+def medvol_arm(
+    kind: str, root: Path, split_file: Path, out: Path, epochs: int, test: list[str], extra: Sequence[str] = ()
+) -> dict[str, Any]:
+    """`python train.py model=segmentation dataset=...` as a user types it (the plan, its validation after training;
+    `extra` overrides), then `python predict.py ckpt_path=<best> split=test` (mirroring); the test masks scored, the
+    training loop's data wait read from the run's telemetry."""
     dataset = (
         ["dataset=brats", "dataset.label_regions=[WT,TC,ET]"] if kind == "brats"
         else ["dataset=nifti", "dataset.image_modalities=[ct]", "dataset.label_file='{subject}/seg.nii.gz'",
@@ -393,7 +411,7 @@ def medvol_arm(kind: str, root: Path, split_file: Path, out: Path, epochs: int, 
     command = [
         sys.executable, str(ROOT / "train.py"), "model=segmentation", *dataset, f"dataset.root={root}",
         f"trainer.max_epochs={epochs}", "hardware=cpu", f"dataset.split_file={split_file}",
-        "callbacks.progress_bar=null", "logger=csv", f"hydra.run.dir={out}",
+        "callbacks.progress_bar=null", "logger=csv", f"hydra.run.dir={out}", *extra,
     ]
     train_wall, train_peak = timed(command, out.parent / f"{out.name}.train.log", cwd=out.parent)
     summary = json.loads((out / "summary.json").read_text())
@@ -409,6 +427,7 @@ def medvol_arm(kind: str, root: Path, split_file: Path, out: Path, epochs: int, 
         "steps": int(summary["global_step"]), "batch": plan.get("batch_size"), "patch": plan.get("patch_size"),
         "spacing": plan.get("spacing"), "train_s": train_wall, "predict_s": predict_wall,
         "peak_mib": max(train_peak, predict_peak), "steps_per_epoch": int(summary["global_step"]) // max(1, epochs),
+        "data_wait": summary.get("telemetry", {}).get("data_wait_fraction"),
     }
 
 
@@ -884,11 +903,13 @@ def real(args: argparse.Namespace) -> None:
         split_file = out / f"split-{tag}.json"
         save_split(split_file, split, args.seed)
         results: dict[str, dict[str, Any]] = {}
-        if "medvol" in args.arms:
-            arm_dir = out / f"medvol-{tag}-{args.epochs}ep"
-            results["medvol"] = finished(
-                arm_dir, partial(medvol_arm, kind, root, split_file, arm_dir, args.epochs, split["test"])
-            )
+        iterations = [f"model.plan.iterations_per_epoch={args.iterations}"] if args.iterations else []
+        for arm, extra in MEDVOL_ARMS.items():
+            if arm in args.arms:
+                arm_dir = out / f"{arm}-{tag}-{args.epochs}ep"
+                results[arm] = finished(arm_dir, partial(
+                    medvol_arm, kind, root, split_file, arm_dir, args.epochs, split["test"], [*iterations, *extra]
+                ))
         if "nnunet" in args.arms:
             if "medvol" not in results:
                 raise SystemExit("the nnunet arm takes its budget (optimizer steps, spacing) from the medvol arm")
@@ -917,7 +938,7 @@ def results_table(tag: str, kind: str, results: dict[str, dict[str, Any]]) -> st
     header = (
         f"{tag}\n\n| arm | optimizer steps (batch) | "
         + " | ".join(f"Dice {n}" for n in names) + " | " + " | ".join(f"HD95 {n} (mm)" for n in names)
-        + " | train (s) | predict (s) | peak memory (MiB) |\n|" + "---|" * (2 * len(names) + 5)
+        + " | train (s) | predict (s) | peak memory (MiB) | data wait |\n|" + "---|" * (2 * len(names) + 6)
     )
     lines = [header]
     for arm, r in results.items():
@@ -925,7 +946,8 @@ def results_table(tag: str, kind: str, results: dict[str, dict[str, Any]]) -> st
         lines.append(
             f"| {arm} | {r['steps']} ({r['batch']}) | " + " | ".join(f"{s[f'dice_{n}']:.3f}" for n in names) + " | "
             + " | ".join(f"{s[f'hd95_{n}']:.1f}" for n in names)
-            + f" | {r['train_s']:.0f} | {r['predict_s']:.0f} | {r.get('peak_mib', float('nan')):.0f} |"
+            + f" | {r['train_s']:.0f} | {r['predict_s']:.0f} | {r.get('peak_mib', float('nan')):.0f}"
+            + (f" | {r['data_wait']:.1%} |" if r.get("data_wait") is not None else " | - |")
         )
     return "\n".join(lines)
 
@@ -980,7 +1002,9 @@ def main() -> None:
     side.add_argument("--spacing", type=float, nargs=3, default=None, help="the brats dataset's spacing (4 4 4)")
     side.add_argument("--monai-spacing", type=float, default=4.0)
     side.add_argument("--epochs", type=int, default=60)
-    side.add_argument("--arms", type=comma_list, default=["medvol", "nnunet", "monai"], help="medvol,nnunet,monai")
+    side.add_argument("--iterations", type=int, default=None, help="medvol's batches an epoch (null: the plan's 250)")
+    side.add_argument("--arms", type=comma_list, default=["medvol", "nnunet", "monai"],
+                      help="medvol,medvol-noaug,medvol-adam,nnunet,monai")
     side.add_argument("--nnunet-venv", default="/work/nnunet-venv", help="the venv holding nnunetv2 (its CLI)")
     side.add_argument("--seed", type=int, default=0)
     side.add_argument("--out", default="outputs/benchmarks/segmentation-real")

@@ -41,7 +41,9 @@ TINY_MODEL: dict[str, list[str]] = {
     ],
     "survival": ["model.backbone=resnet10", "model.widen_factor=0.125"],
     "classifier": ["model.backbone=resnet10", "model.widen_factor=0.125"],
-    "segmentation": ["model.features=[4,8]", "model.patch_size=[8,8,8]", "model.sw_batch_size=8"],
+    # A planned run's epoch is 250 batches (nnU-Net's); two are enough here.
+    "segmentation": ["model.features=[4,8]", "model.patch_size=[8,8,8]", "model.sw_batch_size=8",
+                     "model.plan.iterations_per_epoch=2"],
     "ddpm": [
         "model.network.channels=[8,8]",
         "model.network.attention_levels=[false,true]",

@@ -26,6 +26,7 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from datamodules.pipeline.cache_budget import check_cache_folder
 from datamodules.pipeline.disk_cache import DiskCache
+from datamodules.pipeline.oversampling import DrawDataset
 from medvol.core.errors import MedvolError
 
 CACHE_MODES = ("auto", "none", "memory", "smart", "disk")
@@ -130,7 +131,7 @@ def cached_dataset(
             base = _in_memory(records, head, mode, stage, cache_rate, replace_rate, workers)
     # The random part runs on the cached item without copying it: every transform after the
     # cache returns new tensors (the cached ones are plain tensors, never modified in place).
-    return TransformDataset(base, tail) if random else base
+    return DrawDataset(base, tail) if random else base
 
 
 def _in_memory(

@@ -17,7 +17,6 @@ from monai.transforms import (
     CropForegroundd,
     EnsureTyped,
     MapTransform,
-    NormalizeIntensity,
     Orientationd,
     RandAffined,
     RandCropByPosNegLabeld,
@@ -26,18 +25,24 @@ from monai.transforms import (
     RandSpatialCropd,
     ResizeWithPadOrCropd,
     SelectItemsd,
+    Spacing,
     Spacingd,
     SpatialPad,
     SpatialPadd,
 )
 from monai.utils import convert_to_dst_type, convert_to_tensor
+from scipy import ndimage
 
 from medvol.core.errors import MedvolError
 from medvol.volumes.intensity import INTENSITY_RANGE_KEY, intensity_keys, scale_to_range
-from medvol.volumes.plan import MODALITY_KINDS, background_values
+from medvol.volumes.plan import MODALITY_KINDS, background_values, separate_axis
 from medvol.volumes.volume_reader import LoadVolumed
 
 INTENSITY_MODES = ("percentile", "window", "zscore", "none")
+RESAMPLINGS = ("linear", "nnunet")
+# The hole-filled non-zero mask a masked z-score used, carried with the image so augmentation can re-zero the
+# background as nnU-Net's MaskImageTransform does (training only; dropped before the batch).
+MASK_KEY = "norm_mask"
 
 
 @dataclass
@@ -49,9 +54,12 @@ class TransformSettings:
         spacing: voxel size in mm to resample to; null keeps the stored spacing.
         intensity: `percentile` (per channel, for MR), `window` (fixed range, e.g. HU for CT), `zscore` (per
             channel as `normalization` says; what a segmentation plan sets) or `none`.
-        normalization: `zscore` mode, per image channel: `{kind: mr}` (z-score over the volume's non-zero
-            voxels, zeros stay 0) or `{kind: ct, clip: [low, high], mean, std}` (clip, then the dataset's
-            z-score); null: mr for every channel.
+        normalization: `zscore` mode, per image channel: `{kind: mr, use_mask}` (z-score; with `use_mask` over the
+            voxels inside the hole-filled non-zero mask of all channels, zeros outside) or `{kind: ct, clip: [low,
+            high], mean, std}` (clip, then the dataset's z-score); null: mr with the mask for every channel.
+        resampling: `linear` (every key at `spacing` in one step: images trilinear, labels nearest, before the
+            intensity step) or `nnunet` (nnU-Net's preprocessing: crop, normalize, then resample images with cubic
+            splines and labels class by class linearly, an anisotropic axis apart with nearest; a plan sets it).
         crop_foreground: crop every volume to the bounding box of its non-zero image voxels (any channel).
         percentiles: lower and upper percentile mapped to the ends of `output_range`.
         window: lower and upper raw value (e.g. HU) mapped to the ends of `output_range`.
@@ -66,6 +74,11 @@ class TransformSettings:
         affine_prob: training only: probability of a random rotation/scaling.
         rotate_range: radians, per axis, for the random affine.
         scale_range: relative, per axis, for the random affine.
+        augmentation: training only: nnU-Net's default augmentation (`datamodules.pipeline.augmentation`), as a
+            plan sets it: `patch` (what the network gets), `initial_patch` (the larger patch cut before rotating),
+            `rotation` (radians), `in_plane` and `axis` (anisotropic patches: rotation and scaling in-plane about
+            `axis` only), `classes` (label values per class or region the forced foreground samples pick from);
+            null: none (then `flip_prob`, `affine_prob` and the crops above apply).
     """
 
     orientation: str | None = "RAS"
@@ -75,6 +88,7 @@ class TransformSettings:
     window: list[float] = field(default_factory=lambda: [-1000.0, 1000.0])
     output_range: list[float] = field(default_factory=lambda: [-1.0, 1.0])
     normalization: list[dict[str, Any]] | None = None
+    resampling: str = "linear"
     crop_foreground: bool = False
     spatial_size: list[int] | None = None
     pad_to: list[int] | None = None
@@ -85,6 +99,7 @@ class TransformSettings:
     affine_prob: float = 0.0
     rotate_range: list[float] = field(default_factory=lambda: [0.1, 0.1, 0.1])
     scale_range: list[float] = field(default_factory=lambda: [0.1, 0.1, 0.1])
+    augmentation: dict[str, Any] | None = None
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | None) -> TransformSettings:
@@ -112,6 +127,10 @@ class TransformSettings:
         if not 0 <= settings.percentiles[0] < settings.percentiles[1] <= 100:
             raise MedvolError(f"`dataset.transforms.percentiles` must lie in [0, 100], got {settings.percentiles}")
         check_normalization(settings.normalization)
+        if settings.resampling not in RESAMPLINGS:
+            raise MedvolError(
+                f"`dataset.transforms.resampling` is {settings.resampling!r}; expected one of {list(RESAMPLINGS)}"
+            )
         for name in ("spacing", "spatial_size", "pad_to", "random_crop", "foreground_crop"):
             value = getattr(settings, name)
             if value is not None and (len(value) != 3 or min(value) <= 0):
@@ -123,7 +142,16 @@ class TransformSettings:
 
     @property
     def has_random_spatial(self) -> bool:
-        return bool(self.random_crop or self.foreground_crop) or self.flip_prob > 0 or self.affine_prob > 0
+        return (
+            bool(self.random_crop or self.foreground_crop or self.augmentation) or self.flip_prob > 0
+            or self.affine_prob > 0
+        )
+
+    @property
+    def uses_mask(self) -> bool:
+        """Whether a masked z-score normalizes some channel (its mask then travels with the item)."""
+        return self.intensity == "zscore" and any(c.get("use_mask", True) and c["kind"] == "mr"
+                                                  for c in self.normalization or [{"kind": "mr"}])
 
     def background(self, channels: int) -> list[float]:
         """Per image channel, the value background voxels (and padding) have in model units."""
@@ -219,43 +247,118 @@ class SafeScaleIntensityd(MapTransform):
 
 
 class PlannedNormalized(MapTransform):
-    """Per-channel normalization of a segmentation plan, as nnU-Net normalizes.
+    """Per-channel normalization of a segmentation plan, as nnU-Net's normalization schemes.
 
-    MR channels: z-score over the volume's non-zero voxels, zeros left at 0 (MONAI's
-    `NormalizeIntensity(nonzero=True)`); CT channels: clip to the dataset's foreground percentiles, then
-    z-score with the dataset's foreground mean and deviation. No intensity record is written: a z-score
-    has no bounded range for `medvol.volumes.intensity` to invert, so written inputs stay in z units.
+    MR channels (`ZScoreNormalization`): a z-score; with `use_mask` over the voxels inside the non-zero mask
+    (the voxels non-zero in any channel, holes filled: nnU-Net's `create_nonzero_mask`), zeros outside, else over
+    the whole volume. CT channels (`CTNormalization`): clip to the dataset's labelled percentiles, then z-score
+    with the dataset's labelled mean and deviation. Where a mask was used it is stored under `MASK_KEY` (same grid,
+    uint8), for augmentation to re-zero the background. No intensity record is written: a z-score has no bounded
+    range for `medvol.volumes.intensity` to invert, so written inputs stay in z units.
 
     Args:
         keys: keys of the (C, D, H, W) volumes.
-        channels: per channel, {kind: mr} or {kind: ct, clip: [low, high], mean, std}.
+        channels: per channel, {kind: mr, use_mask} or {kind: ct, clip: [low, high], mean, std}.
+        keep_mask: store the mask under `MASK_KEY` (training items).
     """
 
-    def __init__(self, keys: Sequence[str], channels: Sequence[Mapping[str, Any]]) -> None:
+    def __init__(self, keys: Sequence[str], channels: Sequence[Mapping[str, Any]], keep_mask: bool = False) -> None:
         super().__init__(keys, allow_missing_keys=True)
         self.channels = [dict(c) for c in channels]
-        self.mr = NormalizeIntensity(nonzero=True)
+        self.keep_mask = keep_mask
 
-    def _channel(self, values: torch.Tensor, plan: Mapping[str, Any]) -> torch.Tensor:
-        values = torch.nan_to_num(values.float())
-        if plan["kind"] == "mr":
-            return convert_to_tensor(self.mr(values), track_meta=False)
-        low, high = (float(v) for v in plan["clip"])
-        return (values.clamp(low, high) - float(plan["mean"])) / float(plan["std"])
+    @staticmethod
+    def _channel(values: torch.Tensor, plan: Mapping[str, Any], mask: torch.Tensor | None) -> torch.Tensor:
+        values = torch.nan_to_num(values.double())
+        if plan["kind"] == "ct":
+            low, high = (float(v) for v in plan["clip"])
+            return ((values.clamp(low, high) - float(plan["mean"])) / max(float(plan["std"]), 1e-8)).float()
+        if mask is None:
+            return ((values - values.mean()) / max(float(values.std(unbiased=False)), 1e-8)).float()
+        inside = values[mask]
+        out = torch.zeros_like(values)
+        if inside.numel():
+            out[mask] = (inside - inside.mean()) / max(float(inside.std(unbiased=False)), 1e-8)
+        return out.float()
 
     def __call__(self, data: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
         d = dict(data)
         for key in self.key_iterator(d):
             volume = convert_to_tensor(d[key], track_meta=False)
-            plans = self.channels or [{"kind": "mr"}] * volume.shape[0]
+            plans = self.channels or [{"kind": "mr", "use_mask": True}] * volume.shape[0]
             if len(plans) != volume.shape[0]:
                 raise MedvolError(
                     f"`dataset.transforms.normalization` lists {len(plans)} channels; "
                     f"the `{key}` volume has {volume.shape[0]}"
                 )
-            normalized = torch.stack([self._channel(c, p) for c, p in zip(volume, plans, strict=True)])
+            masked = [p["kind"] == "mr" and p.get("use_mask", True) for p in plans]
+            mask = nonzero_mask(volume) if any(masked) else None
+            normalized = torch.stack([
+                self._channel(c, p, mask if m else None) for c, p, m in zip(volume, plans, masked, strict=True)
+            ])
             d[key] = convert_to_dst_type(normalized, d[key], dtype=torch.float32)[0]
+            if mask is not None and self.keep_mask:
+                d[MASK_KEY] = convert_to_dst_type(mask[None].to(torch.uint8), d[key], dtype=torch.uint8)[0]
         return d
+
+
+def nonzero_mask(volume: torch.Tensor) -> torch.Tensor:
+    """nnU-Net's `create_nonzero_mask`: the voxels non-zero in any channel of a (C, D, H, W) volume, holes filled."""
+    union = (torch.nan_to_num(volume) != 0).any(0).numpy()
+    return torch.from_numpy(ndimage.binary_fill_holes(union))
+
+
+class PlannedSpacingd(MapTransform):
+    """nnU-Net's resampling to `spacing` (`resample_data_or_seg_to_shape`), with MONAI's `Spacing`: images by cubic
+    splines, label maps (and the normalization mask) class by class linearly, each class where its resampled mask
+    reaches 0.5 (in value order, as `resize_segmentation`). An axis coarser than 3x the others, in the volume's
+    spacing or else in the target's (`medvol.volumes.plan.separate_axis`), is resampled apart: the others first
+    as above, then that axis by nearest neighbour.
+
+    Args:
+        image_keys: keys of the images.
+        label_keys: keys of label maps (one channel of values, or binary region channels).
+        spacing: the target voxel size in mm.
+    """
+
+    def __init__(self, image_keys: Sequence[str], label_keys: Sequence[str], spacing: Sequence[float]) -> None:
+        super().__init__([*image_keys, *label_keys], allow_missing_keys=True)
+        self.image_keys, self.label_keys = list(image_keys), list(label_keys)
+        self.spacing = [float(s) for s in spacing]
+
+    def __call__(self, data: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
+        d = dict(data)
+        reference = d[self.image_keys[0]]
+        current = [float(s) for s in reference.pixdim[:3]]
+        axis = separate_axis(current, self.spacing)
+        steps = [(self.spacing, False)]
+        if axis is not None:
+            in_plane = list(self.spacing)
+            in_plane[axis] = current[axis]
+            steps = [(in_plane, False), (self.spacing, True)]
+        for pixdim, nearest in steps:
+            for key in self.key_iterator(d):
+                if key in self.image_keys:
+                    d[key] = Spacing(pixdim, mode="nearest" if nearest else 3, padding_mode="nearest")(d[key])
+                else:
+                    d[key] = resampled_labels(d[key], pixdim, nearest)
+        return d
+
+
+def resampled_labels(label: Any, pixdim: Sequence[float], nearest: bool) -> Any:
+    """A label map at `pixdim`: nearest neighbour, or per class linearly with a 0.5 cut (binary region channels each
+    on their own)."""
+    if nearest:
+        return Spacing(pixdim, mode="nearest")(label)
+    if label.shape[0] > 1:
+        return torch.cat([resampled_labels(label[c : c + 1], pixdim, nearest) for c in range(label.shape[0])])
+    values = torch.unique(convert_to_tensor(label, track_meta=False)).tolist()
+    onehot = torch.cat([(label == v).float() for v in values]) if values else label.float()
+    resampled = Spacing(pixdim, mode="bilinear", padding_mode="border")(convert_to_dst_type(onehot, label)[0])
+    out = torch.zeros_like(convert_to_tensor(resampled[:1], track_meta=False))
+    for channel, value in enumerate(values):
+        out[convert_to_tensor(resampled[channel : channel + 1], track_meta=False) >= 0.5] = value
+    return convert_to_dst_type(out, resampled[:1], dtype=label.dtype)[0]
 
 
 class StoreAffined(MapTransform):
@@ -278,9 +381,11 @@ def deterministic_transforms(
     label_transform: Callable[[dict[Hashable, Any]], dict[Hashable, Any]] | None = None,
     before_intensity: Sequence[Callable] = (),
     series: str | None = None,
+    keep_mask: bool = False,
 ) -> list[Callable]:
     """Load (NIfTI files or DICOM series folders) -> channel-first -> orientation -> spacing -> (label mapping) ->
-    intensity -> crop/pad -> plain tensors.
+    intensity -> crop/pad -> plain tensors; with `resampling: nnunet` nnU-Net's order instead: crop -> normalize ->
+    resample (`PlannedSpacingd`).
 
     Args:
         settings: the validated `dataset.transforms`.
@@ -289,16 +394,19 @@ def deterministic_transforms(
         label_transform: maps raw label values (e.g. BraTS 4 -> 3, or regions).
         before_intensity: extra steps that need raw values (e.g. DRRs from Hounsfield units).
         series: the DICOM series (UID or description) to read from folders holding several.
+        keep_mask: keep a masked z-score's mask under `MASK_KEY` (training items that augmentation re-zeroes).
     """
     image_keys = list(image_keys)
     all_keys = image_keys + ([label_key] if label_key else [])
     modes = ["bilinear"] * len(image_keys) + (["nearest"] if label_key else [])
+    nnunet = settings.resampling == "nnunet"
+    keep_mask = keep_mask and settings.uses_mask
     chain: list[Callable] = [
         LoadVolumed(all_keys, series, image_only=True, ensure_channel_first=True, dtype=np.float32),
     ]
     if settings.orientation:
         chain.append(Orientationd(all_keys, axcodes=settings.orientation, labels=None))
-    if settings.spacing:
+    if settings.spacing and not nnunet:
         chain.append(Spacingd(all_keys, pixdim=settings.spacing, mode=modes))
     if label_key and label_transform is not None:
         chain.append(label_transform)
@@ -307,21 +415,27 @@ def deterministic_transforms(
         chain.append(CropForegroundd(all_keys, source_key=image_keys[0], select_fn=_any_nonzero, allow_smaller=True))
     chain.extend(before_intensity)
     if settings.intensity == "zscore":
-        chain.append(PlannedNormalized(image_keys[:1], settings.normalization or []))
+        chain.append(PlannedNormalized(image_keys[:1], settings.normalization or [], keep_mask))
     elif settings.intensity != "none":
         chain.append(
             SafeScaleIntensityd(
                 image_keys, settings.intensity, settings.percentiles, settings.window, settings.output_range
             )
         )
+    labels = ([label_key] if label_key else []) + ([MASK_KEY] if keep_mask else [])
+    if settings.spacing and nnunet:
+        # nnU-Net normalizes before resampling, so the non-zero mask still fits the image exactly.
+        chain.append(PlannedSpacingd(image_keys, labels, settings.spacing))
     for size, pad_only in ((settings.spatial_size, False), (settings.pad_to, True)):
         if size:
-            chain.extend(_resize(settings, image_keys, label_key, size, pad_only))
+            chain.extend(_resize(settings, image_keys, labels, size, pad_only))
     chain.append(StoreAffined(image_keys[0]))
     # Plain tensors from here on: cheaper to cache, and random transforms cannot grow metadata in the cache.
     chain.append(EnsureTyped(image_keys, dtype=torch.float32, track_meta=False))
     if label_key:
         chain.append(EnsureTyped([label_key], dtype=torch.int64, track_meta=False))
+    if keep_mask:
+        chain.append(EnsureTyped([MASK_KEY], dtype=torch.uint8, track_meta=False))
     return chain
 
 
@@ -331,17 +445,17 @@ def _any_nonzero(volume: Any) -> Any:
 
 
 def _resize(
-    settings: TransformSettings, image_keys: list[str], label_key: str | None, size: list[int], pad_only: bool
+    settings: TransformSettings, image_keys: list[str], label_keys: list[str], size: list[int], pad_only: bool
 ) -> list[Callable]:
     """Crop/pad (or only pad) every volume to `size`: images with their background value, labels with 0."""
     if pad_only:
         values = settings.background(len(settings.normalization or [None]))
         steps: list[Callable] = [BackgroundPadd(image_keys[:1], size, values)]
         steps += [SpatialPadd([key], size, mode="constant", value=settings.background(1)[0]) for key in image_keys[1:]]
-        return steps + ([SpatialPadd([label_key], size, mode="constant", value=0)] if label_key else [])
+        return steps + ([SpatialPadd(label_keys, size, mode="constant", value=0)] if label_keys else [])
     low = settings.background(1)[0]
     steps = [ResizeWithPadOrCropd(image_keys, size, mode="constant", value=low)]
-    return steps + ([ResizeWithPadOrCropd([label_key], size, mode="constant", value=0)] if label_key else [])
+    return steps + ([ResizeWithPadOrCropd(label_keys, size, mode="constant", value=0)] if label_keys else [])
 
 
 class BackgroundPadd(MapTransform):

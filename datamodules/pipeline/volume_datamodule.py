@@ -37,6 +37,7 @@ from datamodules.pipeline.cache_budget import (
     plan_cache,
 )
 from datamodules.pipeline.disk_cache import fingerprint_folder, open_fingerprint_folder
+from datamodules.pipeline.oversampling import OversamplingSampler
 from datamodules.pipeline.split import fold_split, load_folds, load_split, make_folds, make_split, save_split
 from medvol.core.errors import MedvolError
 
@@ -100,6 +101,10 @@ class VolumeDataModule(pl.LightningDataModule):
             (0.25, "25%") or a size ("8GiB"); each rank of the node gets an equal share.
         gpu_transforms: move each item to the training device right after the cached transforms and run
             the random ones there, loading with a thread loader (MONAI's fast-training recipe).
+        iterations_per_epoch: training batches per epoch drawn with replacement, the last `oversample_foreground`
+            share of each forced onto the foreground (nnU-Net's epoch; a segmentation plan sets it); null: one
+            pass over the training subjects.
+        oversample_foreground: with `iterations_per_epoch`, the share of each batch forced onto the foreground.
     """
 
     def __init__(
@@ -124,8 +129,19 @@ class VolumeDataModule(pl.LightningDataModule):
         cache_dir: str | None = None,
         cache_budget: float | str = 0.25,
         gpu_transforms: bool = False,
+        iterations_per_epoch: int | None = None,
+        oversample_foreground: float = 0.33,
     ) -> None:
         super().__init__()
+        if iterations_per_epoch is not None and int(iterations_per_epoch) < 1:
+            raise MedvolError(
+                f"`dataset.iterations_per_epoch` is {iterations_per_epoch}; expected a positive number of batches or "
+                "null (one pass over the training subjects)"
+            )
+        if not 0.0 <= oversample_foreground <= 1.0:
+            raise MedvolError(f"`dataset.oversample_foreground` must be in [0, 1], got {oversample_foreground}")
+        self.iterations_per_epoch = int(iterations_per_epoch) if iterations_per_epoch is not None else None
+        self.oversample_foreground = float(oversample_foreground)
         if batch_size < 1:
             raise MedvolError(f"`dataset.batch_size` must be >= 1, got {batch_size}")
         self.batch_size = batch_size
@@ -430,7 +446,11 @@ class VolumeDataModule(pl.LightningDataModule):
                 f"({world} devices x batch_size {self.batch_size}); add data or lower `dataset.batch_size`"
             )
         sampler: DistributedSampler
-        if self.partitioned:
+        if self.iterations_per_epoch is not None:
+            sampler = OversamplingSampler(
+                dataset, self.batch_size, self.iterations_per_epoch, self.oversample_foreground, self.shuffle_seed, rank
+            )
+        elif self.partitioned:
             share = steps_share(total, world, self.cache_mode, "train", self.cache_rate)
             if share < self.batch_size:
                 raise MedvolError(

@@ -129,6 +129,13 @@ class BratsDataModule(NiftiDataModule):
     def label_transform(self) -> Callable | None:
         return BratsLabelsd(LABEL_KEY, self.year, self.label_regions)
 
+    def label_names(self) -> list[str]:
+        """The unified classes 1..3: necrotic core, oedema, enhancing tumour."""
+        return ["NCR", "ED", "ET"]
+
+    def label_value_map(self) -> dict[int, int]:
+        return {4: 3} if self.year == 2021 else {}
+
     def batch_keys(self) -> list[str]:
         return [*super().batch_keys(), "label_values"]
 

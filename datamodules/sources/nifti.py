@@ -22,6 +22,7 @@ from monai.data.utils import worker_init_fn
 from monai.transforms import Compose, MapTransform
 from torch.utils.data import Dataset
 
+from datamodules.pipeline.augmentation import nnunet_augmentation
 from datamodules.pipeline.check import (
     LABEL_KEY,
     Problem,
@@ -32,6 +33,7 @@ from datamodules.pipeline.check import (
 )
 from datamodules.pipeline.disk_cache import file_stats
 from datamodules.pipeline.transforms import (
+    MASK_KEY,
     TransformSettings,
     deterministic_transforms,
     random_transforms,
@@ -52,7 +54,7 @@ from medvol.volumes.volume_reader import SERIES_KEY, volume_grid
 # mapped back onto it (`medvol.volumes.source_grid`); the `*intensity_*` keys say how the intensities were scaled, so
 # outputs go back into the scan's units.
 BATCH_KEYS = (
-    "image", "cond", "label", "time", "event", "covariates", "class_label", "subject", "affine",
+    "image", "cond", "label", MASK_KEY, "time", "event", "covariates", "class_label", "subject", "affine",
     "source_affine", "source_shape", "source_file", "source_series", "source_label_file",
     "intensity_low", "intensity_high", "cond_intensity_low", "cond_intensity_high", "intensity_range",
 )
@@ -136,8 +138,9 @@ class StoreSourceGridd(MapTransform):
         return d
 
 
-# Foreground voxels per subject that the plan's intensity statistics keep (nnU-Net samples 10,000).
-FOREGROUND_SAMPLE = 10_000
+# Labelled voxels the plan's intensity statistics keep over the whole training split, shared evenly by the subjects
+# (nnU-Net samples 10^8; every labelled voxel of a dataset of this size).
+FOREGROUND_SAMPLE = 10_000_000
 
 
 def read_voxels(path: str, series: str | None = None) -> np.ndarray:
@@ -148,7 +151,12 @@ def read_voxels(path: str, series: str | None = None) -> np.ndarray:
     return np.nan_to_num(np.asarray(load_nifti(path).dataobj, dtype=np.float32))
 
 
-def sampled(values: np.ndarray, count: int = FOREGROUND_SAMPLE) -> np.ndarray:
+def channels_of(volume: np.ndarray) -> list[np.ndarray]:
+    """A 3D volume as one channel, a 4D one (NIfTI's fourth axis, as MONAI loads it) as one per volume."""
+    return [volume] if volume.ndim == 3 else [volume[..., k] for k in range(volume.shape[3])]
+
+
+def sampled(values: np.ndarray, count: int) -> np.ndarray:
     """At most `count` of `values`, evenly strided (deterministic: the same plan from the same files)."""
     if values.size <= count:
         return values
@@ -383,31 +391,56 @@ class NiftiDataModule(VolumeDataModule):
         }
 
     def plan_fingerprint(self) -> DataFingerprint:
-        """What a segmentation plan is made from (`medvol.volumes.plan`): every training subject's header spacing,
-        and for `FINGERPRINT_INTENSITY_SUBJECTS` of them (evenly spread) the non-zero region's shape and, per
-        image channel, the intensities inside the foreground (the label where there is one, else the non-zero
-        voxels), read as the data doctor reads files (`read_voxels`)."""
+        """What a segmentation plan is made from (`medvol.volumes.plan`), read from every training subject as
+        nnU-Net's fingerprint extractor reads them: the spacing (in the axes after reorientation), the box of the
+        voxels non-zero in any channel and the share of the volume it keeps, per image channel (a 4D file gives one
+        per volume) the intensities of the labelled voxels (a subject without any gives none), and the label values
+        with their voxel counts after the dataset's own mapping (`label_value_map`)."""
         self.assign_split()
         records = self.training_records()
-        orientation = self.settings.orientation
-        spacings = np.asarray(
-            [oriented_spacing(volume_grid(r["image"][0], self.series)[1], orientation) for r in records]
-        )
-        shapes, shape_spacings, values = [], [], [[] for _ in self.image_modalities]
-        minima = [np.inf for _ in self.image_modalities]
-        for record in fingerprint_sample(records):
-            channels = [read_voxels(path, self.series) for path in record["image"]]
+        orientation, mapping = self.settings.orientation, self.label_value_map()
+        spacings, shapes, relative = [], [], []
+        values: list[list[np.ndarray]] = []
+        minima: list[float] = []
+        labels: dict[int, int] = {}
+        label_files: dict[int, str] = {}
+        share = max(1, FOREGROUND_SAMPLE // max(1, len(records)))
+        for record in records:
+            channels = [c for path in record["image"] for c in channels_of(read_voxels(path, self.series))]
+            if not values:
+                values, minima = [[] for _ in channels], [np.inf for _ in channels]
+            if len(channels) != len(values):
+                raise MedvolError(
+                    f"subject {record['subject']} has {len(channels)} image channels, the first training subject "
+                    f"{len(values)}; expected the same channels for every subject"
+                )
             nonzero = np.any([c != 0 for c in channels], axis=0)
-            label = read_voxels(record[LABEL_KEY], self.series) if record.get(LABEL_KEY) else None
-            foreground = label > 0 if label is not None and np.any(label > 0) else nonzero
             affine = volume_grid(record["image"][0], self.series)[1]
-            shapes.append(oriented_extent(nonzero, affine, orientation))
-            shape_spacings.append(oriented_spacing(affine, orientation))
+            box = oriented_extent(nonzero, affine, orientation)
+            shapes.append(box)
+            spacings.append(oriented_spacing(affine, orientation))
+            relative.append(float(np.prod(box)) / float(np.prod(nonzero.shape)))
+            foreground = np.zeros(nonzero.shape, bool)
+            if record.get(LABEL_KEY):
+                raw = np.rint(read_voxels(record[LABEL_KEY], self.series)).astype(np.int64)
+                label = raw.copy()
+                for stored, used in mapping.items():
+                    label[raw == stored] = used
+                foreground = label > 0
+                for value, count in zip(*np.unique(label, return_counts=True), strict=True):
+                    labels[int(value)] = labels.get(int(value), 0) + int(count)
+                    label_files.setdefault(int(value), str(record[LABEL_KEY]))
             for i, channel in enumerate(channels):
-                values[i].append(sampled(channel[foreground]))
+                values[i].append(sampled(channel[foreground], share))
                 minima[i] = min(minima[i], float(channel.min()))
         statistics = [channel_statistics(np.concatenate(v), m) for v, m in zip(values, minima, strict=True)]
-        return DataFingerprint(spacings, np.asarray(shapes), np.asarray(shape_spacings), statistics)
+        return DataFingerprint(
+            np.asarray(spacings), np.asarray(shapes), np.asarray(relative), statistics, labels, label_files
+        )
+
+    def label_value_map(self) -> dict[int, int]:
+        """Label values the dataset changes on loading (raw -> used: BraTS 2021's 4 -> 3); none by default."""
+        return {}
 
     def intensity_fingerprint(self, records: list[Record]) -> dict[str, Any] | None:
         """Raw values mapped onto the ends of the model range per `image` channel, typical of `records`."""
@@ -456,6 +489,7 @@ class NiftiDataModule(VolumeDataModule):
             self.label_transform(),
             self.extra_deterministic(),
             self.series,
+            keep_mask=stage == "train" and self.settings.augmentation is not None,
         )
         # After loading (the first step), before anything changes the grid.
         chain.insert(1, StoreSourceGridd(self.image_keys()[0], self.label_key))
@@ -464,7 +498,15 @@ class NiftiDataModule(VolumeDataModule):
     def random(self, stage: str) -> list[Callable]:
         if stage != "train":
             return []
-        return random_transforms(self.settings, self.image_keys(), self.label_key)
+        settings = self.settings
+        if settings.augmentation is None:
+            return random_transforms(settings, self.image_keys(), self.label_key)
+        plans = settings.normalization or []
+        masked = [i for i, c in enumerate(plans) if c["kind"] == "mr" and c.get("use_mask", True)]
+        return nnunet_augmentation(
+            settings.augmentation, self.image_keys()[0], self.label_key, settings.background(max(1, len(plans))),
+            masked if settings.uses_mask else [], settings.foreground_ratio,
+        )
 
     def build_dataset(self, records: list[Record], stage: str) -> Dataset:
         deterministic = [*self.deterministic(stage), select_batch_keys(self.batch_keys())]

@@ -11,7 +11,7 @@ from monai.transforms import Transform
 from torch.utils.data import Dataset
 
 from datamodules.pipeline.volume_datamodule import Record, VolumeDataModule, fingerprint_sample
-from datamodules.sources.phantom import MODALITIES, lesion_class, make_phantom, phantom_affine
+from datamodules.sources.phantom import LABELS, MODALITIES, lesion_class, make_phantom, phantom_affine
 from medvol.core.errors import MedvolError
 from medvol.volumes.projection import VIEW_AXES, radiographs
 
@@ -208,6 +208,10 @@ class SyntheticDataModule(VolumeDataModule):
             for record in records:
                 record["class_label"] = lesion_class(self.seed, record["index"])
         return records
+
+    def label_names(self) -> list[str]:
+        """The phantoms' foreground classes in label-value order (0 is background)."""
+        return [name for name, value in sorted(LABELS.items(), key=lambda item: item[1]) if value > 0]
 
     def fingerprint(self) -> dict[str, Any]:
         """The phantoms' grid (`spacing` mm, RAS) and, per `image` channel, the raw values mapped onto -1 and 1:

@@ -30,7 +30,7 @@ class LabelScheme:
 
     def __init__(
         self,
-        num_classes: int = 2,
+        num_classes: int | None = 2,
         regions: Mapping[str, Sequence[int]] | None = None,
         threshold: float = 0.5,
         class_names: Sequence[str] | None = None,
@@ -43,6 +43,11 @@ class LabelScheme:
             self.region_values = self._region_values()
             self.num_classes = max(max(v) for v in self.regions.values()) + 1
         else:
+            if num_classes is None:
+                raise MedvolError(
+                    "`model.num_classes` is null and no `model.regions` are set; expected the number of classes "
+                    "(background included), or a run that reads them from the data"
+                )
             if int(num_classes) < 2:
                 raise MedvolError(f"`model.num_classes` must be >= 2 (background and one class), got {num_classes}")
             self.num_classes = int(num_classes)
@@ -105,8 +110,9 @@ class LabelScheme:
             values[name] = min(own)
         return values
 
-    def check_label(self, label: torch.Tensor) -> None:
-        """Raise a `MedvolError` naming the offending values when `label` does not fit the scheme."""
+    def check_label(self, label: torch.Tensor, files: Sequence[str] | None = None) -> None:
+        """Raise a `MedvolError` naming the offending value and its file (`files`: per sample, the batch's
+        `source_file`) when `label` does not fit the scheme."""
         if label.shape[1] == self.out_channels and self.is_regions and label.shape[1] > 1:
             return  # the dataset already gives binary region channels
         if label.shape[1] != 1:
@@ -121,8 +127,12 @@ class LabelScheme:
         outside = [v for v in values if v not in allowed]
         if outside:
             key = "model.regions" if self.is_regions else "model.num_classes"
+            where = ""
+            if files:
+                sample = next(b for b in range(label.shape[0]) if bool((label[b] == outside[0]).any()))
+                where = f" in {files[sample]}"
             raise MedvolError(
-                f"label values {outside} are outside the configured classes (`{key}`): expected values in "
+                f"label value {outside[0]}{where} is outside the configured classes (`{key}`): expected values in "
                 f"{sorted(allowed)}; fix the label files or the model config"
             )
 

@@ -41,12 +41,13 @@ def build_loss(name: str, regions: bool) -> torch.nn.Module:
     """The loss `name` (dice_ce or dice_focal) for overlapping regions (sigmoid) or exclusive classes (softmax).
 
     Class targets are (B, 1, ...) label maps, one-hot encoded inside the loss; region targets are
-    (B, R, ...) binary channels.
+    (B, R, ...) binary channels. As nnU-Net's `DC_and_CE_loss` / `DC_and_BCE_loss`: the classes' Dice leaves the
+    background out (the cross-entropy keeps it), regions keep every channel; both smoothed by 1e-5.
     """
     if name not in LOSSES:
         raise MedvolError(f"`model.loss` is {name!r}; expected one of {list(LOSSES)}")
     if regions:
         return DiceBCELoss() if name == "dice_ce" else DiceFocalLoss(sigmoid=True)
     if name == "dice_ce":
-        return DiceCELoss(softmax=True, to_onehot_y=True)
-    return DiceFocalLoss(softmax=True, to_onehot_y=True)
+        return DiceCELoss(include_background=False, softmax=True, to_onehot_y=True)
+    return DiceFocalLoss(include_background=False, softmax=True, to_onehot_y=True)

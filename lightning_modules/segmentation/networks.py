@@ -39,7 +39,7 @@ def level_settings(
 def build_network(
     name: str, in_channels: int, out_channels: int, features: Sequence[int], feature_size: int,
     kernels: Sequence[Sequence[int]] | None = None, strides: Sequence[Sequence[int]] | None = None,
-    deep_supervision: bool = False,
+    deep_supervision: bool = False, res_block: bool = True,
 ) -> torch.nn.Module:
     """A MONAI 3D network.
 
@@ -52,6 +52,7 @@ def build_network(
         kernels: dynunet: kernel size per level and axis (null: 3).
         strides: dynunet: stride per level and axis, the first [1, 1, 1] (null: 2 after the first level).
         deep_supervision: dynunet: extra outputs from the coarser decoder levels while training.
+        res_block: dynunet: residual blocks, or two plain convolutions per stage (nnU-Net's PlainConvUNet).
     """
     features = [int(f) for f in features]
     if name not in NETWORKS:
@@ -67,7 +68,7 @@ def build_network(
         kernels, strides = level_settings(features, kernels, strides)
         return DynUNet(
             3, in_channels, out_channels, kernel_size=kernels, strides=strides, upsample_kernel_size=strides[1:],
-            filters=features, res_block=True, deep_supervision=deep_supervision,
+            filters=features, res_block=res_block, deep_supervision=deep_supervision,
             deep_supr_num=supervised_heads(levels) if deep_supervision else 1,
         )
     if feature_size % 12:

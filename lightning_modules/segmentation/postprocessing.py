@@ -10,6 +10,7 @@ structure's mean Dice. The decision is a list of steps, recorded as JSON and app
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,13 +83,26 @@ def candidates(scheme: LabelScheme) -> tuple[tuple[int, ...], list[tuple[str, tu
 
 
 def label_map_dice(scheme: LabelScheme, prediction: np.ndarray, truth: np.ndarray) -> np.ndarray:
-    """Dice per scored structure of two label maps (an empty prediction of an empty truth scores 1)."""
+    """Dice per scored structure of two label maps; NaN for a structure absent from both (left out of the means, as
+    nnU-Net's `compute_metrics` and the training metrics)."""
     scores = []
     for _, values in candidates(scheme)[1]:
         predicted, expected = np.isin(prediction, values), np.isin(truth, values)
         total = int(predicted.sum()) + int(expected.sum())
-        scores.append(1.0 if total == 0 else 2.0 * int((predicted & expected).sum()) / total)
+        scores.append(float("nan") if total == 0 else 2.0 * int((predicted & expected).sum()) / total)
     return np.asarray(scores)
+
+
+def nan_mean(rows: Sequence[np.ndarray] | np.ndarray, axis: int | None = None) -> np.ndarray:
+    """The mean leaving NaN out (nnU-Net's `np.nanmean`); NaN, without a warning, where every entry is NaN."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmean(rows, axis=axis)
+
+
+def at_least(trial: np.ndarray, best: np.ndarray) -> bool:
+    """Every structure's Dice as high as before (a structure NaN in both, absent everywhere, counts as unchanged)."""
+    return bool(np.all((trial >= best) | (np.isnan(trial) & np.isnan(best))))
 
 
 def choose(
@@ -104,12 +118,12 @@ def choose(
 
     def mean_dice(steps: list[tuple[str, tuple[int, ...]]]) -> np.ndarray:
         chosen = Postprocessing(tuple(steps))
-        return np.mean([dice(scheme, chosen(p), t) for p, t in (load() for load in cases)], axis=0)
+        return nan_mean([dice(scheme, chosen(p), t) for p, t in (load() for load in cases)], axis=0)
 
     steps: list[tuple[str, tuple[int, ...]]] = []
     baseline = best = mean_dice(steps)
     trial = mean_dice([(ALL_FOREGROUND, every)])
-    if trial.mean() > best.mean() and bool(np.all(trial >= best)):
+    if nan_mean(trial) > nan_mean(best) and at_least(trial, best):
         steps, best = [(ALL_FOREGROUND, every)], trial
     if len(per_structure) > 1:
         for index, step in enumerate(per_structure):
@@ -117,8 +131,13 @@ def choose(
             if trial[index] > best[index]:
                 steps, best = [*steps, step], trial
     scores = {
-        "dice_before": dict(zip(names, baseline.round(6).tolist(), strict=True)),
-        "dice_after": dict(zip(names, best.round(6).tolist(), strict=True)),
+        "dice_before": dict(zip(names, finite_or_none(baseline), strict=True)),
+        "dice_after": dict(zip(names, finite_or_none(best), strict=True)),
         "subjects": len(cases),
     }
     return Postprocessing(tuple(steps), scores)
+
+
+def finite_or_none(scores: np.ndarray) -> list[float | None]:
+    """Rounded scores for JSON: null for a structure absent from every subject (NaN is not JSON)."""
+    return [None if np.isnan(v) else round(float(v), 6) for v in scores]

@@ -41,8 +41,10 @@ def voxel_spacing(affine: torch.Tensor) -> list[list[float]]:
 
 
 def supervision_weights(levels: int) -> list[float]:
-    """Weights of the full-resolution output and the deep-supervision heads: halving per level, summing to 1."""
+    """Weights of the full-resolution output and the deep-supervision heads, as nnU-Net's `_build_loss`: halving per
+    level, the lowest-resolution head 0, summing to 1."""
     raw = [0.5**i for i in range(1 + supervised_heads(levels))]
+    raw[-1] = 0.0
     return [w / sum(raw) for w in raw]
 
 
@@ -58,7 +60,8 @@ class Segmenter(MedvolModule):
     Args:
         in_channels: image channels (modalities).
         net: unet, dynunet or swinunetr.
-        num_classes: classes including background (exclusive classes, softmax).
+        num_classes: classes including background (exclusive classes, softmax); a run sets it from the data when
+            the config leaves it null (`medvol.run.planning`).
         class_names: names of the foreground classes in metric names (dice_<name>); null: class1, class2, ...
         regions: region name -> label values, outermost first (overlapping regions, sigmoid per channel),
             e.g. {WT: [1, 2, 3], TC: [1, 3], ET: [3]}; null for classes.
@@ -66,7 +69,8 @@ class Segmenter(MedvolModule):
         kernels: dynunet: kernel size per level and axis (a plan's, anisotropic); null: 3.
         strides: dynunet: stride per level and axis, the first [1, 1, 1]; null: 2 after the first level.
         deep_supervision: dynunet: also score the coarser decoder levels while training (weights halving
-            per level, as nnU-Net).
+            per level, the lowest 0, as nnU-Net).
+        res_block: dynunet: residual blocks (false: two plain convolutions per stage, nnU-Net's PlainConvUNet).
         feature_size: SwinUNETR embedding size (multiple of 12).
         loss: dice_ce or dice_focal.
         patch_size: training patch and sliding window; null trains on whole volumes.
@@ -98,6 +102,7 @@ class Segmenter(MedvolModule):
         kernels: Sequence[Sequence[int]] | None = None,
         strides: Sequence[Sequence[int]] | None = None,
         deep_supervision: bool = False,
+        res_block: bool = True,
         feature_size: int = 24,
         loss: str = "dice_ce",
         patch_size: Sequence[int] | None = None,
@@ -134,7 +139,8 @@ class Segmenter(MedvolModule):
                 "`model.deep_supervision` needs model.net=dynunet with at least three `model.features` levels"
             )
         self.net = build_network(
-            net, in_channels, self.scheme.out_channels, self.features, feature_size, kernels, strides, deep_supervision
+            net, in_channels, self.scheme.out_channels, self.features, feature_size, kernels, strides, deep_supervision,
+            res_block,
         )
         self.supervision_weights = supervision_weights(len(self.features)) if deep_supervision else None
         self.pad_value = pad_value_of(pad_value)
@@ -151,6 +157,11 @@ class Segmenter(MedvolModule):
         self.test_dice, self.test_hd95 = SubjectScores(columns), SubjectScores(columns)
         self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
 
+    @classmethod
+    def restoring_settings(cls, hyper_parameters: dict[str, Any]) -> dict[str, Any]:
+        """The classes and channels the run took from its data (`model.num_classes: null`), as trained."""
+        return {k: hyper_parameters[k] for k in ("num_classes", "class_names", "in_channels") if k in hyper_parameters}
+
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(self.net.parameters())
         if self.scheduler_factory is None:
@@ -162,7 +173,7 @@ class Segmenter(MedvolModule):
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         image, label = batch[self.hparams.image_key], batch["label"]
-        self.scheme.check_label(label)
+        self.scheme.check_label(label, batch.get("source_file"))
         shape = list(image.shape[2:])
         if self.patch_size is not None:
             if any(p > s for p, s in zip(self.patch_size, shape, strict=True)):
@@ -228,7 +239,7 @@ class Segmenter(MedvolModule):
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> dict[str, Any]:
         image, label = batch[self.hparams.image_key], batch["label"]
-        self.scheme.check_label(label)
+        self.scheme.check_label(label, batch.get("source_file"))
         probabilities = self.probabilities(image, tta=stage == "test" and self.tta)
         target = self.scheme.target(label).to(probabilities.device)
         loss_metric: MeanMetric = getattr(self, f"{stage}_loss")
@@ -344,9 +355,10 @@ class Segmenter(MedvolModule):
             values[f"{stage}/dice_{name}"] = dice[i]
             values[f"{stage}/hd95_{name}"] = hd95[i]
         # Already gathered from every rank by the metric objects, so every rank logs the same numbers.
-        # An HD95 without a subject where both masks are non-empty is undefined this epoch: not logged.
+        # An HD95 without a subject where both masks are non-empty is undefined this epoch: not logged; so is the
+        # Dice of a class absent from every prediction and truth, which stays out of the mean (nnU-Net, MONAI).
         self.log_dict({k: v.float() for k, v in values.items() if not torch.isnan(v)})
-        self.log(f"{stage}/dice", dice.mean().float(), prog_bar=True)
+        self.log(f"{stage}/dice", dice.nanmean().float(), prog_bar=True)
         for metric in ("dice", "hd95", "loss"):
             getattr(self, f"{stage}_{metric}").reset()
 

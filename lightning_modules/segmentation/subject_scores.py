@@ -15,8 +15,10 @@ def subject_scores(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dice and 95th-percentile Hausdorff distance per sample and channel, as MONAI's metric classes compute them.
 
-    Dice counts an empty prediction of an empty target as 1 (`ignore_empty=False`, the BraTS convention);
-    HD95 is in mm when `spacing` is given and NaN where the prediction or the target is empty.
+    Dice is NaN where both the prediction and the target are empty (a class absent from the case is left out of
+    the means, as nnU-Net's `compute_metrics` does; MONAI's `ignore_empty=True` would also drop a prediction of an
+    absent class, which nnU-Net scores 0); HD95 is in mm when `spacing` is given and NaN where the prediction or
+    the target is empty.
 
     Args:
         masks: (B, C, D, H, W) binary predictions.
@@ -27,6 +29,8 @@ def subject_scores(
         Dice (B, C) and HD95 (B, C), float32 on the CPU.
     """
     dice = compute_dice(masks, target, include_background=True, ignore_empty=False)
+    absent = (masks.flatten(2).sum(-1) == 0) & (target.flatten(2).sum(-1) == 0)
+    dice = torch.where(absent.to(dice.device), torch.full_like(dice, float("nan")), dice)
     hd95 = compute_hausdorff_distance(masks, target, include_background=True, percentile=95, spacing=spacing)
     hd95 = torch.where(torch.isfinite(hd95), hd95, torch.full_like(hd95, float("nan")))
     return dice.float().cpu(), hd95.float().cpu()

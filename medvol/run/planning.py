@@ -1,10 +1,12 @@
 """A segmentation run's plan (`medvol.volumes.plan`): made from the training data at a run's first start and
 written to `<run>/plan.json`; a resumed run and predict.py read that file back, so all three see the same
-spacing, crop, normalization, patch and network, bit for bit.
+spacing, crop, normalization, patch, network and labels, bit for bit.
 
-The plan is applied as config values (`with_plan`): the dataset's transforms, its batch size, and the model's
-network, patch, deep supervision, background padding and learning-rate decay. `model.plan.*` keys give any value
-instead of deriving it; `model.plan.use=false` keeps the config as written.
+The plan is applied as config values (`with_plan`): the dataset's transforms (nnU-Net's preprocessing and
+augmentation), its batch size and epoch length, and the model's network, patch, labels, deep supervision,
+background padding and learning-rate decay, and the trainer's gradient clipping. `model.plan.*` keys give any value
+instead of deriving it; `model.plan.use=false` keeps the config as written. A model whose `num_classes` is null
+takes its classes from the data: the plan's labels, or without a plan the dataset's own (`label_names`).
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from lightning_modules.segmentation.segmentation import Segmenter
 from medvol.core.build import target_class
 from medvol.core.errors import MedvolError
 from medvol.run.world import global_rank
@@ -24,15 +26,17 @@ from medvol.volumes.plan import PLAN_FILE, background_values, describe, make_pla
 
 log = logging.getLogger("medvol")
 
-# Activation memory one training step may take: on a CPU small enough for an epoch in minutes, on a GPU
-# a share of the device's memory (the estimate counts activations only, not the workspace).
+# nnU-Net's GPU memory target (8 GB); on a CPU a budget that keeps an epoch of a small dataset to minutes. Both in
+# nnU-Net's calibration of its feature-map estimate (`medvol.volumes.network_topology`).
 CPU_BUDGET_MIB = 512
-GPU_SHARE = 0.5
+GPU_BUDGET_MIB = 8192
 BASE_FEATURES = {"cpu": 16, "gpu": 32}
+# nnU-Net clips the gradient norm at 12 every step.
+GRADIENT_CLIP = 12.0
 # Plan keys a user may give instead (`model.plan.<key>=...`); the others of the node steer how it is made.
 GIVEN_KEYS = (
     "spacing", "patch_size", "batch_size", "features", "foreground_ratio", "deep_supervision", "poly_power",
-    "crop_foreground",
+    "crop_foreground", "iterations_per_epoch", "augmentation",
 )
 USES = ("auto", True, False)
 # Lightning's own default when neither max_epochs nor max_steps is set.
@@ -57,36 +61,47 @@ def wants_plan(cfg: DictConfig) -> bool:
 
 
 def given_values(cfg: DictConfig) -> dict[str, Any]:
-    """The plan values the config gives: `model.plan.<key>`, and a `dataset.transforms.spacing` set by hand."""
+    """The plan values the config gives: `model.plan.<key>`, `model.num_classes`, and a `dataset.transforms.spacing`
+    set by hand."""
     node = OmegaConf.to_container(cfg.model.plan, resolve=True)
     assert isinstance(node, dict)
     given = {key: node.get(key) for key in GIVEN_KEYS if node.get(key) is not None}
     spacing = (cfg.dataset.get("transforms") or {}).get("spacing")
     if spacing is not None and "spacing" not in given:
         given["spacing"] = [float(s) for s in spacing]
+    if cfg.model.get("num_classes") is not None:
+        given["num_classes"] = int(cfg.model.num_classes)
     return given
 
 
-def memory_budget(cfg: DictConfig, accelerator: str) -> int:
-    """Bytes of activations one step may take: `model.plan.memory_budget_mib`, else the device's default."""
+def memory_budget(cfg: DictConfig, accelerator: str) -> float:
+    """MiB one step may take (nnU-Net's calibration): `model.plan.memory_budget_mib`, else the device's default."""
     mib = cfg.model.plan.get("memory_budget_mib")
     if mib is not None:
         if float(mib) <= 0:
             raise MedvolError(f"`model.plan.memory_budget_mib` is {mib}; expected a positive number of MiB or null")
-        return int(float(mib) * 2**20)
-    if accelerator == "gpu" and torch.cuda.is_available():
-        return int(GPU_SHARE * torch.cuda.get_device_properties(0).total_memory)
-    return CPU_BUDGET_MIB * 2**20
+        return float(mib)
+    return float(GPU_BUDGET_MIB if accelerator == "gpu" else CPU_BUDGET_MIB)
+
+
+def model_regions(cfg: DictConfig, datamodule: pl.LightningDataModule) -> dict[str, list[int]] | None:
+    """The regions the model predicts: `model.regions`, else the dataset's own (an nnU-Net dataset.json's)."""
+    regions = cfg.model.get("regions")
+    if regions is not None:
+        return {str(k): [int(v) for v in values] for k, values in regions.items()}
+    own = getattr(datamodule, "label_regions_of_data", None)
+    return own() if callable(own) else None
 
 
 def planned(cfg: DictConfig, datamodule: pl.LightningDataModule, accelerator: str) -> tuple[DictConfig, list[str]]:
-    """`cfg` with the run's plan applied, and the plan's lines to print; `cfg` itself without a plan.
+    """`cfg` with the run's plan applied, and the plan's lines to print; without a plan `cfg` with the dataset's
+    classes where `model.num_classes` is null.
 
     The plan of `<run>/plan.json` where the run has one (a resume), else one made from the training
     subjects and written there by rank 0.
     """
     if not wants_plan(cfg):
-        return cfg, []
+        return with_data_classes(cfg, datamodule), []
     path = plan_path(cfg)
     if path.is_file():
         plan = read_plan(path)
@@ -94,35 +109,81 @@ def planned(cfg: DictConfig, datamodule: pl.LightningDataModule, accelerator: st
         if not hasattr(datamodule, "plan_fingerprint"):
             raise MedvolError(
                 f"`model.plan.use=true`: the dataset {cfg.dataset._target_} has no files to plan from; expected a file "
-                "dataset (dataset=nifti, brats) or model.plan.use=false"
+                "dataset (dataset=nifti, brats, nnunet) or model.plan.use=false"
             )
         device = "gpu" if accelerator == "gpu" else "cpu"
         base = int(cfg.model.plan.get("base_features") or BASE_FEATURES[device])
+        regions = model_regions(cfg, datamodule)
         plan = make_plan(
             datamodule.plan_fingerprint(), memory_budget(cfg, accelerator), base, given_values(cfg),
-            getattr(datamodule, "modality_kind", None),
+            getattr(datamodule, "modality_kind", None), regions,
         )
+        names = getattr(datamodule, "label_names", None)
+        plan["regions"] = regions if cfg.model.get("regions") is None else None
+        plan["class_names"] = names() if callable(names) and not regions else None
+        # How many files a subject's channels came in, so predict.py groups its input files alike.
+        plan["channel_files"] = len(getattr(datamodule, "image_modalities", []) or []) or 1
         if global_rank() == 0:
             write_plan(plan, path)
     return with_plan(cfg, plan), [*describe(plan), f"plan: written to {path}"]
 
 
+def with_data_classes(cfg: DictConfig, datamodule: pl.LightningDataModule) -> DictConfig:
+    """A segmentation config whose `model.num_classes` is null and has no regions, with the dataset's classes."""
+    model = cfg.model
+    if not issubclass(target_class(model._target_), Segmenter):
+        return cfg
+    if model.get("num_classes") is not None or model.get("regions") is not None:
+        return cfg
+    names = getattr(datamodule, "label_names", None)
+    if not callable(names) or names() is None:
+        raise MedvolError(
+            f"`model.num_classes` is null and {cfg.dataset._target_} does not say its classes; set "
+            "model.num_classes (background included) or plan from the data (model.plan.use=true)"
+        )
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.model.num_classes = len(names()) + 1
+        if cfg.model.get("class_names") is None:
+            cfg.model.class_names = list(names())
+    return cfg
+
+
 def with_plan(cfg: DictConfig, plan: dict[str, Any]) -> DictConfig:
-    """`cfg` with `plan`'s values in the dataset's transforms and batch size and in the model."""
+    """`cfg` with `plan`'s values in the dataset's transforms, batch and epoch, in the model and the trainer."""
     cfg = cfg.copy()
     patch = list(plan["patch_size"])
+    regions = cfg.model.get("regions")
+    if OmegaConf.is_config(regions):
+        regions = OmegaConf.to_container(regions, resolve=True)
+    regions = regions if regions is not None else plan.get("regions")
+    classes = plan.get("num_classes")
+    foreground = (
+        [list(v) for v in regions.values()] if regions else [[k] for k in range(1, int(classes or 2))]
+    )
+    augment = plan["augmentation"]
     with open_dict(cfg):
         own = OmegaConf.to_container(cfg.dataset.transforms, resolve=True)
         assert isinstance(own, dict)
         cfg.dataset.transforms = {**own, **{
             "spacing": plan["spacing"], "intensity": "zscore", "normalization": plan["normalization"],
-            "crop_foreground": plan["crop_foreground"], "spatial_size": None, "random_crop": None,
-            "pad_to": patch, "foreground_crop": patch, "foreground_ratio": plan["foreground_ratio"],
+            "resampling": plan.get("resampling", "nnunet"), "crop_foreground": plan["crop_foreground"],
+            "spatial_size": None, "random_crop": None, "pad_to": None, "foreground_crop": None,
+            "foreground_ratio": plan["foreground_ratio"], "flip_prob": 0.0, "affine_prob": 0.0,
+            "augmentation": {
+                "patch": patch, "initial_patch": augment["initial_patch"], "rotation": augment["rotation"],
+                "in_plane": augment["in_plane"], "axis": augment["axis"], "classes": foreground,
+                "enabled": augment.get("enabled", True),
+            },
         }}
         cfg.dataset.batch_size = plan["batch_size"]
+        cfg.dataset.iterations_per_epoch = plan["iterations_per_epoch"]
+        cfg.dataset.oversample_foreground = plan["foreground_ratio"]
         # Volumes cropped to their own non-zero region differ in shape: evaluated one at a time.
         cfg.dataset.val_batch_size = 1
         cfg.model.net = "dynunet"
+        cfg.model.res_block = False
+        cfg.model.in_channels = plan.get("channels", cfg.model.get("in_channels"))
         cfg.model.features = plan["features"]
         cfg.model.strides = plan["strides"]
         cfg.model.kernels = plan["kernels"]
@@ -130,8 +191,17 @@ def with_plan(cfg: DictConfig, plan: dict[str, Any]) -> DictConfig:
         cfg.model.patch_sampling = "random"
         cfg.model.deep_supervision = plan["deep_supervision"]
         cfg.model.pad_value = background_values(plan["normalization"])
+        if cfg.model.get("regions") is None and plan.get("regions"):
+            cfg.model.regions = plan["regions"]
+        if not regions and cfg.model.get("num_classes") is None and classes:
+            cfg.model.num_classes = int(classes)
+            names = cfg.model.get("class_names")
+            if names is None or len(names) != int(classes) - 1:
+                cfg.model.class_names = plan.get("class_names") or [f"class{k}" for k in range(1, int(classes))]
         if cfg.model.get("scheduler") is None:
             cfg.model.scheduler = poly_decay(cfg, plan["poly_power"])
+        if cfg.trainer.get("gradient_clip_val") is None:
+            cfg.trainer.gradient_clip_val = GRADIENT_CLIP
     return cfg
 
 

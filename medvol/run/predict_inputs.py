@@ -20,7 +20,9 @@ from torch.utils.data import Dataset, default_collate
 
 from medvol.core.build import build
 from medvol.core.errors import MedvolError
+from medvol.run.channel_files import channel_groups, files_per_subject
 from medvol.run.generation import check_condition_files, lacks_targets, modality_field, without_targets
+from medvol.run.planning import plan_path
 from medvol.run.predict_config import merged, with_run_transforms
 from medvol.volumes.dicom_io import series_folders, series_geometry
 
@@ -94,21 +96,25 @@ class Inputs:
 
 
 def file_dataset(
-    files: list[Path], run: DictConfig, override: Any, listing: Path, geometry: Mapping[str, Any], key: str = "image",
-    series: str | None = None,
+    files: list[Path] | dict[str, list[Path]], run: DictConfig, override: Any, listing: Path,
+    geometry: Mapping[str, Any], key: str = "image", series: str | None = None,
 ) -> Inputs:
-    """A dataset over input files (one subject each), preprocessed with the run's transforms on whole volumes,
-    resampled to `geometry`; the files are the `image` of each subject, or a generative model's `cond`."""
+    """A dataset over input files (one subject each, or per subject its channel files), preprocessed with the run's
+    transforms on whole volumes, resampled to `geometry`; the files are the `image` of each subject, or a generative
+    model's `cond`."""
+    subjects = files if isinstance(files, dict) else {subject_of(f): [f] for f in files}
+    width = max(len(group) for group in subjects.values())
+    names = [key] if width == 1 else [f"{key}_{k:04d}" for k in range(width)]
     with listing.open("w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["subject", key])
-        writer.writerows([subject_of(f), str(f.resolve())] for f in files)
+        writer.writerow(["subject", *names])
+        writer.writerows([subject, *(str(f.resolve()) for f in group)] for subject, group in subjects.items())
     own = run.dataset.get("transforms")
     transforms = OmegaConf.to_container(own, resolve=True) if own is not None else {}
     assert isinstance(transforms, dict)
     config = OmegaConf.create({
-        "_target_": FILE_DATASET, "list_file": str(listing), "image_modalities": [key] if key == "image" else [],
-        "cond_modalities": [key] if key == "cond" else [],
+        "_target_": FILE_DATASET, "list_file": str(listing), "image_modalities": names if key == "image" else [],
+        "cond_modalities": names if key == "cond" else [],
         "transforms": {**transforms, **geometry, **WHOLE_VOLUME}, "num_workers": 0, "split_file": None,
         "series": series,
     })
@@ -189,7 +195,9 @@ def find_inputs(
     # Several series in a folder, gaps, mixed slices: refused for every input before the first is read.
     for folder in (f for f in files if f.is_dir()):
         series_geometry(folder, cfg.get("series"))
-    inputs = file_dataset(files, run, override, scratch / "inputs.csv", geometry, key, cfg.get("series"))
+    # nnU-Net's <case>_XXXX files of one case are one subject's channels, as training took them.
+    groups = channel_groups(files, files_per_subject(run, plan_path(run))) if key == "image" else files
+    inputs = file_dataset(groups, run, override, scratch / "inputs.csv", geometry, key, cfg.get("series"))
     # A file's outputs may go next to it (`<subject>_<name>.nii.gz`); the writer refuses to replace an input.
     inputs.where, inputs.protected = "input", files
     return inputs

@@ -120,6 +120,14 @@ def label_regions(names: list[str] | None) -> dict[str, list[int]] | None:
     return {str(name): list(REGIONS[str(name)]) for name in names}
 
 
+def nnunet_channels(root: str) -> list[str]:
+    """The channel files of an nnU-Net raw dataset's (or Decathlon task's) cases, from its dataset.json."""
+    from datamodules.sources.nnunet_raw import dataset_channels, read_dataset_json
+
+    folder = Path(str(root)).expanduser()
+    return dataset_channels(read_dataset_json(folder), folder)
+
+
 def background_value(transforms: Any, channels: int) -> list[float]:
     """Per image channel, the value background voxels have in model units: the dataset's transforms say (the low
     end of the output range, 0 without scaling or for an MR z-score); the synthetic phantoms' -1 without transforms."""
@@ -155,6 +163,7 @@ def register_resolvers() -> None:
         "label_regions": label_regions,
         "background_value": background_value,
         "field_of_view": field_of_view,
+        "nnunet_channels": nnunet_channels,
     }.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

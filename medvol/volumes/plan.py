@@ -1,225 +1,344 @@
-"""A segmentation plan from the data's own fingerprint, as nnU-Net makes one (Isensee et al., Nature Methods 2021).
+"""A segmentation plan from the data's own fingerprint, made by nnU-Net v2's rules (nnunetv2 2.8.1:
+`DatasetFingerprintExtractor`, `ExperimentPlanner`, `get_pool_and_conv_props`, the trainer's defaults).
 
-The fingerprint (`DataFingerprint`) is what the training subjects' files say: their voxel spacings,
-the size of their non-zero region, and per image channel the intensities inside the foreground.
-The plan (`make_plan`) derives from it, with no tuning by hand:
+The fingerprint (`DataFingerprint`) is what the training subjects' files say: their voxel spacings, the shape
+of their non-zero region and the share of the volume it keeps, per image channel the intensities of the
+labelled voxels, and the label values with their voxel counts. The plan (`make_plan`) derives from it:
 
-- the target spacing: the per-axis median of the spacings;
-- per channel, the normalization: MR a z-score over each volume's non-zero voxels; CT a clip to the
-  foreground's 0.5-99.5 percentiles, then a z-score with the dataset's foreground mean and deviation;
-- the patch: the median cropped shape at the target spacing, shrunk (its longest axis in mm first)
-  until one training step's activations fit the memory budget; the batch fills what is left (>= 2);
-- the network (DynUNet): per level, strides that halve only the axes that are fine enough relative to
-  the coarsest one and big enough, and 3x3x3 kernels except 1 along an axis still much coarser than
-  the others (anisotropic data), as nnU-Net's `get_pool_and_conv_props`;
-- 33% of the patches centred on the foreground, deep supervision, a polynomial learning-rate decay.
+- the target spacing: the per-axis median; for anisotropic data (the coarsest axis over 3x the next, and 3x
+  fewer voxels along it) that axis takes the 10th percentile of its spacings (never finer than the others);
+- per channel, the normalization: MR a z-score, over one non-zero mask for all channels only where cropping to
+  the non-zero region keeps under 3/4 of the median volume; CT a clip to the labelled voxels' 0.5-99.5
+  percentiles, then a z-score with their mean and deviation (a subject without labels contributes nothing);
+- the patch, batch and network: nnU-Net's topology and patch search (`medvol.volumes.network_topology`), in
+  nnU-Net's axis order (the NIfTI axes reversed, the coarsest spacing first), under a memory budget in MiB
+  of nnU-Net's own calibration (its 8 GB target is 8192);
+- the classes present and their voxel counts; the number of classes from them unless given;
+- the augmentation's rotation range, its in-plane mode for anisotropic patches and the larger patch the
+  loader cuts before rotating (the trainer's `configure_rotation_dummyDA_mirroring_and_inital_patch_size`);
+- 33% of each batch's samples forced onto a foreground class, deep supervision, 250 batches an epoch,
+  a polynomial learning-rate decay.
 
-Every value can be given instead (`overrides`); the plan records which were.
+Every value can be given instead (`overrides`); the plan records which were. A given patch or batch is
+refitted to the budget (the other one shrinks), or refused in one line when even the smallest does not fit.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from medvol.core.errors import MedvolError
+from medvol.volumes.network_topology import (
+    MIN_BATCH,
+    batch_size,
+    estimate_mib,
+    feature_map_size,
+    filters,
+    fit_patch,
+    pool_and_conv_props,
+    reference,
+)
 
 PLAN_FILE = "plan.json"
 MODALITY_KINDS = ("mr", "ct")
 # A CT channel holds air at about -1000 HU; no MR scan has voxels this far below zero.
 CT_MINIMUM = -500.0
 CT_PERCENTILES = (0.5, 99.5)
-# nnU-Net's limits: no feature map smaller than 4 voxels, at most 5 halvings, filters capped.
-MIN_FEATURE_SIZE = 4
-MAX_HALVINGS = 5
-MAX_FILTERS = 320
-# An axis is halved only while its spacing is within twice the finest one (nnU-Net's anisotropy rule).
-ANISOTROPY = 2.0
-FOREGROUND_RATIO = 1 / 3
-# Largest share of the dataset's voxels one batch may hold (nnU-Net's 5%).
-BATCH_SHARE = 0.05
+# nnU-Net's ANISO_THRESHOLD: the coarsest axis counts as anisotropic beyond 3x the others.
+ANISOTROPY = 3.0
+LOW_RESOLUTION_PERCENTILE = 10
+# The non-zero mask normalizes MR channels where cropping to it keeps less than this share of the volume.
+MASK_SHARE = 0.75
+FOREGROUND_RATIO = 0.33
 POLY_POWER = 0.9
-# Activation tensors autograd keeps per voxel and filter in one DynUNet level (conv, norm and activation
-# outputs of two residual convolutions, in the encoder and again in the decoder, the skip, the transposed
-# convolution; measured with autograd's saved-tensor hooks: tests/medvol/volumes/test_plan.py).
-TENSORS_PER_LEVEL = 20
-BYTES = 4
+ITERATIONS_PER_EPOCH = 250
+# The trainer's rotation: +-30 degrees about every axis, +-180 in-plane for anisotropic patches; the loader's
+# larger patch assumes scales down to 0.85.
+ROTATION = np.deg2rad(30.0)
+IN_PLANE_ROTATION = np.deg2rad(180.0)
+INITIAL_PATCH_SCALE = 0.85
 
 
 @dataclass
 class DataFingerprint:
-    """What the training subjects' files say.
+    """What the training subjects' files say, in medvol's axes (after reorientation).
 
     Args:
-        spacings: (N, 3) voxel sizes in mm, one row per subject (every subject's header).
-        shapes: (N', 3) shapes of the non-zero region in voxels at each subject's own spacing.
-        shape_spacings: (N', 3) the spacings of the subjects in `shapes`.
-        channels: per image channel, `kind` (mr/ct, as the data suggests) and the foreground intensities'
-            `mean`, `std`, `low` and `high` (the CT percentiles).
+        spacings: (N, 3) voxel sizes in mm, one row per subject.
+        shapes: (N, 3) shapes of each subject's non-zero region in voxels at its own spacing.
+        relative_sizes: (N,) the share of each volume its non-zero region's box keeps.
+        channels: per image channel, `kind` (mr/ct, as the data suggests) and the labelled voxels' `mean`,
+            `std`, `low` and `high` (the CT percentiles); None where no subject has a labelled voxel.
+        labels: label value -> voxels of it over the training subjects (after the dataset's own mapping).
+        label_files: label value -> the first label file holding it (named when a value is refused).
     """
 
     spacings: np.ndarray
     shapes: np.ndarray
-    shape_spacings: np.ndarray
+    relative_sizes: np.ndarray
     channels: list[dict[str, Any]]
+    labels: dict[int, int] = field(default_factory=dict)
+    label_files: dict[int, str] = field(default_factory=dict)
 
 
 def channel_statistics(values: np.ndarray, minimum: float) -> dict[str, Any]:
-    """One channel's foreground intensities `values` (mean, std, the CT clip percentiles) and its kind: CT where
-    the whole volumes' `minimum` is air, MR otherwise."""
+    """One channel's labelled intensities `values` (mean, std, the CT clip percentiles) and its kind: CT where the
+    whole volumes' `minimum` is air, MR otherwise. Subjects without labelled voxels give no values."""
     values = values[np.isfinite(values)].astype(np.float64)
     kind = "ct" if minimum < CT_MINIMUM else "mr"
     if values.size == 0:
-        return {"kind": kind, "mean": 0.0, "std": 1.0, "low": 0.0, "high": 0.0}
+        return {"kind": kind, "mean": None, "std": None, "low": None, "high": None}
     low, high = np.percentile(values, CT_PERCENTILES)
     return {
         "kind": kind, "mean": float(values.mean()), "std": float(values.std()), "low": float(low), "high": float(high)
     }
 
 
-def target_spacing(spacings: np.ndarray) -> list[float]:
-    return [float(s) for s in np.median(np.asarray(spacings, dtype=np.float64), axis=0)]
+def nnunet_order(values: Sequence[Any]) -> list[Any]:
+    """medvol's axes (RAS, the NIfTI voxel axes) as nnU-Net reads them (SimpleITK: reversed), and back."""
+    return list(values)[::-1]
 
 
-def median_shape(shapes: np.ndarray, shape_spacings: np.ndarray, spacing: Sequence[float]) -> list[int]:
-    """The median non-zero region in voxels once resampled to `spacing`."""
-    resampled = np.asarray(shapes, dtype=np.float64) * np.asarray(shape_spacings) / np.asarray(spacing)
-    return [max(1, int(round(s))) for s in np.median(resampled, axis=0)]
+def target_spacing(spacings: np.ndarray, shapes: np.ndarray) -> list[float]:
+    """nnU-Net's `determine_fullres_target_spacing`: the median, except the 10th percentile along a coarsest axis
+    that is over 3x the others in spacing and has 3x fewer voxels (kept at least as fine as the others)."""
+    spacings = np.asarray([nnunet_order(s) for s in spacings], dtype=np.float64)
+    sizes = np.asarray([nnunet_order(s) for s in shapes], dtype=np.float64)
+    target = np.percentile(spacings, 50, 0)
+    target_size = np.percentile(sizes, 50, 0)
+    worst = int(np.argmax(target))
+    others = [i for i in range(3) if i != worst]
+    aniso_spacing = target[worst] > ANISOTROPY * max(target[i] for i in others)
+    aniso_voxels = target_size[worst] * ANISOTROPY < min(target_size[i] for i in others)
+    if aniso_spacing and aniso_voxels:
+        low_resolution = np.percentile(spacings[:, worst], LOW_RESOLUTION_PERCENTILE)
+        finest_other = max(target[i] for i in others)
+        if low_resolution < finest_other:
+            low_resolution = max(finest_other, low_resolution) + 1e-5
+        target[worst] = low_resolution
+    return [float(s) for s in nnunet_order(target)]
 
 
-def normalization(channels: Sequence[Mapping[str, Any]], kinds: Sequence[str]) -> list[dict[str, Any]]:
-    """Per channel: `{kind: mr}`, or `{kind: ct, clip: [low, high], mean, std}` with the CT statistics."""
+def resampled_shapes(shapes: np.ndarray, spacings: np.ndarray, spacing: Sequence[float]) -> np.ndarray:
+    """Each subject's non-zero region in voxels at `spacing` (nnU-Net's `compute_new_shape`: rounded per axis)."""
+    return np.asarray([
+        [int(round(s / t * n)) for s, t, n in zip(own, spacing, shape, strict=True)]
+        for shape, own in zip(shapes, spacings, strict=True)
+    ])
+
+
+def separate_axis(current: Sequence[float], target: Sequence[float]) -> int | None:
+    """The axis nnU-Net resamples apart (nearest, after the others in-plane): the one coarsest axis of the current
+    spacing where that is over 3x anisotropic, else of the target's; None when neither is, or no axis is alone."""
+    for spacing in (current, target):
+        spacing = np.asarray(spacing, dtype=np.float64)
+        if spacing.max() / spacing.min() > ANISOTROPY:
+            axes = np.nonzero(spacing.max() / spacing == 1)[0]
+            return int(axes[0]) if len(axes) == 1 else None
+    return None
+
+
+def normalization(
+    channels: Sequence[Mapping[str, Any]], kinds: Sequence[str], relative_sizes: np.ndarray
+) -> list[dict[str, Any]]:
+    """Per channel: `{kind: mr, use_mask}` (the non-zero mask where cropping to it keeps < 3/4 of the median
+    volume) or `{kind: ct, clip: [low, high], mean, std}` with the labelled voxels' statistics."""
+    use_mask = bool(np.median(relative_sizes) < MASK_SHARE) if len(relative_sizes) else False
     plan = []
-    for stats, kind in zip(channels, kinds, strict=True):
+    for i, (stats, kind) in enumerate(zip(channels, kinds, strict=True)):
         if kind == "mr":
-            plan.append({"kind": "mr"})
+            plan.append({"kind": "mr", "use_mask": use_mask})
             continue
-        plan.append(
-            {"kind": "ct", "clip": [stats["low"], stats["high"]], "mean": stats["mean"], "std": max(stats["std"], 1e-8)}
-        )
+        if stats.get("mean") is None:
+            raise MedvolError(
+                f"image channel {i} is normalized as CT, but no training subject has a labelled voxel to take its "
+                "statistics from; expected label maps with foreground, or `dataset.modality_kind=mr`"
+            )
+        plan.append({
+            "kind": "ct", "clip": [stats["low"], stats["high"]], "mean": stats["mean"], "std": max(stats["std"], 1e-8)
+        })
     return plan
 
 
-def topology(patch: Sequence[int], spacing: Sequence[float]) -> tuple[list[int], list[list[int]], list[list[int]]]:
-    """Strides and kernels per level for `patch` at `spacing`, and the patch rounded up to what they divide.
-
-    Each level halves the axes whose current spacing is within `ANISOTROPY` of the finest and whose
-    size stays >= 2 * MIN_FEATURE_SIZE; an axis still coarser than that gets a kernel of 1.
-    """
-    size, current = [int(p) for p in patch], [float(s) for s in spacing]
-    strides, kernels = [[1, 1, 1]], [[3 if c <= ANISOTROPY * min(current) else 1 for c in current]]
-    halvings = [0, 0, 0]
-    while len(strides) <= MAX_HALVINGS:
-        finest = min(current)
-        step = [
-            2 if c <= ANISOTROPY * finest and s >= 2 * MIN_FEATURE_SIZE else 1
-            for c, s in zip(current, size, strict=True)
-        ]
-        if step == [1, 1, 1]:
-            break
-        size = [s // t for s, t in zip(size, step, strict=True)]
-        current = [c * t for c, t in zip(current, step, strict=True)]
-        halvings = [h + (t == 2) for h, t in zip(halvings, step, strict=True)]
-        strides.append(step)
-        kernels.append([3 if c <= ANISOTROPY * min(current) else 1 for c in current])
-    # Rounded up, as nnU-Net pads the patch: a patch of the median shape still holds a whole median volume.
-    rounded = [-(-int(p) // 2**h) * 2**h for p, h in zip(patch, halvings, strict=True)]
-    return rounded, strides, kernels
-
-
-def filters(levels: int, base: int) -> list[int]:
-    return [min(base * 2**i, MAX_FILTERS) for i in range(levels)]
+def label_classes(fingerprint: DataFingerprint, num_classes: int | None, regions: bool) -> int | None:
+    """The number of classes: `num_classes` where given (every label value must lie below it), else from the
+    label values present, which must run 0..K-1 as nnU-Net requires. None for regions."""
+    values = sorted(fingerprint.labels)
+    if regions:
+        return None
+    if num_classes is not None:
+        outside = [v for v in values if not 0 <= v < int(num_classes)]
+        if outside:
+            raise MedvolError(
+                f"label value {outside[0]} in {fingerprint.label_files.get(outside[0], 'a label file')} is outside "
+                f"the classes 0..{int(num_classes) - 1} of `model.num_classes={num_classes}`; fix the label file or "
+                "the number of classes"
+            )
+        return int(num_classes)
+    if not values:
+        return None
+    missing = sorted(set(range(max(values) + 1)) - set(values))
+    if min(values) < 0 or missing:
+        bad = min(values) if min(values) < 0 else max(values)
+        raise MedvolError(
+            f"label value {bad} in {fingerprint.label_files.get(bad, 'a label file')} is outside consecutive classes: "
+            f"the training labels hold {values}; expected 0..K-1 (0 background), or set `model.num_classes`"
+        )
+    return max(2, max(values) + 1)
 
 
-def activation_bytes(
-    patch: Sequence[int], batch: int, strides: Sequence[Sequence[int]], features: Sequence[int]
-) -> int:
-    """Bytes of the activations one training step keeps for backpropagation (float32), level by level."""
-    voxels, total = float(np.prod(patch)), 0.0
-    for step, width in zip(strides, features, strict=True):
-        voxels /= float(np.prod(step))
-        total += voxels * width * TENSORS_PER_LEVEL
-    return int(total * batch * BYTES)
+def augmentation(patch: Sequence[int], spacing: Sequence[float]) -> dict[str, Any]:
+    """The trainer's spatial augmentation settings for `patch` (medvol axes): in-plane only (+-180 degrees about the
+    coarsest axis, that axis neither rotated nor scaled nor enlarged) when the patch is over 3x shorter along the
+    coarsest spacing than its longest side, else +-30 degrees about every axis; and the patch the loader cuts
+    before rotating (`get_patch_size`: the patch rotated by the largest angle about each axis, over 0.85)."""
+    order = transposition(spacing)
+    transposed = [int(nnunet_order(patch)[a]) for a in order]
+    in_plane = max(transposed) / transposed[0] > ANISOTROPY
+    angle = min(IN_PLANE_ROTATION if in_plane else ROTATION, np.pi / 2)
+    coords = np.asarray(transposed, dtype=np.float64)
+    final = np.copy(coords)
+    for axis in range(3):
+        final = np.max(np.vstack((np.abs(coords @ rotation_matrix(axis, angle)), final)), 0)
+    initial = (final / INITIAL_PATCH_SCALE).astype(int)
+    if in_plane:
+        initial[0] = transposed[0]
+    return {
+        "rotation": float(IN_PLANE_ROTATION if in_plane else ROTATION), "in_plane": bool(in_plane),
+        "axis": 2 - order[0], "initial_patch": [int(p) for p in to_medvol(list(initial), order)],
+    }
 
 
-def fit_patch(
-    shape: Sequence[int], spacing: Sequence[float], budget: int, base: int, dataset_voxels: float, min_batch: int = 2
-) -> tuple[list[int], int, list[list[int]], list[list[int]], list[int]]:
-    """The largest patch up to `shape` whose `min_batch` steps fit `budget`, then the batch that fills it.
+def rotation_matrix(axis: int, angle: float) -> np.ndarray:
+    """batchgenerators' rotation matrix about `axis` (x, y or z of nnU-Net's axes)."""
+    c, s = np.cos(angle), np.sin(angle)
+    if axis == 0:
+        return np.array([[1, 0, 0], [0, c, -s], [0, s, c]])
+    if axis == 1:
+        return np.array([[c, 0, s], [0, 1, 0], [-s, 0, c]])
+    return np.array([[c, -s, 0], [s, c, 0], [0, 0, 1]])
 
-    Shrinks the axis longest in mm by 10% at a time (nnU-Net shrinks the axis largest relative to the median
-    shape). The batch grows past `min_batch` only while one batch holds at most `BATCH_SHARE` of the
-    `dataset_voxels` (nnU-Net's cap: a small dataset keeps several steps an epoch).
-    """
-    patch = [max(2 * MIN_FEATURE_SIZE, int(s)) for s in shape]
-    while True:
-        rounded, strides, kernels = topology(patch, spacing)
-        features = filters(len(strides), base)
-        if activation_bytes(rounded, min_batch, strides, features) <= budget or max(patch) <= 2 * MIN_FEATURE_SIZE:
-            break
-        axis = int(np.argmax([p * s if p > 2 * MIN_FEATURE_SIZE else 0 for p, s in zip(patch, spacing, strict=True)]))
-        patch[axis] = max(2 * MIN_FEATURE_SIZE, int(patch[axis] * 0.9))
-    batch = max(1, min_batch)
-    cap = max(min_batch, int(BATCH_SHARE * dataset_voxels / float(np.prod(rounded))))
-    while activation_bytes(rounded, batch + 1, strides, features) <= budget and batch < cap:
-        batch += 1
-    return rounded, batch, strides, kernels, features
+
+def transposition(spacing: Sequence[float]) -> list[int]:
+    """nnU-Net's `transpose_forward` of a spacing in medvol's axes: its coarsest axis first, the others in order."""
+    nn = nnunet_order(spacing)
+    coarsest = int(np.argmax(nn))
+    return [coarsest] + [i for i in range(3) if i != coarsest]
+
+
+def to_medvol(values: Sequence[Any], order: Sequence[int]) -> list[Any]:
+    """Per-axis values in nnU-Net's transposed order back in medvol's axes."""
+    untransposed = [None] * 3
+    for position, axis in enumerate(order):
+        untransposed[axis] = values[position]
+    return nnunet_order(untransposed)
+
+
+def fitted(
+    spacing: Sequence[float], shape: Sequence[float], budget_mib: float, base: int, outputs: int, voxels: float,
+    given: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Patch, batch and network in medvol's axes: nnU-Net's search, or a given patch (the batch fills the budget) or
+    batch (the patch shrinks until that batch fits); refused in one line when nothing fits the budget."""
+    order = transposition(spacing)
+    nn_spacing = [nnunet_order(spacing)[a] for a in order]
+    nn_shape = [nnunet_order(shape)[a] for a in order]
+    limit = reference(budget_mib)
+    batch_given = int(given.get("batch_size") or 0)
+    if given.get("patch_size"):
+        topology = pool_and_conv_props(nn_spacing, [nnunet_order(given["patch_size"])[a] for a in order])
+        features = filters(len(topology.strides), base)
+        estimate = feature_map_size(topology.patch, topology.strides, features, outputs)
+        batch = batch_given or batch_size(limit, estimate, voxels, topology.patch)
+        key = "model.plan.patch_size"
+    else:
+        # A given batch of B samples searches under the budget a batch of 2 would have per sample.
+        fit = fit_patch(nn_spacing, nn_shape, budget_mib * MIN_BATCH / (batch_given or MIN_BATCH), base, outputs,
+                        voxels)
+        topology, features, estimate = fit.topology, fit.features, fit.estimate
+        batch = batch_given or fit.batch
+        key = "model.plan.batch_size" if batch_given else "model.plan.memory_budget_mib"
+    # The budget holds the smallest batch (nnU-Net's batch rounds to the nearest sample and may pass it slightly).
+    needed = estimate_mib(estimate, batch_given or MIN_BATCH)
+    if needed > budget_mib * (1 + 1e-9):
+        patch = "x".join(str(p) for p in to_medvol(topology.patch, order))
+        raise MedvolError(
+            f"`{key}`: a patch of {patch} at batch {batch_given or MIN_BATCH} needs {needed:.0f} MiB, over the "
+            f"{budget_mib:.0f} MiB budget (`model.plan.memory_budget_mib`); give a smaller patch or batch, or raise it"
+        )
+    return {
+        "patch_size": [int(p) for p in to_medvol(topology.patch, order)],
+        "strides": [[int(s) for s in to_medvol(step, order)] for step in topology.strides],
+        "kernels": [[int(k) for k in to_medvol(kernel, order)] for kernel in topology.kernels],
+        "features": features, "batch_size": int(batch), "estimate": int(estimate),
+    }
 
 
 def make_plan(
-    fingerprint: DataFingerprint, budget: int, base: int, overrides: Mapping[str, Any] | None = None,
-    kinds: Sequence[str] | None = None,
+    fingerprint: DataFingerprint, budget_mib: float, base: int, overrides: Mapping[str, Any] | None = None,
+    kinds: Sequence[str] | None = None, regions: Mapping[str, Sequence[int]] | None = None,
 ) -> dict[str, Any]:
-    """The plan of `fingerprint` under a memory `budget` (bytes) with `base` filters at full resolution.
+    """The plan of `fingerprint` under a memory budget (MiB, nnU-Net's calibration) with `base` filters at full
+    resolution.
 
     Args:
         fingerprint: the training subjects' data.
-        budget: bytes one training step's activations may take.
-        base: filters of the first level (doubling per level up to `MAX_FILTERS`).
-        overrides: plan keys given instead of derived (spacing, normalization kinds via `kinds`, patch_size,
-            batch_size, features, foreground_ratio, deep_supervision, poly_power); null values are ignored.
+        budget_mib: nnU-Net's GPU memory target in MiB (its default 8 GB: 8192).
+        base: filters of the first stage (doubling per stage up to 320).
+        overrides: plan keys given instead of derived (spacing, patch_size, batch_size, features, num_classes,
+            foreground_ratio, deep_supervision, poly_power, crop_foreground, iterations_per_epoch, augmentation: false
+            for none, nnU-Net's `nnUNetTrainerNoDA`); None ignored.
         kinds: per channel mr/ct, instead of what the data suggests.
+        regions: the model's regions (name -> label values), whose count sets the network's outputs.
     """
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
-    spacing = [float(s) for s in given.get("spacing") or target_spacing(fingerprint.spacings)]
+    spacing = [float(s) for s in given.get("spacing") or target_spacing(fingerprint.spacings, fingerprint.shapes)]
     kinds = list(kinds or [c["kind"] for c in fingerprint.channels])
-    shape = median_shape(fingerprint.shapes, fingerprint.shape_spacings, spacing)
+    shapes = resampled_shapes(fingerprint.shapes, fingerprint.spacings, spacing)
+    median = [float(m) for m in np.median(shapes, 0)]
     subjects = len(fingerprint.spacings)
-    patch, batch, strides, kernels, features = fit_patch(shape, spacing, budget, base, subjects * float(np.prod(shape)))
-    if given.get("patch_size"):
-        patch, strides, kernels = topology(given["patch_size"], spacing)
-        features = filters(len(strides), base)
-    features = [int(f) for f in given.get("features") or features][: len(strides)]
-    strides, kernels = strides[: len(features)], kernels[: len(features)]
-    # No more samples a step than training subjects (an epoch is at least one step).
-    batch = int(given.get("batch_size") or min(batch, max(1, subjects)))
+    classes = label_classes(fingerprint, given.get("num_classes"), bool(regions))
+    # nnU-Net counts its dataset.json labels: background and every class, or background and every region.
+    outputs = len(regions) + 1 if regions else classes or 2
+    fit = fitted(spacing, median, budget_mib, base, outputs, float(np.prod(median)) * subjects, given)
+    features = [int(f) for f in given.get("features") or fit["features"]][: len(fit["strides"])]
+    strides, kernels = fit["strides"][: len(features)], fit["kernels"][: len(features)]
     return {
         "spacing": spacing,
-        "normalization": normalization(fingerprint.channels, kinds),
+        "normalization": normalization(fingerprint.channels, kinds, fingerprint.relative_sizes),
+        "resampling": "nnunet",
         "crop_foreground": bool(given.get("crop_foreground", True)),
-        "median_shape": shape,
-        "patch_size": patch,
-        "batch_size": batch,
+        "median_shape": [int(round(m)) for m in median],
+        "patch_size": fit["patch_size"],
+        "batch_size": fit["batch_size"],
         "features": features,
         "strides": strides,
         "kernels": kernels,
+        "channels": len(fingerprint.channels),
+        "num_classes": classes,
+        "labels": {str(k): int(v) for k, v in sorted(fingerprint.labels.items())},
+        "augmentation": {**augmentation(fit["patch_size"], spacing), "enabled": bool(given.get("augmentation", True))},
         "foreground_ratio": float(given.get("foreground_ratio", FOREGROUND_RATIO)),
-        # DynUNet supervises the decoder levels between the coarsest and the output: none with two levels.
+        # DynUNet supervises the decoder stages between the coarsest and the output: none with two stages.
         "deep_supervision": bool(given.get("deep_supervision", True)) and len(features) >= 3,
         "poly_power": float(given.get("poly_power", POLY_POWER)),
-        "memory_budget": int(budget),
-        "memory_estimate": activation_bytes(patch, batch, strides, features),
+        "iterations_per_epoch": int(given.get("iterations_per_epoch", ITERATIONS_PER_EPOCH)),
+        "memory_budget_mib": float(budget_mib),
+        "memory_estimate_mib": round(estimate_mib(fit["estimate"], fit["batch_size"]), 1),
         "subjects": int(subjects),
         "overridden": sorted(given),
     }
 
 
 def background_values(normalization_plan: Sequence[Mapping[str, Any]]) -> list[float]:
-    """Per channel, the value a background voxel has after normalization: 0 for MR (the z-score leaves
-    zeros at 0), the clipped low end in z units for CT."""
+    """Per channel, the value a background voxel has after normalization: 0 for MR (the masked z-score leaves zeros
+    at 0, and nnU-Net pads with 0), the clipped low end in z units for CT."""
     values = []
     for channel in normalization_plan:
         if channel["kind"] == "ct":
@@ -231,17 +350,23 @@ def background_values(normalization_plan: Sequence[Mapping[str, Any]]) -> list[f
 
 def describe(plan: Mapping[str, Any]) -> list[str]:
     """The plan in a few lines, for the start of a run."""
-    kinds = ", ".join(c["kind"] for c in plan["normalization"])
+    kinds = ", ".join(c["kind"] + (" masked" if c.get("use_mask") else "") for c in plan["normalization"])
     x = "x".join
+    augment = plan["augmentation"]
+    classes = plan.get("num_classes")
     return [
         f"plan: spacing {x(f'{s:g}' for s in plan['spacing'])} mm, normalization per channel [{kinds}], "
         f"crop to the non-zero region {'on' if plan['crop_foreground'] else 'off'}, median shape "
         f"{x(map(str, plan['median_shape']))}",
+        f"plan: labels {plan['labels']} (voxels per value)" + (f", {classes} classes" if classes else ""),
         f"plan: patch {x(map(str, plan['patch_size']))}, batch {plan['batch_size']} "
-        f"(estimate {plan['memory_estimate'] / 2**20:.0f} MiB of a {plan['memory_budget'] / 2**20:.0f} MiB budget), "
-        f"{plan['foreground_ratio']:.0%} foreground patches",
+        f"(estimate {plan['memory_estimate_mib']:.0f} MiB of a {plan['memory_budget_mib']:.0f} MiB budget), "
+        f"{plan['iterations_per_epoch']} batches an epoch, {plan['foreground_ratio']:.0%} foreground samples a batch",
         f"plan: DynUNet filters {plan['features']}, strides {plan['strides']}, kernels {plan['kernels']}, "
         f"deep supervision {'on' if plan['deep_supervision'] else 'off'}, poly LR decay (power {plan['poly_power']:g})",
+        (f"plan: augmentation as nnU-Net's: rotation +-{np.rad2deg(augment['rotation']):.0f} deg "
+         f"{'in-plane' if augment['in_plane'] else 'about every axis'}, cut at {x(map(str, augment['initial_patch']))}"
+         if augment.get("enabled", True) else "plan: augmentation off (model.plan.augmentation=false)"),
         *([f"plan: given instead of derived: {', '.join(plan['overridden'])}"] if plan["overridden"] else []),
     ]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from scipy import ndimage
@@ -91,3 +93,30 @@ def test_regions_are_judged_as_regions_and_the_decision_survives_json():
         Postprocessing.from_json({"steps": [{"name": "WT"}]}, "postprocessing.json")
     with pytest.raises(MedvolError, match="no validation predictions"):
         choose(scheme, [])
+
+
+def test_a_class_absent_from_a_subjects_prediction_and_truth_is_left_out_of_the_mean_not_counted_as_1():
+    shape = (12, 12, 12)
+    # Subject A has no oedema in truth or prediction; subject B's oedema is predicted half right (Dice 0.5 by hand:
+    # 2 x 8 / (16 + 16)).
+    truth_a = blob(shape, (1, 1, 1), 3, 1)
+    truth_b = blob(shape, (1, 1, 1), 3, 1)
+    truth_b[6:8, 6:8, 6:10] = 2
+    prediction_b = truth_b.copy()
+    prediction_b[6:8, 6:8, 6:8] = 0
+    prediction_b[6:8, 6:8, 10:12] = 2
+    decision = choose(CLASSES, loaders([(truth_a.copy(), truth_a), (prediction_b, truth_b)]))
+    # nnU-Net's nanmean over the subjects: 0.5 (counting A's absent oedema as 1 would give 0.75).
+    assert decision.scores["dice_before"]["oedema"] == pytest.approx(0.5)
+    assert decision.scores["dice_before"]["core"] == pytest.approx(1.0)
+
+
+def test_a_class_absent_from_every_subject_does_not_block_the_all_foreground_step():
+    shape = (12, 12, 12)
+    truth = blob(shape, (1, 1, 1), 4, 1)  # no oedema anywhere: its Dice is NaN before and after
+    prediction = truth.copy()
+    prediction[10, 10, 10] = 1  # a distant false core speck
+    decision = choose(CLASSES, loaders([(prediction, truth)]))
+    assert decision.steps == ((ALL_FOREGROUND, (1, 2)),)
+    assert decision.scores["dice_after"] == {"core": pytest.approx(1.0), "oedema": None}
+    assert json.loads(json.dumps(decision.to_json(), allow_nan=False))["dice_before"]["oedema"] is None

@@ -17,7 +17,7 @@ from scipy.ndimage import map_coordinates
 
 from lightning_modules.segmentation.label_scheme import LabelScheme
 from lightning_modules.segmentation.losses import build_loss
-from lightning_modules.segmentation.segmentation import Segmenter
+from lightning_modules.segmentation.segmentation import Segmenter, supervision_weights
 from lightning_modules.segmentation.subject_scores import SubjectScores, subject_scores
 from medvol.core.errors import MedvolError
 from medvol.run.training import run
@@ -57,34 +57,81 @@ def test_region_loss_is_sigmoid_dice_plus_binary_cross_entropy_not_monais_softma
     assert torch.allclose(softmax_ce, DiceLoss(sigmoid=True)(logits, target) + F.cross_entropy(logits, target.float()))
 
 
-def test_dice_and_hd95_equal_monais_metric_classes():
+@pytest.mark.parametrize("stages", [3, 4, 6])
+def test_deep_supervision_weights_are_nnunets(stages):
+    """nnU-Net's `_build_loss`: one weight per decoder stage's output, 1/2^i, the lowest 0, normalised to 1."""
+    weights = np.array([1 / 2**i for i in range(stages - 1)])
+    weights[-1] = 0
+    assert supervision_weights(stages) == pytest.approx((weights / weights.sum()).tolist())
+
+
+def test_class_loss_is_dice_without_background_plus_cross_entropy_over_every_class():
+    """nnU-Net's DC_and_CE_loss: soft Dice (smooth 1e-5) over the foreground channels, cross-entropy over all."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 6, 5, 4)
+    label = torch.randint(0, 3, (2, 1, 6, 5, 4))
+    probabilities = logits.softmax(1)
+    onehot = F.one_hot(label[:, 0], 3).movedim(-1, 1).float()
+    dims = (2, 3, 4)
+    intersection = (probabilities * onehot).sum(dims)[:, 1:]
+    denominator = (probabilities.sum(dims) + onehot.sum(dims))[:, 1:]
+    dice = 1 - ((2 * intersection + 1e-5) / (denominator + 1e-5)).mean()
+    expected = dice + F.cross_entropy(logits, label[:, 0])
+    assert torch.allclose(build_loss("dice_ce", regions=False)(logits, label), expected, atol=1e-6)
+
+
+def test_dice_and_hd95_equal_monais_metric_classes_and_an_absent_class_is_left_out():
     prediction, target = random_masks(2, (3, 2, 12, 10, 14)), random_masks(3, (3, 2, 12, 10, 14))
     target[2, 1] = 0  # an empty target: Dice counts a prediction there as 0, HD95 is undefined
     prediction[1, 0] = 0
-    target[1, 0] = 0  # both empty: Dice 1
+    target[1, 0] = 0  # both empty: the class is absent from the case, Dice NaN (nnU-Net's compute_metrics)
     spacing = [[1.0, 2.0, 0.5], [1.0, 1.0, 1.0], [3.0, 1.0, 2.0]]
     dice, hd95 = subject_scores(prediction, target, spacing)
 
+    # nnU-Net's Dice by hand: 2 TP / (2 TP + FP + FN), NaN where TP + FP + FN is 0.
+    p, t = prediction.flatten(2).double(), target.flatten(2).double()
+    tp, fp, fn = (p * t).sum(-1), (p * (1 - t)).sum(-1), ((1 - p) * t).sum(-1)
+    by_hand = torch.where(tp + fp + fn > 0, 2 * tp / (2 * tp + fp + fn), torch.full_like(tp, float("nan")))
+    assert torch.allclose(dice.double(), by_hand, equal_nan=True)
     dice_metric = DiceMetric(include_background=True, reduction="none", ignore_empty=False)
     hd_metric = HausdorffDistanceMetric(include_background=True, percentile=95, reduction="none")
     dice_metric(prediction, target)
     hd_metric(prediction, target, spacing=spacing)
-    assert torch.allclose(dice, dice_metric.aggregate().float())
+    present = ~torch.isnan(dice)
+    assert torch.allclose(dice[present], dice_metric.aggregate().float()[present])
     reference_hd = hd_metric.aggregate().float()
     finite = torch.isfinite(reference_hd)
     assert torch.allclose(hd95[finite], reference_hd[finite]) and torch.isnan(hd95[~finite]).all()
-    assert dice[1, 0] == 1 and dice[2, 1] == 0
+    assert torch.isnan(dice[1, 0]) and dice[2, 1] == 0
 
-    # Gathered over updates (and ranks), each column is the mean over subjects; undefined HD95s left out.
+    # Gathered over updates (and ranks), each column is the mean over subjects; undefined values left out.
     scores = SubjectScores(2)
     scores.update(hd95[:2])
     scores.update(hd95[2:])
     assert torch.allclose(scores.compute(), reference_hd.masked_fill(~finite, float("nan")).nanmean(0).float())
-    dice_mean = DiceMetric(include_background=True, reduction="mean_batch", ignore_empty=False)
-    dice_mean(prediction, target)
     averaged = SubjectScores(2)
     averaged.update(dice)
-    assert torch.allclose(averaged.compute(), dice_mean.aggregate().float())
+    assert torch.allclose(averaged.compute().double(), by_hand.nanmean(0))
+
+
+def test_a_model_predicting_background_everywhere_scores_0_not_the_absent_classes_1():
+    """One class present in the truth, one absent from truth and prediction: the mean Dice is the present class's 0
+    (the absent class was counted as 1 before, giving 0.5)."""
+    module = Segmenter(num_classes=3, class_names=["a", "b"], features=[4, 8], patch_size=[8, 8, 8])
+    label = torch.zeros(1, 1, 8, 8, 8, dtype=torch.int64)
+    label[0, 0, 2:5, 2:5, 2:5] = 1
+    with torch.no_grad():
+        module.net = BackgroundOnly()
+        module._evaluate({"image": torch.zeros(1, 1, 8, 8, 8), "label": label}, "val")
+    dice = module.val_dice.compute()
+    assert dice[0] == 0 and torch.isnan(dice[1]) and dice.nanmean() == 0
+
+
+class BackgroundOnly(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = torch.zeros(x.shape[0], 3, *x.shape[2:])
+        logits[:, 0] = 10.0
+        return logits
 
 
 class Identity(torch.nn.Module):
@@ -150,7 +197,7 @@ def test_test_run_writes_masks_on_the_source_grid_with_brats_values_and_per_subj
     ("overrides", "message"),
     [
         (["model.num_classes=2", "model.class_names=null"],
-         r"label values \[2\] are outside the configured classes \(`model.num_classes`\)"),
+         r"label value 2( in \S+)? is outside the configured classes \(`model.num_classes`\)"),
         (["model.net=swinunetr", "model.patch_size=[48,48,48]"],
          r"`model.patch_size` is \[48, 48, 48\]; model.net=swinunetr"),
         (["model.net=swinunetr", "model.patch_size=[32,32,32]"], r"model.net=swinunetr needs sizes of at least 64"),

@@ -1,5 +1,5 @@
 """The segmentation plan from the data's fingerprint (medvol/volumes/plan.py, medvol/run/planning.py): each value
-checked against numpy or nibabel on the files, the memory estimate against the activations autograd keeps, and the
+checked against numpy or nibabel on the files (the rules against nnU-Net itself: test_network_topology.py), and the
 plan read back bit for bit by a resumed run and by predict.py."""
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import torch
 
 from datamodules.pipeline.transforms import PlannedNormalized
 from datamodules.sources.nifti import NiftiDataModule
-from lightning_modules.segmentation.networks import build_network
 from medvol.core.build import build_model
 from medvol.core.errors import MedvolError
 from medvol.run.planning import planned, with_run_plan
 from medvol.run.predict_config import input_geometry, run_config, window_size
 from medvol.run.predicting import predict
 from medvol.run.training import run
-from medvol.volumes.plan import DataFingerprint, activation_bytes, background_values, make_plan, topology
+from medvol.volumes.network_topology import feature_map_size, reference
+from medvol.volumes.plan import DataFingerprint, background_values, make_plan
 from medvol.volumes.sliding_window import SlidingWindow
 from tests.conftest import compose_cfg
 from tests.medvol.run.test_predict import predict_cfg, saved_run
@@ -60,14 +60,14 @@ def test_the_planned_spacing_is_the_median_of_the_headers(tmp_path):
     data = datamodule(write_subjects(tmp_path / "data", SPACINGS), tmp_path)
     fingerprint = data.plan_fingerprint()
     headers = [nib.load(r["image"][0]).header.get_zooms()[:3] for r in data.training_records()]
-    plan = make_plan(fingerprint, 2**29, 16)
+    plan = make_plan(fingerprint, 512, 16)
     assert plan["spacing"] == pytest.approx(np.median(np.asarray(headers), axis=0).tolist())
     assert plan["spacing"] != pytest.approx(np.mean(np.asarray(headers), axis=0).tolist())
 
 
 def test_ct_statistics_are_numpys_over_the_label_voxels_of_the_training_subjects(tmp_path):
     data = datamodule(write_subjects(tmp_path / "data", SPACINGS, ct=True), tmp_path)
-    plan = make_plan(data.plan_fingerprint(), 2**29, 16)
+    plan = make_plan(data.plan_fingerprint(), 512, 16)
     voxels = np.concatenate([
         np.asarray(nib.load(r["image"][0]).dataobj)[np.asarray(nib.load(r["label"]).dataobj) > 0]
         for r in data.training_records()
@@ -81,22 +81,37 @@ def test_ct_statistics_are_numpys_over_the_label_voxels_of_the_training_subjects
 
 def test_mr_data_is_planned_as_mr_and_modality_kind_overrides_it(tmp_path):
     root = write_subjects(tmp_path / "data", SPACINGS)
-    assert make_plan(datamodule(root, tmp_path).plan_fingerprint(), 2**29, 16)["normalization"] == [{"kind": "mr"}]
+    (channel,) = make_plan(datamodule(root, tmp_path).plan_fingerprint(), 512, 16)["normalization"]
+    assert channel["kind"] == "mr"
     forced = datamodule(root, tmp_path, modality_kind="ct")
-    assert make_plan(forced.plan_fingerprint(), 2**29, 16,
-                     kinds=forced.modality_kind)["normalization"][0]["kind"] == "ct"
+    assert make_plan(forced.plan_fingerprint(), 512, 16, kinds=forced.modality_kind)["normalization"][0]["kind"] == "ct"
 
 
-def test_mr_normalization_is_numpys_z_score_over_the_non_zero_voxels_and_keeps_zeros():
+def test_mr_normalization_is_numpys_z_score_over_the_non_zero_mask_and_keeps_zeros():
+    """With the mask (nnU-Net's `use_mask_for_norm`): one hole-filled mask of the voxels non-zero in any channel, so
+    a zero inside the brain, or where only another channel is non-zero, is normalized and the air stays 0."""
     rng = np.random.default_rng(1)
     volume = np.zeros((2, 10, 9, 8), np.float32)
     volume[:, 2:8, 2:7, 1:6] = rng.normal(500.0, 80.0, (2, 6, 5, 5))
-    out = PlannedNormalized(["image"], [{"kind": "mr"}, {"kind": "mr"}])({"image": torch.from_numpy(volume)})["image"]
+    volume[1, 8, 2:7, 1:6] = rng.normal(500.0, 80.0, (5, 5))  # a slab only channel 1 covers
+    volume[:, 4, 4, 3] = 0.0  # a hole inside the brain in every channel: inside the filled mask
+    volume[0, 5, 3, 2] = 0.0  # a zero in one channel only
+    plans = [{"kind": "mr", "use_mask": True}] * 2
+    out = PlannedNormalized(["image"], plans)({"image": torch.from_numpy(volume)})["image"]
+    inside = np.zeros(volume.shape[1:], bool)
+    inside[2:9, 2:7, 1:6] = True
     for c in range(2):
-        inside = volume[c] != 0
         expected = (volume[c][inside] - volume[c][inside].mean()) / volume[c][inside].std()
         assert np.asarray(out[c])[inside] == pytest.approx(expected, abs=1e-4)
         assert np.all(np.asarray(out[c])[~inside] == 0)
+
+
+def test_mr_normalization_without_the_mask_is_numpys_z_score_of_the_whole_volume():
+    """Integer MR without a zero background (nnU-Net: no mask): no speckle of 0 in the air."""
+    volume = np.round(np.random.default_rng(2).normal(200.0, 30.0, (1, 8, 8, 8))).astype(np.float32)
+    volume[0, :2] = 0.0
+    out = PlannedNormalized(["image"], [{"kind": "mr", "use_mask": False}])({"image": torch.from_numpy(volume)})
+    assert np.asarray(out["image"]) == pytest.approx((volume - volume.mean()) / volume.std(), abs=1e-4)
 
 
 def test_ct_normalization_clips_then_uses_the_datasets_mean_and_deviation():
@@ -109,43 +124,18 @@ def test_ct_normalization_clips_then_uses_the_datasets_mean_and_deviation():
 
 def anisotropic(spacing=(0.8, 0.8, 4.0), shape=(120, 110, 30)) -> DataFingerprint:
     return DataFingerprint(
-        np.asarray([spacing] * 3), np.asarray([shape] * 3), np.asarray([spacing] * 3),
-        [{"kind": "mr", "mean": 0.0, "std": 1.0, "low": 0.0, "high": 1.0}],
+        np.asarray([spacing] * 3), np.asarray([shape] * 3), np.full(3, 0.9),
+        [{"kind": "mr", "mean": 0.0, "std": 1.0, "low": 0.0, "high": 1.0}], {0: 1000, 1: 10},
     )
 
 
-@pytest.mark.parametrize("budget_mib", [8, 64, 512])
+@pytest.mark.parametrize("budget_mib", [64, 512, 8192])
 @pytest.mark.parametrize("fingerprint", [anisotropic(), anisotropic((1.0, 1.0, 1.0), (160, 190, 150))])
 def test_a_planned_patch_and_batch_never_exceed_the_memory_budget(fingerprint, budget_mib):
-    plan = make_plan(fingerprint, budget_mib * 2**20, 16)
-    assert activation_bytes(plan["patch_size"], plan["batch_size"], plan["strides"],
-                            plan["features"]) <= budget_mib * 2**20
-    assert plan["memory_estimate"] <= plan["memory_budget"] == budget_mib * 2**20
-
-
-@pytest.mark.parametrize(("size", "spacing", "supervised"),
-                         [([32, 32, 8], [1.0, 1.0, 4.0], True), ([24, 24, 24], [1.0] * 3, False)])
-def test_the_memory_estimate_bounds_the_activations_autograd_keeps(size, spacing, supervised):
-    patch, strides, kernels = topology(size, spacing)
-    features = [8, 16, 32, 64][: len(strides)]
-    network = build_network("dynunet", 1, 3, features, 24, kernels, strides, deep_supervision=supervised)
-    saved = []
-
-    def keep(tensor):
-        saved.append(tensor.numel() * tensor.element_size() if tensor.is_floating_point() else 0)
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        network(torch.zeros(2, 1, *patch)).sum().backward()
-    assert sum(saved) <= activation_bytes(patch, 2, strides, features)
-
-
-def test_anisotropic_spacing_gives_in_plane_strides_and_kernels_first():
-    patch, strides, kernels = topology([128, 128, 32], [0.8, 0.8, 4.0])
-    assert strides[1] == [2, 2, 1] and kernels[0] == [3, 3, 1]
-    assert strides[-1] == [2, 2, 2] and kernels[-1] == [3, 3, 3]
-    depth = [int(np.prod([s[axis] for s in strides])) for axis in range(3)]
-    assert all(p % d == 0 for p, d in zip(patch, depth, strict=True))
+    plan = make_plan(fingerprint, budget_mib, 16)
+    estimate = feature_map_size(plan["patch_size"], plan["strides"], plan["features"], 2)
+    assert estimate * 2 / 2 <= reference(budget_mib)
+    assert plan["memory_estimate_mib"] <= 1.5 * budget_mib == 1.5 * plan["memory_budget_mib"]
 
 
 def tiny_planned_run(tmp_path: Path, data: Path, extra=()) -> list[str]:
@@ -154,7 +144,7 @@ def tiny_planned_run(tmp_path: Path, data: Path, extra=()) -> list[str]:
         "dataset.image_modalities=[image]", "model.num_classes=2", "model.class_names=[lesion]",
         "dataset.val_fraction=0.2", "dataset.test_fraction=0.2", "dataset.num_workers=0", "model.plan.base_features=4",
         "hardware=cpu", "callbacks.progress_bar=null", "callbacks.model_summary=null", "trainer.max_epochs=1",
-        "trainer.num_sanity_val_steps=0", "trainer.log_every_n_steps=1", *extra,
+        "trainer.num_sanity_val_steps=0", "trainer.log_every_n_steps=1", "model.plan.iterations_per_epoch=2", *extra,
     ]
 
 
@@ -194,8 +184,8 @@ def test_the_plan_lines_name_every_choice_and_an_override_wins(tmp_path):
     planned_cfg, lines = planned(cfg, built, "cpu")
     assert list(planned_cfg.model.patch_size) == [16, 16, 8] and planned_cfg.model.net == "dynunet"
     text = "\n".join(lines)
-    for word in ("spacing", "normalization", "patch 16x16x8", "batch", "DynUNet", "deep supervision", "poly",
-                 "patch_size"):
+    for word in ("spacing", "normalization", "labels {'0':", "patch 16x16x8", "batch", "2 batches an epoch",
+                 "DynUNet", "deep supervision", "poly", "augmentation as nnU-Net's", "patch_size"):
         assert word in text
 
 
@@ -231,9 +221,10 @@ def test_windows_past_a_small_volume_are_padded_with_the_training_background_per
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        (["dataset=nifti", "dataset.root=/data"], [-1.0]),  # percentile scaling into [-1, 1]: background at -1
-        (["dataset=nifti", "dataset.root=/data", "dataset.transforms.output_range=[0,1]"], [0.0]),
-        ([], [-1.0]),  # the synthetic phantoms in [-1, 1]
+        (["dataset=nifti", "dataset.root=/data", "model.num_classes=3"], [-1.0]),  # percentile scaling into [-1, 1]
+        (["dataset=nifti", "dataset.root=/data", "dataset.transforms.output_range=[0,1]", "model.num_classes=3"],
+         [0.0]),
+        (["model.num_classes=3"], [-1.0]),  # the synthetic phantoms in [-1, 1]
     ],
 )
 def test_the_segmenters_windows_pad_with_the_datasets_background(tmp_path, overrides, expected):
@@ -268,7 +259,8 @@ def test_the_planned_default_learns_on_real_anatomy_where_the_old_default_did_no
         "model=segmentation", "dataset=brats", f"dataset.root={root}", "dataset.label_regions=[WT,TC,ET]",
         "dataset.val_fraction=0.25", "dataset.test_fraction=0.0", "dataset.num_workers=0", "trainer.max_epochs=25",
         "hardware=cpu", "callbacks.progress_bar=null", "callbacks.model_summary=null", "trainer.num_sanity_val_steps=0",
-        "logger=none",
+        # As many batches an epoch as one pass over the 12 training subjects (the plan's 250 would take hours here).
+        "logger=none", "model.plan.iterations_per_epoch=6",
     ]
     planned_dice = run(compose_cfg(tmp_path / "planned", common, tiny=False))["val/dice_WT"]
     old_dice = run(compose_cfg(tmp_path / "old", [*common, "model.plan.use=false"], tiny=False))["val/dice_WT"]
@@ -287,4 +279,40 @@ def test_bad_plan_settings_are_one_line_before_training(tmp_path, override, mess
     data = write_subjects(tmp_path / "data", SPACINGS[:3])
     with pytest.raises(MedvolError, match=message):
         run(compose_cfg(tmp_path / "run", tiny_planned_run(tmp_path, data, [override]), tiny=False))
+    assert not (tmp_path / "run" / "plan.json").exists()
+
+
+def test_a_binary_mask_trains_as_two_classes_and_the_plan_counts_its_labels(tmp_path):
+    """`model.num_classes` null: the classes come from the label maps (0 and 1: two, the binary mask's), with
+    their voxel counts as numpy counts them."""
+    data = write_subjects(tmp_path / "data", SPACINGS)
+    cfg = compose_cfg(tmp_path / "run", tiny_planned_run(
+        tmp_path, data, ["model.num_classes=null", "model.class_names=null"]), tiny=False)
+    built = NiftiDataModule(**{k: v for k, v in cfg.dataset.items() if k != "_target_"})
+    planned_cfg, _ = planned(cfg, built, "cpu")
+    assert planned_cfg.model.num_classes == 2 and list(planned_cfg.model.class_names) == ["class1"]
+    assert build_model(planned_cfg.model).scheme.out_channels == 2
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    labels = np.concatenate([np.asarray(nib.load(r["label"]).dataobj).ravel() for r in built.training_records()])
+    values, counts = np.unique(labels, return_counts=True)
+    assert plan["labels"] == {str(v): int(c) for v, c in zip(values, counts, strict=True)}
+
+
+@pytest.mark.parametrize(("classes", "message"), [
+    ("null", r"label value 5 in \S+sub-\d/label.nii.gz is outside consecutive classes"),
+    ("3", r"label value 5 in \S+sub-\d/label.nii.gz is outside the classes 0..2 of `model.num_classes=3`"),
+])
+def test_a_label_value_outside_the_classes_is_refused_naming_its_file(tmp_path, classes, message):
+    data = write_subjects(tmp_path / "data", SPACINGS)
+    for folder in sorted(data.iterdir()):
+        path = folder / "label.nii.gz"
+        label = nib.load(str(path))
+        values = np.asarray(label.dataobj).copy()
+        values[0, 0, 0] = 5
+        nib.save(nib.Nifti1Image(values, label.affine), str(path))
+    cfg = compose_cfg(tmp_path / "run", tiny_planned_run(
+        tmp_path, data, [f"model.num_classes={classes}", "model.class_names=null"]), tiny=False)
+    built = NiftiDataModule(**{k: v for k, v in cfg.dataset.items() if k != "_target_"})
+    with pytest.raises(MedvolError, match=message):
+        planned(cfg, built, "cpu")
     assert not (tmp_path / "run" / "plan.json").exists()
