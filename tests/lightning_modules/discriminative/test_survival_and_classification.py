@@ -123,10 +123,12 @@ def test_covariate_statistics_come_from_the_training_split_and_survive_resume(tm
     everyone = torch.tensor([[float(r["age"]), float(r["sex"])] for r in _rows(table)], dtype=torch.float64)
     assert not torch.allclose(state["net.covariates.mean"], everyone.mean(0))
 
-    # The risk table: every test subject once, with its outcome and split.
+    # The risk table: every test subject once, with its outcome, its covariates, its survival at the horizons
+    # (the validation set's baseline hazard) and split.
     risks = _rows(run_dir / "predictions" / "risks.csv")
     assert sorted(r["subject"] for r in risks) == sorted(split["test"])
-    assert set(risks[0]) == {"subject", "risk", "time", "event", "split"}
+    assert list(risks[0]) == ["subject", "risk", "time", "event", "age", "sex", "survival@12", "survival@24",
+                              "survival@36", "split"]
     assert "test/cindex" in json.loads((run_dir / "summary.json").read_text())["metrics"] or all(
         r["event"] == "0" for r in risks
     )
