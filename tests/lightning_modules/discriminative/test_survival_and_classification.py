@@ -62,6 +62,17 @@ def test_cox_loss_without_events_is_zero_with_zero_gradients_through_the_network
     assert float(loss) == 0.0 and weight.grad is not None and torch.equal(weight.grad, torch.zeros(3))
 
 
+def test_cox_loss_of_a_single_subject_with_an_event_is_zero_as_its_own_risk_set_gives():
+    # An epoch's last batch can hold one subject (83 training subjects, batch 2): torchsurv refuses it.
+    weight = torch.nn.Parameter(torch.ones(3))
+    loss = cox_loss(torch.randn(1, 3) @ weight, torch.tensor([4.0]), torch.ones(1))
+    loss.backward()
+    assert float(loss) == 0.0 and torch.equal(weight.grad, torch.zeros(3))
+    # Two subjects: the partial likelihood of the earlier event over both, as torchsurv computes it.
+    two = cox_loss(torch.tensor([0.3, -0.2]), torch.tensor([1.0, 2.0]), torch.tensor([1.0, 0.0]))
+    assert float(two) == pytest.approx(-(0.3 - math.log(math.exp(0.3) + math.exp(-0.2))), abs=1e-6)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_cindex_equals_lifelines_and_uno_equals_torchsurv_on_ties_and_censoring(seed):
     risk, time, event = tied_censored_data(seed=seed)
