@@ -14,7 +14,8 @@ covariates) at `--spacing`, then per seed cuts one train/val/test split (`--val`
 
 - `medvol`: `python train.py model=survival dataset=csv dataset.csv_path=... dataset.covariate_columns=[age,sex]
   trainer.max_epochs=E test=true` as a user types it (the plan from the data; `--train-script` runs another
-  checkout's train.py, e.g. the defaults before a change), on the seed's split file;
+  checkout's train.py, e.g. the defaults before a change), on the seed's split file: its tested (best-validation)
+  checkpoint, and its last epoch's (`medvol, last epoch`, predict.py on the test split);
 - `plain`: the plain MONAI + torchsurv script of issue 41: MONAI resnet10 (one channel, one output), z-score
   over the brain, whole volumes, Cox partial likelihood (torchsurv, Efron), Adam 1e-3, batch 8, no
   covariates, the last epoch's weights;
@@ -107,11 +108,22 @@ def scores(
     return {k: float(v) for k, v in out.items()}
 
 
+def predicted_risks(args: argparse.Namespace, checkpoint: str, split: str, out: Path) -> dict[str, float]:
+    """predict.py's risks of a run's split with `checkpoint`."""
+    env = {**os.environ, "PYTHONPATH": str(Path(args.train_script).resolve().parent)}
+    subprocess.run(
+        [sys.executable, str(Path(args.train_script).resolve().parent / "predict.py"), f"ckpt_path={checkpoint}",
+         f"split={split}", f"output_dir={out}", "device=cpu"],
+        cwd=out.parent, capture_output=True, text=True, env=env, check=True,
+    )
+    return {s: float(r["risk"]) for s, r in read_table(out / "predictions.csv").items()}
+
+
 def medvol_arm(
     args: argparse.Namespace, csv_path: Path, split_file: Path, seed: int, out: Path, overrides: list[str]
-) -> tuple[dict[str, float], dict[str, float], float, str]:
-    """The user's command on the seed's split; the test risks of its best checkpoint and its validation risks
-    (predict.py on the val split with the same checkpoint)."""
+) -> tuple[dict[str, float], dict[str, float], dict[str, float], float, str]:
+    """The user's command on the seed's split: the test risks of its best checkpoint (`test=true`) with the val
+    risks of that checkpoint (predict.py), and the val and test risks of its last epoch's checkpoint."""
     command = [
         sys.executable, str(Path(args.train_script).resolve()), "model=survival", "dataset=csv",
         f"dataset.csv_path={csv_path}", f"dataset.covariate_columns=[{','.join(COVARIATES)}]",
@@ -130,15 +142,12 @@ def medvol_arm(
     test = {s: float(r["risk"]) for s, r in read_table(out / "predictions" / "risks.csv").items()}
     summary = json.loads((out / "summary.json").read_text())
     best = summary.get("best_checkpoint") or str(out / "checkpoints" / "last.ckpt")
-    predicted = out / "val-predictions"
-    subprocess.run(
-        [sys.executable, str(Path(args.train_script).resolve().parent / "predict.py"), f"ckpt_path={best}",
-         "split=val", f"output_dir={predicted}", "device=cpu"],
-        cwd=out.parent, capture_output=True, text=True, env=env, check=True,
-    )
-    val = {s: float(r["risk"]) for s, r in read_table(predicted / "predictions.csv").items()}
+    val = predicted_risks(args, best, "val", out / "val-predictions")
+    last = str(out / "checkpoints" / "last.ckpt")
+    last_risks = {**predicted_risks(args, last, "val", out / "val-last"),
+                  **predicted_risks(args, last, "test", out / "test-last")}
     plan = (out / "plan.json").read_text() if (out / "plan.json").is_file() else "{}"
-    return test, val, wall, plan
+    return {**test, **val}, last_risks, wall, plan
 
 
 def plain_arm(
@@ -210,6 +219,8 @@ def real(args: argparse.Namespace, overrides: list[str]) -> None:
         write_mace_brains(root, args.subjects, args.spacing, seed=args.cohort)
     table = read_table(root / TABLE)
     results: dict[str, list[dict[str, float]]] = {arm: [] for arm in args.arms}
+    if "medvol" in args.arms:
+        results["medvol, last epoch"] = []
     lines = []
     for seed in args.seeds:
         split = make_split(sorted(table), args.val, args.test, seed)
@@ -218,9 +229,11 @@ def real(args: argparse.Namespace, overrides: list[str]) -> None:
         for arm in args.arms:
             if arm == "medvol":
                 run_dir = out / f"medvol-{tag}-{args.epochs}ep-seed{seed}{args.tag}"
-                test, val, wall, plan = medvol_arm(args, root / TABLE, split_file, seed, run_dir, overrides)
-                risks = {**test, **val}
+                risks, last, wall, plan = medvol_arm(args, root / TABLE, split_file, seed, run_dir, overrides)
                 print(f"seed {seed} plan: {plan}", flush=True)
+                values = scores(last, table, split["test"], split["val"], args.horizons)
+                results["medvol, last epoch"].append(values)
+                lines.append(row(f"medvol, last epoch, seed {seed}", values, 0.0))
             elif arm == "plain":
                 risks, wall = plain_arm(root, table, split, args.epochs, seed)
             else:

@@ -37,7 +37,8 @@ WHOLE_VOLUME = {"spatial_size": None, "random_crop": None, "flip_prob": 0.0, "af
 def prediction_transforms(run: DictConfig, keep_crop: bool) -> dict[str, Any]:
     """`WHOLE_VOLUME`, but keeping the run's crop/pad (`spatial_size`) with `keep_crop` or for a model that reads
     volumes at the training size (`MedvolModule.fixed_input_size`: survival, classification)."""
-    keeps = keep_crop or bool(getattr(target_class(str(run.model._target_)), "fixed_input_size", False))
+    target = (run.get("model") or {}).get("_target_")
+    keeps = keep_crop or (target is not None and bool(getattr(target_class(str(target)), "fixed_input_size", False)))
     return {k: v for k, v in WHOLE_VOLUME.items() if not (keeps and k == "spatial_size")}
 
 
@@ -95,9 +96,10 @@ class Inputs:
 
 def model_covariates(run: DictConfig) -> list[str]:
     """The covariate columns the run's model takes (an outcome model trained with `dataset.covariate_columns`)."""
-    if not int(run.model.get("num_covariates") or 0):
+    model = run.get("model") or {}
+    if not int(model.get("num_covariates") or 0):
         return []
-    return [str(c) for c in run.model.get("covariate_names") or run.dataset.get("covariate_columns") or []]
+    return [str(c) for c in model.get("covariate_names") or run.dataset.get("covariate_columns") or []]
 
 
 def covariate_table(path: Path, names: list[str], subjects: list[str]) -> dict[str, list[float]]:

@@ -3,10 +3,10 @@ written to `<run>/plan.json`, read back by a resumed run and by predict.py, as a
 (`medvol.run.planning`, which hands survival runs to this module).
 
 The plan is applied as config values (`with_survival_plan`): the dataset's spacing, crop to the body, size,
-intensity normalization and batch size. `model.plan.<key>` gives any value instead of deriving it (spacing,
-spatial_size, batch_size, crop_foreground), as does a `dataset.transforms.spacing` set by hand; the dataset's own
-`spatial_size` and `batch_size` give way to the plan's (the start says so); `model.plan.use=false` keeps the config
-as written.
+intensity normalization, training flips and batch size, and a cosine decay where the model has no scheduler.
+`model.plan.<key>` gives any value instead of deriving it (spacing, spatial_size, batch_size, crop_foreground,
+flip_prob), as does a `dataset.transforms.spacing` set by hand; the dataset's own `spatial_size` and `batch_size`
+give way to the plan's (the start says so); `model.plan.use=false` keeps the config as written.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from medvol.run.world import global_rank
 from medvol.volumes.plan import read_plan, write_plan
 from medvol.volumes.survival_plan import VOXEL_BUDGET, describe_survival_plan, make_survival_plan
 
-GIVEN_KEYS = ("spacing", "spatial_size", "batch_size", "crop_foreground")
+GIVEN_KEYS = ("spacing", "spatial_size", "batch_size", "crop_foreground", "flip_prob")
+# Lightning's own default when neither max_epochs nor max_steps is set.
+DEFAULT_EPOCHS = 1000
 
 
 def is_survival_plan(plan: dict[str, Any]) -> bool:
@@ -83,12 +85,16 @@ def survival_planned(cfg: DictConfig, datamodule: pl.LightningDataModule, path: 
         )
         if global_rank() == 0:
             write_plan(plan, path)
-    lines = [*describe_survival_plan(plan), *replaced_values(cfg, plan), f"plan: written to {path}"]
-    return with_survival_plan(cfg, plan), lines
+    applied = with_survival_plan(cfg, plan)
+    decay = []
+    if cfg.model.get("scheduler") is None:
+        decay = [f"plan: learning rate: cosine decay to 0 over {applied.model.scheduler.T_max} epochs"]
+    return applied, [*describe_survival_plan(plan), *decay, *replaced_values(cfg, plan), f"plan: written to {path}"]
 
 
 def with_survival_plan(cfg: DictConfig, plan: dict[str, Any]) -> DictConfig:
-    """`cfg` with `plan`'s values in the dataset's transforms and batch size."""
+    """`cfg` with `plan`'s values in the dataset's transforms and batch size, and a cosine decay where the model has
+    no scheduler."""
     cfg = cfg.copy()
     with open_dict(cfg):
         own = OmegaConf.to_container(cfg.dataset.transforms, resolve=True)
@@ -96,6 +102,16 @@ def with_survival_plan(cfg: DictConfig, plan: dict[str, Any]) -> DictConfig:
         cfg.dataset.transforms = {**own, **{
             "spacing": plan["spacing"], "crop_foreground": plan["crop_foreground"], "intensity": "zscore",
             "normalization": plan["normalization"], "spatial_size": plan["spatial_size"], "pad_to": None,
+            "flip_prob": plan["flip_prob"],
         }}
         cfg.dataset.batch_size = plan["batch_size"]
+        if cfg.model.get("scheduler") is None:
+            cfg.model.scheduler = cosine_decay(cfg)
     return cfg
+
+
+def cosine_decay(cfg: DictConfig) -> dict[str, Any]:
+    """A cosine learning-rate decay to 0 over the run's epochs (stepped per epoch)."""
+    epochs = cfg.trainer.get("max_epochs")
+    epochs = int(epochs) if epochs is not None and int(epochs) > 0 else DEFAULT_EPOCHS
+    return {"_target_": "torch.optim.lr_scheduler.CosineAnnealingLR", "_partial_": True, "T_max": epochs}

@@ -14,7 +14,13 @@ training subjects' spacings, non-zero regions and foreground intensities per ima
   dataset's clip and z-score (`medvol.volumes.plan.normalization`), so Hounsfield units keep their meaning;
 - the batch: a Cox partial likelihood compares each event with the subjects of its batch still at risk, so
   a batch needs events: the smallest batch expected to hold `EVENTS_PER_BATCH` events at the training
-  split's event rate, at most half the training subjects (two steps an epoch).
+  split's event rate, at most half the training subjects (two steps an epoch). Five: with one or two
+  events (a batch of 2) most steps rank a single pair, with ten an epoch has half the steps (measured on
+  the real-anatomy table: docs/BENCHMARKS.md);
+- mirroring: each training volume flipped along each axis with probability `FLIP_PROB`, as nnU-Net mirrors
+  its patches (a lesion's burden does not depend on its side; on a table of tens to hundreds of subjects
+  it keeps the network from learning the subjects by heart: docs/BENCHMARKS.md);
+- a cosine learning-rate decay to 0 over the run's epochs, where the model gives no scheduler.
 
 Every value can be given instead (`overrides`); the plan records which were.
 """
@@ -32,7 +38,8 @@ from medvol.volumes.plan import DataFingerprint, normalization, target_spacing
 # Voxels of one planned volume: on a CPU what trains a 3D ResNet in minutes, on a GPU about the MACE seed's
 # 256 x 256 x 64 CT.
 VOXEL_BUDGET = {"cpu": 48**3, "gpu": 160**3}
-EVENTS_PER_BATCH = 8
+EVENTS_PER_BATCH = 5
+FLIP_PROB = 0.5
 MIN_BATCH = 4
 MAX_BATCH = 64
 # The planned volume's sides are multiples of this (the ResNet halves the grid five times; a multiple of 8 keeps
@@ -73,8 +80,8 @@ def make_survival_plan(
         fingerprint: the training subjects' files (`NiftiDataModule.plan_fingerprint`).
         events: the training split's event indicators.
         budget: voxels of one planned volume.
-        overrides: plan keys given instead of derived (spacing, spatial_size, batch_size, crop_foreground);
-            null values are ignored.
+        overrides: plan keys given instead of derived (spacing, spatial_size, batch_size, crop_foreground,
+            flip_prob); null values are ignored.
         kinds: per channel mr/ct, instead of what the data suggests.
     """
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
@@ -91,6 +98,7 @@ def make_survival_plan(
         "spatial_size": size,
         "normalization": normalization(fingerprint.channels, kinds),
         "batch_size": batch,
+        "flip_prob": float(given.get("flip_prob", FLIP_PROB)),
         "event_rate": round(rate, 4),
         "expected_events_per_batch": round(rate * batch, 2),
         "voxel_budget": int(budget),
@@ -112,6 +120,7 @@ def describe_survival_plan(plan: Mapping[str, Any]) -> list[str]:
         f"plan: spacing {x(f'{s:g}' for s in plan['spacing'])} mm, volumes {crop} to {x(map(str, size))} "
         f"({int(np.prod(size))} voxels, budget {plan['voxel_budget']}), normalization per channel [{kinds}]",
         f"plan: batch {plan['batch_size']} (training event rate {plan['event_rate']:.2f} over {plan['subjects']} "
-        f"subjects: ~{plan['expected_events_per_batch']:g} events per Cox risk set)",
+        f"subjects: ~{plan['expected_events_per_batch']:g} events per Cox risk set), training volumes flipped along "
+        f"each axis with probability {plan['flip_prob']:g}",
         *([f"plan: given instead of derived: {', '.join(plan['overridden'])}"] if plan["overridden"] else []),
     ]

@@ -79,10 +79,10 @@ def test_the_plan_is_made_from_the_training_subjects_printed_and_applied(surviva
     split = json.loads((run_dir / "split.json").read_text())
     train = [r for r in rows(table) if r["subject"] in set(split["train"])]
     rate = np.mean([float(r["event"]) for r in train])
-    # 12 training subjects: ceil(8 / rate) events wanted, at most half of them (6).
+    # 12 training subjects: ceil(5 / rate) wanted for ~5 events a batch, at least 4, at most half of them (6).
     assert plan["family"] == "survival" and plan["subjects"] == len(train) == 12
     assert plan["event_rate"] == pytest.approx(rate, abs=1e-4)
-    assert plan["batch_size"] == min(max(4, int(np.ceil(8 / rate))), 6)
+    assert plan["batch_size"] == min(max(4, int(np.ceil(5 / rate))), 6)
     # The phantoms are written at 2 mm, their bodies fill at most 16^3 voxels; CT (air at -1000 HU).
     assert plan["spacing"] == [2.0, 2.0, 2.0] and plan["spatial_size"] == [16, 16, 16]
     assert [c["kind"] for c in plan["normalization"]] == ["ct"]
@@ -92,16 +92,21 @@ def test_the_plan_is_made_from_the_training_subjects_printed_and_applied(surviva
     assert f"`dataset.batch_size` 2 gives way to the plan's {plan['batch_size']}" in log
     applied = with_survival_plan(compose_cfg(run_dir, overrides(table), tiny=False), plan)
     assert applied.dataset.batch_size == plan["batch_size"] and applied.dataset.transforms.intensity == "zscore"
-    assert applied.dataset.transforms.crop_foreground is True
+    assert applied.dataset.transforms.crop_foreground is True and applied.dataset.transforms.flip_prob == 0.5
+    # No scheduler in the model config: a cosine decay to 0 over the run's 2 epochs.
+    assert applied.model.scheduler == {"_target_": "torch.optim.lr_scheduler.CosineAnnealingLR", "_partial_": True,
+                                       "T_max": 2}
+    assert "plan: learning rate: cosine decay to 0 over 2 epochs" in log
 
 
 def test_model_plan_values_are_used_instead_and_use_false_keeps_the_config(tmp_path):
     table = write_mace_csv(tmp_path / "mace", 12, 16)
     cfg = compose_cfg(tmp_path / "a", overrides(table, "model.plan.batch_size=3", "dataset.transforms.spacing=[4,4,4]",
-                                                 "train=false", "test=false"), tiny=False)
+                                                 "model.plan.flip_prob=0", "train=false", "test=false"), tiny=False)
     run(cfg)
     plan = read_plan(tmp_path / "a" / "plan.json")
-    assert (plan["batch_size"], plan["spacing"], plan["overridden"]) == (3, [4.0, 4.0, 4.0], ["batch_size", "spacing"])
+    assert (plan["batch_size"], plan["spacing"], plan["flip_prob"]) == (3, [4.0, 4.0, 4.0], 0.0)
+    assert plan["overridden"] == ["batch_size", "flip_prob", "spacing"]
     run(compose_cfg(tmp_path / "b", overrides(table, "model.plan.use=false", "train=false", "test=false"), tiny=False))
     assert not (tmp_path / "b" / "plan.json").exists()
 

@@ -27,11 +27,11 @@ def fingerprint(spacings, shapes, channels=(MR,)) -> DataFingerprint:
 
 
 @pytest.mark.parametrize(("rate", "subjects", "batch"), [
-    (0.5, 100, 16),   # 8 / 0.5
-    (0.9, 100, 9),    # ceil(8 / 0.9 = 8.9)
-    (1.0, 100, 8),
-    (0.9, 10, 5),     # at most half the training subjects: two steps an epoch
-    (0.05, 1000, 64),  # 160 wanted, capped
+    (0.5, 100, 10),   # 5 / 0.5
+    (0.6, 100, 9),    # ceil(5 / 0.6 = 8.3)
+    (1.0, 100, 5),
+    (0.6, 10, 5),     # at most half the training subjects: two steps an epoch
+    (0.05, 1000, 64),  # 100 wanted, capped
     (1.0, 4, 2),
 ])
 def test_the_batch_is_the_smallest_expected_to_hold_enough_events(rate, subjects, batch):
@@ -64,8 +64,8 @@ def test_the_plan_normalizes_mr_per_volume_and_ct_with_the_datasets_statistics()
     assert plan["normalization"] == [{"kind": "mr"}, {"kind": "ct", "clip": [-900.0, 1200.0], "mean": 30.0,
                                                       "std": 200.0}]
     assert plan["spacing"] == [3.0, 3.0, 3.0] and plan["spatial_size"] == [32, 32, 32] and plan["crop_foreground"]
-    # 7 events in 10 subjects: ceil(8 / 0.7) = 12 wanted, but at most half of the 10 training subjects.
-    assert (plan["event_rate"], plan["batch_size"], plan["overridden"]) == (0.7, 5, [])
+    # 7 events in 10 subjects: ceil(5 / 0.7) = 8 wanted, but at most half of the 10 training subjects.
+    assert (plan["event_rate"], plan["batch_size"], plan["flip_prob"], plan["overridden"]) == (0.7, 5, 0.5, [])
     forced = make_survival_plan(found, [1] * 40, 48**3, {"batch_size": 6, "spacing": [5, 5, 5], "spatial_size": None},
                                 kinds=["mr", "mr"])
     assert (forced["batch_size"], forced["spacing"], forced["spatial_size"]) == (6, [5.0, 5.0, 5.0], [24, 24, 24])
