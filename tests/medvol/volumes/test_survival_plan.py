@@ -41,10 +41,11 @@ def test_the_batch_is_the_smallest_expected_to_hold_enough_events(rate, subjects
 
 
 def test_the_volume_holds_the_largest_body_rounded_up_to_eights():
-    found = fingerprint([(2.0, 2.0, 2.0), (2.0, 2.0, 2.0)], [(20, 30, 25), (22, 28, 26)])
-    # Largest extents 44 x 60 x 52 mm; at 4 mm 11 x 15 x 13 voxels, rounded up to multiples of 8.
-    assert body_shape(found, [4.0, 4.0, 4.0]) == [16, 16, 16]
-    assert body_shape(found, [2.0, 2.0, 2.0]) == [24, 32, 32]
+    found = fingerprint([(2.0, 2.0, 2.0)] * 3, [(20, 30, 25), (22, 28, 26), (40, 30, 25)])
+    # Largest extents 80 x 60 x 52 mm (the median body's: 44 x 60 x 50); at 4 mm 20 x 15 x 13 voxels, rounded up to
+    # multiples of 8.
+    assert body_shape(found, [4.0, 4.0, 4.0]) == [24, 16, 16]
+    assert body_shape(found, [2.0, 2.0, 2.0]) == [40, 32, 32]
 
 
 def test_the_median_spacing_is_coarsened_only_as_far_as_the_budget_needs():
