@@ -2,13 +2,14 @@
 
     .venv/bin/python benchmarks/ddpm.py sampling [--size 64] [--channels 8 16]
     .venv/bin/python benchmarks/ddpm.py memory [--size 64] [--device cpu|cuda] [--precision 32|bf16-mixed]
-        [--checkpointing]
+        [--checkpointing] [--repeats 5] [--json FILE]
     .venv/bin/python benchmarks/ddpm.py quality [--epochs 24] [--size 16] [hydra overrides ...]
 
 `sampling` times one volume through the DDIM update over Fast-DDPM's 10-step set and through
 DDPM's 1000 ancestral steps, with the same (randomly initialised) network; `memory` runs one
-training step (forward, backward, Adam) in a fresh process and reports its peak (host RSS on
-the CPU, `torch.cuda.max_memory_allocated` on a GPU); `quality` trains model=ddpm on the
+training step (forward, backward, Adam, EMA update) in a fresh process and reports its peak (host RSS
+on the CPU, `torch.cuda.max_memory_allocated` on a GPU) and its time (the median of `--repeats` steps
+after the first, CUDA synchronised; the first step alone when `--repeats` is 0); `quality` trains model=ddpm on the
 synthetic T1 -> T2 pairs as Fast-DDPM, as full DDPM (validated with the same 10-step DDIM
 sampler) and as a one-step regressor, and prints val PSNR/SSIM per validation against the
 identity baseline (the condition copied as the answer).
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -76,7 +79,7 @@ def sampling(args: argparse.Namespace) -> None:
 
 
 def memory_step(args: argparse.Namespace) -> None:
-    """One training step in this process; prints the peak."""
+    """One training step in this process, then `--repeats` timed ones; prints the peak and the step time as JSON."""
     device = torch.device(args.device)
     module = build_module(args).to(device)
     optimizer = torch.optim.Adam(module.network.parameters(), lr=1e-4)
@@ -86,27 +89,50 @@ def memory_step(args: argparse.Namespace) -> None:
         torch.cuda.reset_peak_memory_stats()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     dtype = torch.bfloat16 if args.precision == "bf16-mixed" else torch.float32
-    with torch.autocast(device.type, dtype=dtype, enabled=args.precision == "bf16-mixed"):
-        t = module.draw_timesteps(args.batch, device)
-        loss = module.diffusion_loss(module.network, x0, cond, t, torch.randn_like(x0))
-    loss.backward()
-    optimizer.step()
-    module.ema.update(module.network)
+
+    def step() -> float:
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=dtype, enabled=args.precision == "bf16-mixed"):
+            t = module.draw_timesteps(args.batch, device)
+            loss = module.diffusion_loss(module.network, x0, cond, t, torch.randn_like(x0))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        module.ema.update(module.network)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    # The first step allocates Adam's moments (and on a GPU picks its kernels): timed only when it is the only one.
+    times = [step()]
+    times = [step() for _ in range(args.repeats)] or times
+    result = {"step_ms": 1000 * statistics.median(times), "timed_steps": len(times)}
     if device.type == "cuda":
-        print(f"peak GPU memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")
+        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        print(f"peak host RSS: {peak:.0f} MiB (model and data built: {before:.0f} MiB)")
+        result.update(peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, built_rss_mib=before)
+    print(json.dumps(result))
 
 
 def memory(args: argparse.Namespace) -> None:
     # A fresh process, so the peak is this step's and not an earlier command's.
     command = [sys.executable, __file__, "_memory_step", *sys.argv[2:]]
     result = subprocess.run(command, capture_output=True, text=True, check=True)
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
     parameters = sum(p.numel() for p in build_module(args).network.parameters())
     print(f"one training step, batch {args.batch} at {args.size}^3, {args.device}, {args.precision}, "
           f"checkpointing {args.checkpointing}, network channels {args.channels} ({parameters / 1e6:.2f} M parameters)")
-    print(result.stdout.strip())
+    if "peak_gib" in figures:
+        print(f"peak GPU memory: {figures['peak_gib']:.2f} GiB")
+    else:
+        print(f"peak host RSS: {figures['peak_rss_mib']:.0f} MiB "
+              f"(model and data built: {figures['built_rss_mib']:.0f} MiB)")
+    print(f"step time: {figures['step_ms']:.1f} ms (median of {figures['timed_steps']})")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "size": args.size, "batch": args.batch, "device": args.device, "precision": args.precision,
+            "checkpointing": args.checkpointing, "channels": args.channels, "parameters": parameters, **figures,
+        }, indent=1))
 
 
 def train(name: str, directory: Path, overrides: list[str]) -> list[dict[str, float]]:
@@ -177,6 +203,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", default="32", choices=["32", "bf16-mixed"])
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--repeats", type=int, default=0, help="memory: timed steps after the first (0: the first)")
+    parser.add_argument("--json", type=Path, help="memory: also write the figures to this file")
     parser.add_argument("--epochs", type=int, default=24)
     parser.add_argument("--val-every", type=int, default=4)
     args, overrides = parser.parse_known_args()

@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/gpu_vqgan.py [--steps 30] [--warmup 5] [--batch 1] [--size 128]
         [--precision bf16-mixed|32-true] [--channels-last] [--compile] [--no-gan] [hydra overrides ...]
     .venv/bin/python benchmarks/gpu_vqgan.py --matrix    # the four option combinations, one process each
+    .venv/bin/python benchmarks/gpu_vqgan.py --steps 10 --warmup 3 --channels-last --json vqgan.json   # one, short
 
 The model is built from the composed `experiment=ctpa_vqgan` config (16384 codes, downsample
 4, discriminators with 64 channels) and trained on random patches already on the GPU, so the
@@ -13,7 +14,8 @@ L1, adversarial and feature-matching losses) and the discriminator step, as in
 the steps under bf16 autocast (the codebook stays in float32), `--channels-last` puts the
 networks and the patches in `channels_last_3d`, `--compile` wraps the encoder, decoder and
 discriminators in `torch.compile`. Patches/s is batch / the median step (CUDA synchronised,
-warm-up steps left out); peak memory is `torch.cuda.max_memory_allocated`.
+warm-up steps left out); peak memory is `torch.cuda.max_memory_allocated`. `--json FILE` also writes
+the figures (one measurement) or the rows (`--matrix`) to FILE.
 """
 
 from __future__ import annotations
@@ -92,11 +94,15 @@ def main() -> None:
     parser.add_argument("--no-gan", action="store_true", help="generator step only (before discriminator_iter_start)")
     parser.add_argument("--device", default="cuda", help="`cpu` for a smoke test of the script (memory not measured)")
     parser.add_argument("--matrix", action="store_true", help="fp32, bf16, bf16 + channels-last, bf16 + both")
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args, args.overrides = parser.parse_known_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("benchmarks/gpu_vqgan.py needs a CUDA GPU")
     if not args.matrix:
-        print(json.dumps(measure(args)))
+        result = {**measure(args), "batch": args.batch, "size": args.size}
+        print(json.dumps(result))
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1))
         return
     common = [
         f"--device={args.device}",
@@ -118,6 +124,8 @@ def main() -> None:
             f"| {row['options']} | {row['patches_per_second']:.1f} | {row['step_ms']:.0f} ms | "
             f"{row['peak_memory_gib']:.1f} GiB |"
         )
+    if args.json:
+        args.json.write_text(json.dumps({"batch": args.batch, "size": args.size, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ latent as it is (false) and snapped to its nearest codes (true), with the run's 
     OMP_NUM_THREADS=1 python benchmarks/ldm.py                              # CPU rows, reduced sizes
     OMP_NUM_THREADS=1 python benchmarks/ldm.py --snapping <run>/stage2/best.ckpt
     python benchmarks/ldm.py --device cuda --preset ctpa                    # GPU rows (one 80 GB GPU)
+    python benchmarks/ldm.py --device cuda --preset ctpa --rows train generate --samplers fast_ddpm_10 --json l.json
+
+`--rows` picks the kinds of row (train, generate, decode; all by default), `--json FILE` also writes every row's
+figures to FILE.
 """
 
 from __future__ import annotations
@@ -154,7 +158,8 @@ def snapping(ckpt: str) -> None:
     from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
     from medvol.core.build import build as build_config
-    from medvol.run.predicting import load_module, run_config
+    from medvol.run.predict_config import run_config
+    from medvol.run.trained_model import load_module
 
     run = run_config(ckpt)
     module = load_module(run, ckpt, torch.device("cpu"))
@@ -190,7 +195,10 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--samplers", nargs="+", default=list(SAMPLERS))
+    parser.add_argument("--samplers", nargs="+", default=list(SAMPLERS), choices=list(SAMPLERS))
+    parser.add_argument("--rows", nargs="+", default=["train", "generate", "decode"],
+                        choices=["train", "generate", "decode"], help="the kinds of row to measure")
+    parser.add_argument("--json", type=Path, help="also write every row's figures to this file")
     parser.add_argument("--snapping", metavar="CKPT", help="measure model.decode_quantized on an LDM run instead")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -201,16 +209,24 @@ def main() -> None:
         print(json.dumps(one(args)))
         return
     preset = PRESETS[args.preset]
-    rows = [f"train:{'x'.join(map(str, s))}" for s in preset["train"]]
-    rows += [f"generate:{s}" for s in args.samplers] + ["decode:whole", "decode:slabs"]
-    for row in rows:
+    rows = {
+        "train": [f"train:{'x'.join(map(str, s))}" for s in preset["train"]],
+        "generate": [f"generate:{s}" for s in args.samplers],
+        "decode": ["decode:whole", "decode:slabs"],
+    }
+    results = {}
+    for row in [name for kind in args.rows for name in rows[kind]]:
         command = [sys.executable, __file__, "--one", row, "--device", args.device, "--preset", args.preset,
                    "--repeats", str(args.repeats)]
         done = subprocess.run(command, capture_output=True, text=True)
         result = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {
             "error": (done.stderr.strip().splitlines() or ["failed"])[-1][:120]}
+        results[row] = result
         print(f"| {args.preset} | {args.device} | {row} | " + ", ".join(
             f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()) + " |", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"preset": args.preset, "device": args.device, "repeats": args.repeats,
+                                         "generate_latent": preset["generate"], "rows": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ def main() -> None:
     subprocess.run(command, check=True, cwd=ROOT, capture_output=True, text=True)
     print(f"predict.py ({args.subjects} subjects x {args.samples} samples): {time.perf_counter() - started:.1f} s")
 
-    high = torch.load(ckpt, map_location="cpu", weights_only=False)["medvol_data"]["intensity"]["high"][0]
+    high = torch.load(ckpt, map_location="cpu", weights_only=True)["medvol_data"]["intensity"]["high"][0]
     rows = {"first sample": [], f"mean of {args.samples} samples": [], "identity (T1 as the T2)": []}
     spreads, calibration = [], []
     for subject, phantom in phantoms.items():

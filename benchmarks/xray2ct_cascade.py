@@ -81,7 +81,7 @@ def stage_figures(stage_dir: Path) -> dict[str, Any]:
     cfg, batch = test_batch(stage_dir)
     window = tuple(float(v) for v in cfg.model.window)
     target = common_units(batch["image"], window)
-    module = XrayToCT.load_from_checkpoint(stage_dir / "best.ckpt", map_location="cpu", weights_only=False).eval()
+    module = XrayToCT.load_from_checkpoint(stage_dir / "best.ckpt", map_location="cpu", weights_only=True).eval()
     generated = module.generate(batch["xray"], list(target.shape[2:]), [str(s) for s in batch["subject"]])
     spacing = voxel_spacing(batch["affine"])
     hounsfield = back_project(batch["xray"], spacing, list(cfg.dataset.views), target.shape[2:], cfg.dataset.mu_water)

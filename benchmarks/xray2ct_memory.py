@@ -31,6 +31,12 @@ trained voxel, which times 64^3 x batch estimates a stage's activations at the p
     python benchmarks/xray2ct_memory.py                      # CPU, reduced sizes
     python benchmarks/xray2ct_memory.py --activations        # CPU, saved activations per voxel
     python benchmarks/xray2ct_memory.py --device cuda --reduce 1
+    python benchmarks/xray2ct_memory.py --device cuda --reduce 1 --modes on --repeats 2 --parts train --json x.json
+    python benchmarks/xray2ct_memory.py --reduce 8 --parts whole model.channels=[16,16,16,16]   # a toy network
+
+`--parts` picks the per-stage training rows (`train`) and/or the whole CT (`whole`); `--json FILE` also writes
+every row and the whole CT's figures to FILE. Arguments of the form `key=value` are Hydra overrides of the
+preset (a check of the command with a toy network, say).
 """
 
 from __future__ import annotations
@@ -54,23 +60,25 @@ sys.path.insert(0, str(ROOT))
 from lightning_modules.xray2ct.crops import coordinate_channels  # noqa: E402
 from lightning_modules.xray2ct.denoiser import NETWORK_SETTINGS, ViewConditionedDenoiser  # noqa: E402
 from lightning_modules.xray2ct.module import XrayToCT, as_size  # noqa: E402
+from medvol.core.build import RUN_KEYS  # noqa: E402
+from medvol.core.plain_values import plain  # noqa: E402
 
 # Set here, not taken from the preset: the stage, the benchmark's sizes, the earlier stages, what the preset
-# leaves to the data or the cascade runner.
+# leaves to the data or the cascade runner, and the run's keys that are no constructor argument (`RUN_KEYS`).
 RUN_SETTINGS = {"_target_", "stage", "size", "crop_size", "xray_size", "activation_checkpointing", "timesteps",
-                "previous_stages", "init_from", "optimizer", "scheduler"}
+                "previous_stages", "init_from", "optimizer", "scheduler", *RUN_KEYS}
 
 
-def preset_stages() -> list[tuple[dict[str, Any], int]]:
-    """(model settings, batch per GPU) of each stage of `experiment=xray2ct_a100x4`, each stage's
-    `cascade.stage<k>` merged over the job's config as the cascade runner merges it."""
+def preset_stages(overrides: list[str]) -> list[tuple[dict[str, Any], int]]:
+    """(model settings, batch per GPU) of each stage of `experiment=xray2ct_a100x4` with Hydra `overrides`, each
+    stage's `cascade.stage<k>` merged over the job's config as the cascade runner merges it."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     import medvol.run.resolvers  # noqa: F401 - resolvers the configs use
 
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="xray2ct_memory"):
-        cfg = compose(config_name="train", overrides=["experiment=xray2ct_a100x4", "dataset.root=/unused"])
+        cfg = compose(config_name="train", overrides=["experiment=xray2ct_a100x4", "dataset.root=/unused", *overrides])
     stages = []
     for stage in cfg.cascade.stages:
         merged = OmegaConf.merge(cfg, cfg.cascade[f"stage{stage}"])
@@ -80,13 +88,19 @@ def preset_stages() -> list[tuple[dict[str, Any], int]]:
     return stages
 
 
-STAGES = preset_stages()
+# The preset's stages, read in `main` (with the command's overrides).
+STAGES: list[tuple[dict[str, Any], int]] = []
 
 
-def stage_settings(stage: int, reduce: int, checkpointing: bool, steps: int) -> dict[str, Any]:
-    """The preset's stage `stage` with its volume, crop and views divided by `reduce`."""
+def stage_settings(
+    stage: int, reduce: int, checkpointing: bool, steps: int, overlap: float | None = None
+) -> dict[str, Any]:
+    """The preset's stage `stage` with its volume, crop and views divided by `reduce` (and its sampling windows'
+    overlap `overlap`, where given)."""
     preset, _ = STAGES[stage - 1]
+    settings = {} if overlap is None else {"sampling_window_overlap": overlap}
     return {
+        **settings,
         **{key: value for key, value in preset.items() if key not in RUN_SETTINGS},
         "stage": stage,
         "size": [s // reduce for s in as_size(preset["size"])],
@@ -109,17 +123,19 @@ def crop_edge(stage: int) -> int:
     return volume_of(stage) if stage == 1 else min(as_size(settings["crop_size"])[0], volume_of(stage))
 
 
-def build(stage: int, reduce: int, checkpointing: bool, steps: int, folder: Path) -> XrayToCT:
+def build(
+    stage: int, reduce: int, checkpointing: bool, steps: int, folder: Path, overlap: float | None = None
+) -> XrayToCT:
     """Stage `stage` over the random-weight checkpoints of the stages before it in `folder` (written on first use)."""
     previous = []
     for earlier in range(1, stage):
         path = folder / f"stage{earlier}.ckpt"
         if not path.exists():
-            module = build(earlier, reduce, checkpointing, steps, folder)
-            torch.save({"hyper_parameters": dict(module.hparams), "state_dict": module.state_dict()}, path)
+            module = build(earlier, reduce, checkpointing, steps, folder, overlap)
+            torch.save({"hyper_parameters": plain(dict(module.hparams)), "state_dict": module.state_dict()}, path)
         previous.append(str(path))
     torch.manual_seed(stage)
-    return XrayToCT(**stage_settings(stage, reduce, checkpointing, steps), previous_stages=previous)
+    return XrayToCT(**stage_settings(stage, reduce, checkpointing, steps, overlap), previous_stages=previous)
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -174,7 +190,7 @@ def train_step(args: argparse.Namespace, device: torch.device, folder: Path) -> 
 
 def sample_whole(args: argparse.Namespace, device: torch.device, folder: Path) -> dict[str, Any]:
     last = len(STAGES)
-    module = build(last, args.reduce, args.checkpointing, args.steps, folder).to(device).eval()
+    module = build(last, args.reduce, args.checkpointing, args.steps, folder, args.overlap).to(device).eval()
     xray = torch.rand(1, len(module.hparams.views), *module.hparams.xray_size, device=device) * 2 - 1
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
     size = [volume_of(last) // args.reduce] * 3
@@ -240,9 +256,11 @@ def measure(
     args: argparse.Namespace, what: str, stage: int, checkpointing: bool, folder: Path, batch: int = 0
 ) -> dict[str, Any]:
     """One measurement in a fresh process (so the CPU's peak resident set is this measurement's own)."""
-    command = [sys.executable, __file__, "--one", what, "--stage", str(stage), "--device", args.device,
+    command = [sys.executable, __file__, *args.overrides, "--one", what, "--stage", str(stage), "--device", args.device,
                "--reduce", str(args.reduce), "--batch-divisor", str(args.batch_divisor), "--steps", str(args.steps),
                "--repeats", str(args.repeats), "--folder", str(folder), "--batch", str(batch)]
+    if args.overlap is not None:
+        command += ["--overlap", str(args.overlap)]
     if checkpointing:
         command.append("--checkpointing")
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
@@ -264,12 +282,16 @@ def main() -> None:
         "--modes", default=None, help="activation checkpointing: off,on (GPU default) or on (CPU default)"
     )
     parser.add_argument("--activations", action="store_true", help="only the saved activations per voxel (CPU)")
+    parser.add_argument("--overlap", type=float, help="the whole CT's sampling windows' overlap (preset: 0.5)")
+    parser.add_argument("--parts", default="train,whole", help="train (per-stage rows), whole (the whole CT), or both")
+    parser.add_argument("--json", type=Path, help="also write the rows and the whole CT's figures to this file")
     parser.add_argument("--one", choices=["train", "sample"], help=argparse.SUPPRESS)
     parser.add_argument("--stage", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=0, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args, args.overrides = parser.parse_known_args()
+    STAGES[:] = preset_stages(args.overrides)
     cpu = args.device == "cpu"
     args.reduce = args.reduce or (4 if cpu else 1)
     args.batch_divisor = args.batch_divisor or (8 if cpu else 1)
@@ -287,47 +309,70 @@ def main() -> None:
             result = {"out_of_memory": str(error).splitlines()[0]}
         print(json.dumps(result))
         return
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"train", "whole"}:
+        raise SystemExit(f"--parts is {args.parts!r}; expected train, whole or train,whole")
+    rows: list[dict[str, Any]] = []
+    whole: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory() as folder:
         print(
             f"device {args.device}, sizes / {args.reduce}, batches / {args.batch_divisor}, "
             f"{args.steps} sampling steps a stage"
         )
-        print("| stage | volume | trained on | batch | activation checkpointing | peak memory | samples/s | "
-              "estimate at the preset (64^3 crops, full batch) |")
-        print("|---|---|---|---|---|---|---|---|")
-        whole = measure(args, "sample", len(STAGES), False, Path(folder))
-        per_voxel: dict[bool, float] = {}
-        for stage, (_, preset_batch) in enumerate(STAGES, start=1):
-            size, crop = volume_of(stage), crop_edge(stage)
-            trained = crop // args.reduce
-            for checkpointing in args.modes:
-                row = measure(args, "train", stage, checkpointing, Path(folder))
-                if "out_of_memory" in row:
-                    batch = args.batch or max(1, preset_batch // args.batch_divisor)
-                    print(
-                        f"| {stage} | {size // args.reduce}^3 | {trained}^3 {'crops' if stage > 1 else 'whole'} | "
-                        f"{batch} | {'on' if checkpointing else 'off'} | out of memory | - | {row['out_of_memory']} |"
-                    )
-                    continue
-                memory = row["peak_mib"] if not cpu else row["grown_mib"]
-                estimate = "measured"
-                if cpu:
-                    # The resident set's growth is mostly fixed costs at these sizes: the activations come from
-                    # what autograd keeps per trained voxel (`--activations`), times the preset's voxels.
-                    if checkpointing not in per_voxel:
-                        per_voxel[checkpointing] = saved_per_voxel(checkpointing)[2]
-                    fixed = 20 * row["parameters"] / 2**20
-                    voxels = crop**3 * preset_batch
-                    estimate = f"{(per_voxel[checkpointing] * voxels + fixed) / 1024:.1f} GiB (estimate)"
-                print(f"| {stage} | {size // args.reduce}^3 | {trained}^3 {'crops' if stage > 1 else 'whole'} | "
-                      f"{row['batch']} | {'on' if checkpointing else 'off'} | {memory:.0f} MiB | "
-                      f"{row['samples_per_s']:.2f} | {estimate} |")
-        if "out_of_memory" in whole:
-            print(f"\nwhole CT through all {len(STAGES)} stages: out of memory ({whole['out_of_memory']})")
-        else:
-            print(f"\nwhole CT {whole['size'][0]}^3 through all {len(STAGES)} stages, {args.steps} steps each: "
-                  f"{whole['seconds']:.1f} s (peak {whole['peak_mib']:.0f} MiB, finite: {whole['finite']})")
+        if "whole" in parts:
+            whole = measure(args, "sample", len(STAGES), False, Path(folder))
+        if "train" in parts:
+            rows = train_rows(args, Path(folder))
+    if whole is not None and "out_of_memory" in whole:
+        print(f"\nwhole CT through all {len(STAGES)} stages: out of memory ({whole['out_of_memory']})")
+    elif whole is not None:
+        print(f"\nwhole CT {whole['size'][0]}^3 through all {len(STAGES)} stages, {args.steps} steps each: "
+              f"{whole['seconds']:.1f} s (peak {whole['peak_mib']:.0f} MiB, finite: {whole['finite']})")
+    if args.json:
+        overlap = STAGES[-1][0]["sampling_window_overlap"] if args.overlap is None else args.overlap
+        settings = {"device": args.device, "reduce": args.reduce, "batch_divisor": args.batch_divisor,
+                    "sampling_steps": args.steps, "repeats": args.repeats, "window_overlap": overlap}
+        args.json.write_text(json.dumps({**settings, "stages": rows, "whole": whole}, indent=1))
 
+
+def train_rows(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
+    """One training row per stage and activation-checkpointing mode, printed as a table and returned."""
+    cpu = args.device == "cpu"
+    print("| stage | volume | trained on | batch | activation checkpointing | peak memory | samples/s | "
+          "estimate at the preset (64^3 crops, full batch) |")
+    print("|---|---|---|---|---|---|---|---|")
+    per_voxel: dict[bool, float] = {}
+    rows = []
+    for stage, (_, preset_batch) in enumerate(STAGES, start=1):
+        size, crop = volume_of(stage), crop_edge(stage)
+        trained = crop // args.reduce
+        for checkpointing in args.modes:
+            row = measure(args, "train", stage, checkpointing, folder)
+            rows.append({"stage": stage, "volume": size // args.reduce, "trained_edge": trained,
+                         "checkpointing": checkpointing, **row})
+            if "out_of_memory" in row:
+                batch = args.batch or max(1, preset_batch // args.batch_divisor)
+                rows[-1]["batch"] = batch
+                print(
+                    f"| {stage} | {size // args.reduce}^3 | {trained}^3 {'crops' if stage > 1 else 'whole'} | "
+                    f"{batch} | {'on' if checkpointing else 'off'} | out of memory | - | {row['out_of_memory']} |"
+                )
+                continue
+            memory = row["peak_mib"] if not cpu else row["grown_mib"]
+            estimate = "measured"
+            if cpu:
+                # The resident set's growth is mostly fixed costs at these sizes: the activations come from
+                # what autograd keeps per trained voxel (`--activations`), times the preset's voxels.
+                if checkpointing not in per_voxel:
+                    per_voxel[checkpointing] = saved_per_voxel(checkpointing)[2]
+                fixed = 20 * row["parameters"] / 2**20
+                voxels = crop**3 * preset_batch
+                rows[-1]["estimate_gib"] = (per_voxel[checkpointing] * voxels + fixed) / 1024
+                estimate = f"{rows[-1]['estimate_gib']:.1f} GiB (estimate)"
+            print(f"| {stage} | {size // args.reduce}^3 | {trained}^3 {'crops' if stage > 1 else 'whole'} | "
+                  f"{row['batch']} | {'on' if checkpointing else 'off'} | {memory:.0f} MiB | "
+                  f"{row['samples_per_s']:.2f} | {estimate} |")
+    return rows
 
 if __name__ == "__main__":
     main()

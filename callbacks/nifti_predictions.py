@@ -22,12 +22,17 @@ class NiftiPredictionWriter(pl.Callback):
         output_dir: folder for the files (the run's `predictions/`).
         skip: names of `volumes` entries not to write (the input and label are already on disk).
         output_format: nifti, dicom or both (DICOM-SEG and derived series for subjects read from DICOM series).
+        segment_codes: DICOM-SEG segment name -> its SNOMED CT `category` and/or `type` (the root `segment_codes`).
+        channels: batch key -> the dataset's channel names (a derived series' modality).
     """
 
     def __init__(
-        self, output_dir: str, skip: tuple[str, ...] | list[str] = ("input", "label"), output_format: str = "nifti"
+        self, output_dir: str, skip: tuple[str, ...] | list[str] = ("input", "label"), output_format: str = "nifti",
+        segment_codes: dict[str, Any] | None = None, channels: dict[str, Any] | None = None,
     ) -> None:
-        self.writer = PredictionWriter(output_dir, skip, output_format=output_format)
+        self.writer = PredictionWriter(
+            output_dir, skip, output_format=output_format, segment_codes=segment_codes, channels=channels
+        )
 
     def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.writer.rows = []

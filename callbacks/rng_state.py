@@ -18,14 +18,18 @@ class RNGState(pl.Callback):
         return "RNGState"
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        # NumPy's key array as a tensor: a checkpoint holds tensors and plain values only (read as data).
+        kind, keys, position, has_gauss, cached = np.random.get_state()
+        numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached)
+        state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         random.setstate(state_dict["python"])
-        np.random.set_state(state_dict["numpy"])
+        kind, keys, *rest = state_dict["numpy"]
+        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
         torch.set_rng_state(state_dict["torch"])
         if "cuda" in state_dict and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state_dict["cuda"])

@@ -10,6 +10,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import move_data_to_device
 
+from medvol.core.plain_values import plain
 from medvol.volumes.sliding_window import SlidingWindow
 
 MODEL_KEY = "medvol_model"
@@ -130,6 +131,10 @@ class MedvolModule(pl.LightningModule):
         checkpoint[MODEL_KEY] = class_path(self)
         if self.training_data:
             checkpoint[DATA_KEY] = self.training_data
+        # Lightning calls this hook last, with everything the file will hold: the hyperparameters (config
+        # nodes, a partial optimizer) and the callbacks' states become plain values, readable as data.
+        for key, value in checkpoint.items():
+            checkpoint[key] = plain(value)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # A resumed run keeps the record of its first start; an older checkpoint has none.

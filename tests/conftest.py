@@ -86,6 +86,14 @@ def tiny_overrides(overrides: Sequence[str]) -> list[str]:
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def subprocess_env(**variables: str) -> dict[str, str]:
+    """This environment for a Python subprocess that imports the repository: the repository first on PYTHONPATH, the
+    PYTHONPATH this process had after it (packages installed beside the interpreter's own, e.g. carried wheels), then
+    `variables`."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **variables}
+
+
 def compose_cfg(tmp_path: Path, overrides: Sequence[str] = (), tiny: bool = True) -> DictConfig:
     """The composed `train` config with the run directory at `tmp_path`."""
     GlobalHydra.instance().clear()

@@ -23,7 +23,7 @@ from torch import nn
 from lightning_modules.base import MedvolModule
 from lightning_modules.vqgan.vqgan import VQGAN
 from medvol.run.training import run
-from tests.conftest import ROOT, TINY, compose_cfg
+from tests.conftest import ROOT, TINY, compose_cfg, subprocess_env
 
 # A subprocess that outlives this is a hang, and fails the test instead of hanging CI.
 RUN_TIMEOUT = 240
@@ -37,7 +37,7 @@ def train_cli(
     args: Sequence[str], cwd: Path, timeout: float = RUN_TIMEOUT, launcher: Sequence[str] = (), tiny: bool = True
 ) -> subprocess.CompletedProcess:
     """`[launcher] python train.py <TINY> <args>` in `cwd`, with the repository importable; output captured."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
+    env = subprocess_env(OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1")
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MEDVOL_RUN_STAMP"):
         env.pop(name, None)
     command = [*launcher] if launcher else [sys.executable]

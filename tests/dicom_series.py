@@ -10,7 +10,7 @@ import numpy as np
 import pydicom
 from pydicom.data import get_testdata_file
 from pydicom.dataset import Dataset, FileDataset, FileMetaDataset
-from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, generate_uid
+from pydicom.uid import CTImageStorage, ExplicitVRLittleEndian, MRImageStorage, generate_uid
 
 # The real 5-slice CT series in pydicom's wheel (16 x 16, 2.5 mm, intercept -1024).
 CT5N = Path(os.path.dirname(pydicom.data.__file__)) / "test_files" / "dicomdirtests" / "98892001" / "CT5N"
@@ -26,18 +26,19 @@ def pydicom_file(name: str) -> Path:
 
 
 def _slice(stored: np.ndarray, position: np.ndarray, orientation, spacing, uid: str, description: str,
-           intercept: float, slope: float, number: int, image_type: list[str]) -> FileDataset:
+           intercept: float, slope: float, number: int, image_type: list[str], modality: str = "CT") -> FileDataset:
+    sop_class = MRImageStorage if modality == "MR" else CTImageStorage
     meta = FileMetaDataset()
-    meta.MediaStorageSOPClassUID = CTImageStorage
+    meta.MediaStorageSOPClassUID = sop_class
     meta.MediaStorageSOPInstanceUID = generate_uid()
     meta.TransferSyntaxUID = ExplicitVRLittleEndian
     ds = FileDataset("", Dataset(), file_meta=meta, preamble=b"\0" * 128)
     for key, value in PATIENT.items():
         setattr(ds, key, value)
     ds.PatientSex = "F"
-    ds.SOPClassUID, ds.SOPInstanceUID = CTImageStorage, meta.MediaStorageSOPInstanceUID
+    ds.SOPClassUID, ds.SOPInstanceUID = sop_class, meta.MediaStorageSOPInstanceUID
     ds.StudyInstanceUID, ds.SeriesInstanceUID, ds.FrameOfReferenceUID = STUDY_UID, uid, FRAME_UID
-    ds.Modality, ds.SeriesDescription, ds.SeriesNumber, ds.InstanceNumber = "CT", description, 1, number
+    ds.Modality, ds.SeriesDescription, ds.SeriesNumber, ds.InstanceNumber = modality, description, 1, number
     ds.StudyDate, ds.StudyTime, ds.StudyID, ds.ReferringPhysicianName = "20240101", "120000", "1", ""
     ds.Manufacturer, ds.PositionReferenceIndicator = "medvol-tests", ""
     ds.ImageType = image_type
@@ -48,7 +49,10 @@ def _slice(stored: np.ndarray, position: np.ndarray, orientation, spacing, uid: 
     ds.Rows, ds.Columns = stored.shape
     ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, "MONOCHROME2"
     ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = 16, 16, 15, 1
-    ds.RescaleIntercept, ds.RescaleSlope, ds.RescaleType = f"{intercept:g}", f"{slope:g}", "HU"
+    ds.RescaleIntercept, ds.RescaleSlope = f"{intercept:g}", f"{slope:g}"
+    ds.RescaleType = "HU" if modality == "CT" else "US"
+    if modality == "MR":
+        ds.ScanningSequence, ds.SequenceVariant, ds.EchoTime, ds.RepetitionTime = "SE", "NONE", "12", "500"
     ds.PixelData = np.ascontiguousarray(stored.astype("<i2")).tobytes()
     return ds
 
@@ -56,12 +60,14 @@ def _slice(stored: np.ndarray, position: np.ndarray, orientation, spacing, uid: 
 def write_series(
     folder: Path, stored: np.ndarray, orientation=(1, 0, 0, 0, 1, 0), spacing=(1.0, 1.0), step: float = 1.0,
     origin=(0.0, 0.0, 0.0), intercept: float = 0.0, slope: float = 1.0, uid: str | None = None,
-    description: str = "test series", seed: int = 0, skip: tuple[int, ...] = (),
+    description: str = "test series", seed: int = 0, skip: tuple[int, ...] = (), positions=None,
+    modality: str = "CT",
 ) -> dict:
     """Write `stored` ((rows, columns, slices) int16) as one file per slice, in a shuffled order of random names.
 
-    Slice k lies at `origin + k * step * normal` (normal: row direction x column direction); `spacing` is
-    PixelSpacing (between rows, between columns). `skip` leaves those slices out (a missing slice).
+    Slice k lies at `origin + k * step * normal` (normal: row direction x column direction), or at
+    `origin + positions[k] * normal` where `positions` (mm) are given; `spacing` is PixelSpacing (between rows,
+    between columns). `skip` leaves those slices out (a missing slice). `modality`: CT (CT Image Storage) or MR.
     Returns the series' facts: uid, LPS origin, normal, files.
     """
     folder.mkdir(parents=True, exist_ok=True)
@@ -74,9 +80,10 @@ def write_series(
     for rank, k in enumerate(order):
         if k in skip:
             continue
-        position = np.asarray(origin, float) + k * step * normal
+        distance = k * step if positions is None else positions[k]
+        position = np.asarray(origin, float) + distance * normal
         ds = _slice(stored[:, :, k], position, orientation, spacing, uid, description, intercept, slope,
-                    int(rng.integers(1, 10_000)), ["ORIGINAL", "PRIMARY", "AXIAL"])
+                    int(rng.integers(1, 10_000)), ["ORIGINAL", "PRIMARY", "AXIAL"], modality)
         # Random names (the order means nothing), distinct per series so two series can share a folder.
         path = folder / f"IM{rank:04d}_{rng.integers(1e6):06d}_{uid[-6:]}.dcm"
         ds.save_as(path, enforce_file_format=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import re
 import subprocess
 import sys
@@ -23,14 +22,15 @@ from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoin
 from medvol.run.override_check import override_error
 from medvol.run.refusal import RunDirectoryBefore
 from medvol.run.run_check import check_run, check_trainer
-from tests.conftest import CONF_DIR, ROOT, compose_cfg
+from tests.conftest import CONF_DIR, ROOT, compose_cfg, subprocess_env
+from tests.payloads import crafted_checkpoint
 
 FAST = ["hardware=cpu", "callbacks.progress_bar=null", "dataset.num_subjects=4", "dataset.size=16",
         "trainer.max_epochs=1"]
 
 
 def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = subprocess_env(OMP_NUM_THREADS="1")
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240
     )
@@ -52,8 +52,10 @@ def _refused_commands(work: Path) -> dict[str, tuple[list[str], str]]:
     scans = write_nifti_folder(work / "scans", 3, 12, label=False)
     truncated = scans / "sub-001" / "ct.nii.gz"
     truncated.write_bytes(truncated.read_bytes()[:300])
+    crafted_checkpoint(work / "crafted.ckpt", work / "ran", **{MODEL_KEY: "lightning_modules.vqgan.vqgan.VQGAN"})
     return {
         "missing": ([f"ckpt_path={work / 'missing.ckpt'}"], "`ckpt_path`: no file at"),
+        "crafted": ([f"ckpt_path={work / 'crafted.ckpt'}"], "asks to load `posix.system` when read"),
         "corrupt": ([f"ckpt_path={work / 'corrupt.ckpt'}"], "is not a readable checkpoint"),
         "foreign": ([f"ckpt_path={work / 'foreign.ckpt'}"],
                     "is a checkpoint of lightning_modules.discriminative.classifier"),
@@ -70,7 +72,8 @@ def _refused_commands(work: Path) -> dict[str, tuple[list[str], str]]:
     # Each command costs a Python start-up; one runs in the fast suite, the others with `make test-slow`
     # (test_each_refusal_is_found_before_anything_is_built_or_printed checks all of them in-process).
     ["max_epochs", *(pytest.param(n, marks=pytest.mark.slow)
-                     for n in ("missing", "corrupt", "foreign", "limit_train_batches", "precision", "data_doctor"))],
+                     for n in ("missing", "corrupt", "crafted", "foreign", "limit_train_batches", "precision",
+                               "data_doctor"))],
 )
 def test_a_refused_command_prints_its_error_alone_and_leaves_no_run_directory(tmp_path, name):
     work = tmp_path / "work"
@@ -84,11 +87,12 @@ def test_a_refused_command_prints_its_error_alone_and_leaves_no_run_directory(tm
     assert len((done.stdout + done.stderr).splitlines()) <= 2, done.stdout + done.stderr
     runs = tmp_path / "outputs" / "train" / "runs"
     assert not runs.exists() or not any(runs.iterdir())
+    assert not (work / "ran").exists()
 
 
 @pytest.mark.parametrize("name",
-                         ["missing", "corrupt", "foreign", "max_epochs", "limit_train_batches", "precision",
-                          "data_doctor"])
+                         ["missing", "corrupt", "crafted", "foreign", "max_epochs", "limit_train_batches",
+                          "precision", "data_doctor"])
 def test_each_refusal_is_found_before_anything_is_built_or_printed(tmp_path, monkeypatch, capsys, caplog, name):
     overrides, expected = _refused_commands(tmp_path)[name]
     cfg = compose_cfg(tmp_path / "run", ["hardware=cpu", *overrides, "print_config=true"], tiny=False)
@@ -109,6 +113,7 @@ def test_each_refusal_is_found_before_anything_is_built_or_printed(tmp_path, mon
     # check needs the datamodule, never the model.
     assert built == ([str(cfg.dataset._target_)] if name == "data_doctor" else [])
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+    assert not (tmp_path / "ran").exists()
 
 
 def _earlier_run(tmp_path: Path) -> Path:

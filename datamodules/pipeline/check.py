@@ -22,6 +22,7 @@ import numpy as np
 
 from medvol.core.errors import MedvolError
 from medvol.volumes.dicom_io import SeriesGeometry, is_dicom_series, read_series, series_geometry
+from medvol.volumes.volume_budget import load_nifti
 
 LABEL_KEY = "label"
 
@@ -71,8 +72,10 @@ def _expected_bytes(image: Any) -> int:
 
 def _read_header(path: Path) -> tuple[_Header | None, str | None]:
     try:
-        image = nib.load(str(path))
+        image = load_nifti(path)
         header = _Header(tuple(int(s) for s in image.shape), np.asarray(image.affine, dtype=np.float64), image)
+    except MedvolError as err:
+        return None, f"too large: {str(err).removeprefix(f'{path}: ')}"
     except Exception as err:  # noqa: BLE001 - every reader failure means the same thing to the user
         return None, f"unreadable: {type(err).__name__}: {str(err)[:100]}"
     expected = _expected_bytes(image)
@@ -80,7 +83,7 @@ def _read_header(path: Path) -> tuple[_Header | None, str | None]:
         suspicious = _gzip_size_mismatch(path, expected)
     else:
         suspicious = path.stat().st_size < expected
-    if suspicious and _full_read_fails(path):
+    if suspicious and _full_read_fails(path, expected):
         return None, "truncated: the file ends before all its voxels (re-copy or re-export it)"
     return header, None
 
@@ -108,12 +111,18 @@ def _read_series_header(path: Path, series: str | None) -> tuple[_Header | None,
     return _Header(geometry.shape, geometry.affine, _SeriesImage(geometry)), findings
 
 
-def _full_read_fails(path: Path) -> bool:
+def _full_read_fails(path: Path, expected: int) -> bool:
+    """Whether the file ends before its `expected` bytes (a gzip stream is inflated up to them, never further: a
+    stream that inflates without end behind a modest header costs no more than the header promises)."""
     try:
         if path.name.endswith(".gz"):
+            left = expected
             with gzip.open(path, "rb") as handle:
-                while handle.read(1 << 24):
-                    pass
+                while left > 0:
+                    chunk = handle.read(min(left, 1 << 24))
+                    if not chunk:
+                        return True
+                    left -= len(chunk)
         np.asarray(nib.load(str(path)).dataobj)
     except Exception:  # noqa: BLE001 - EOFError, zlib.error, OSError: the file is cut or corrupt
         return True

@@ -67,6 +67,43 @@ def make_split(
     }
 
 
+def make_folds(
+    subjects: Sequence[str], num_folds: int, seed: int, strata: Sequence[Hashable] | None = None
+) -> list[list[str]]:
+    """Cut `subjects` (the training and validation subjects of a split; never its test subjects) into
+    `num_folds` folds for cross-validation: shuffled with `seed`, then dealt out in turn, so the folds differ
+    in size by at most one and, with `strata` (one value per subject), each holds every stratum's share to
+    within one. Every subject lands in exactly one fold: the fold it is validated in."""
+    if not isinstance(num_folds, int) or isinstance(num_folds, bool) or num_folds < 2:
+        raise MedvolError(f"`dataset.num_folds` is {num_folds!r}; expected a whole number >= 2")
+    unique = sorted(set(subjects))
+    if len(unique) < num_folds:
+        raise MedvolError(
+            f"{len(unique)} training and validation subjects are too few for {num_folds} folds; "
+            "lower `dataset.num_folds` or add subjects"
+        )
+    order = unique[:]
+    random.Random(seed).shuffle(order)
+    if strata is not None:
+        stratum = dict(zip(subjects, strata, strict=True))
+        groups: dict[Hashable, list[str]] = {}
+        for subject in order:
+            groups.setdefault(stratum[subject], []).append(subject)
+        order = [s for key in sorted(groups, key=str) for s in groups[key]]
+    return [sorted(order[k::num_folds]) for k in range(num_folds)]
+
+
+def fold_split(split: dict[str, list[str]], folds: list[list[str]], fold: int) -> dict[str, list[str]]:
+    """The split of one cross-validation fold: that fold validates, the others train, the test split stays."""
+    if not isinstance(fold, int) or isinstance(fold, bool) or not 0 <= fold < len(folds):
+        raise MedvolError(f"`dataset.fold` is {fold!r}; expected null or a fold index 0..{len(folds) - 1}")
+    return {
+        "val": list(folds[fold]),
+        "test": list(split["test"]),
+        "train": sorted(s for k, members in enumerate(folds) if k != fold for s in members),
+    }
+
+
 def load_split(path: Path, subjects: Sequence[str]) -> dict[str, list[str]]:
     """Read a recorded split and check it still matches the dataset."""
     try:
@@ -89,8 +126,27 @@ def load_split(path: Path, subjects: Sequence[str]) -> dict[str, list[str]]:
     return {stage: list(split[stage]) for stage in STAGES}
 
 
-def save_split(path: Path, split: dict[str, list[str]], seed: int) -> None:
+def load_folds(path: Path, fold: int | None) -> list[list[str]] | None:
+    """The folds a split file records (a cross-validation run's), checked against `dataset.fold`."""
+    record = json.loads(path.read_text())
+    folds, recorded = record.get("folds"), record.get("fold")
+    if fold is None and folds is None:
+        return None
+    if recorded != fold:
+        held = "a split without folds" if recorded is None else f"the split of fold {recorded}"
+        raise MedvolError(
+            f"`dataset.fold` is {fold}, but {path} records {held}; a run keeps its split: resume with the same "
+            "dataset.fold, or start a new run"
+        )
+    return [list(members) for members in folds]
+
+
+def save_split(
+    path: Path, split: dict[str, list[str]], seed: int, folds: list[list[str]] | None = None, fold: int | None = None
+) -> None:
+    """Record the split (and, for a cross-validation run, every fold and the one this run validates on)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"seed": seed, **split}, indent=2) + "\n")
+    extra = {"fold": fold, "folds": folds} if folds is not None else {}
+    tmp.write_text(json.dumps({"seed": seed, **extra, **split}, indent=2) + "\n")
     os.replace(tmp, path)

@@ -37,7 +37,7 @@ from datamodules.pipeline.cache_budget import (
     plan_cache,
 )
 from datamodules.pipeline.disk_cache import fingerprint_folder, open_fingerprint_folder
-from datamodules.pipeline.split import load_split, make_split, save_split
+from datamodules.pipeline.split import fold_split, load_folds, load_split, make_folds, make_split, save_split
 from medvol.core.errors import MedvolError
 
 log = logging.getLogger("medvol")
@@ -85,6 +85,10 @@ class VolumeDataModule(pl.LightningDataModule):
         split_seed: seed of the subject split.
         stratify_by: a record key (e.g. `class_label`) whose values keep their share in every split; null: none.
         split_file: where the split is recorded; an existing file is reused, never rewritten.
+        fold: cross-validation: the subjects outside the test split are cut into `num_folds` folds (recorded in
+            the split file) and this run validates on fold `fold` and trains on the others (`val_fraction` is
+            then unused); null: the train/val split.
+        num_folds: folds of a cross-validation run.
         max_subjects: use only the first N subjects (quick runs).
         shuffle_seed: seed of the training order.
         cache: auto (memory within `cache_budget`, else disk, else none), none, memory (CacheDataset), smart
@@ -109,6 +113,8 @@ class VolumeDataModule(pl.LightningDataModule):
         test_fraction: float = 0.1,
         split_seed: int = 0,
         split_file: str | None = None,
+        fold: int | None = None,
+        num_folds: int = 5,
         stratify_by: str | None = None,
         max_subjects: int | None = None,
         shuffle_seed: int | None = 0,
@@ -152,6 +158,8 @@ class VolumeDataModule(pl.LightningDataModule):
         self.test_fraction = test_fraction
         self.split_seed = split_seed
         self.split_file = Path(split_file) if split_file else None
+        self.fold, self.num_folds = fold, num_folds
+        self.folds: list[list[str]] | None = None
         self.stratify_by = stratify_by
         self.max_subjects = max_subjects
         self.shuffle_seed = shuffle_seed or 0
@@ -181,11 +189,14 @@ class VolumeDataModule(pl.LightningDataModule):
         return {}
 
     def training_records(self) -> list[Record]:
-        """The records of the training split (after `setup`)."""
+        """The records of the training split (after `setup`); in a cross-validation run, of every fold, so the
+        folds share one plan and one fingerprint (nnU-Net plans once per dataset) and their predictions average
+        on one grid."""
         if self.split is None:
             raise RuntimeError("training_records() needs the split: call setup() first")
         by_id = {str(r["subject"]): r for r in self.subjects()}
-        return [by_id[s] for s in self.split["train"]]
+        members = sorted(s for fold in self.folds for s in fold) if self.folds is not None else self.split["train"]
+        return [by_id[s] for s in members]
 
     def _world(self) -> tuple[int, int]:
         trainer = self.trainer
@@ -335,10 +346,18 @@ class VolumeDataModule(pl.LightningDataModule):
         ids = [str(r["subject"]) for r in records]
         if self.split_file is not None and self.split_file.is_file():
             self.split = load_split(self.split_file, ids)
+            self.folds = load_folds(self.split_file, self.fold)
         else:
-            self.split = make_split(ids, self.val_fraction, self.test_fraction, self.split_seed, self._strata(records))
+            strata = self._strata(records)
+            self.split = make_split(ids, self.val_fraction, self.test_fraction, self.split_seed, strata)
+            if self.fold is not None:
+                pool = [i for i in ids if i not in set(self.split["test"])]
+                kinds = dict(zip(ids, strata, strict=True)) if strata is not None else None
+                pool_strata = [kinds[i] for i in pool] if kinds is not None else None
+                self.folds = make_folds(pool, self.num_folds, self.split_seed, pool_strata)
+                self.split = fold_split(self.split, self.folds, self.fold)
             if self.split_file is not None and self._is_global_zero():
-                save_split(self.split_file, self.split, self.split_seed)
+                save_split(self.split_file, self.split, self.split_seed, self.folds, self.fold)
         return records
 
     def setup(self, stage: str | None = None) -> None:

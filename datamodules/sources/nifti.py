@@ -43,6 +43,7 @@ from medvol.volumes.dicom_io import is_dicom_series, read_series
 from medvol.volumes.intensity import intensity_keys
 from medvol.volumes.plan import MODALITY_KINDS, DataFingerprint, channel_statistics
 from medvol.volumes.source_grid import oriented_spacing
+from medvol.volumes.volume_budget import load_nifti
 from medvol.volumes.volume_reader import SERIES_KEY, volume_grid
 
 # The keys a file-based dataset puts in its batch dicts (others in a record are bookkeeping).
@@ -52,7 +53,7 @@ from medvol.volumes.volume_reader import SERIES_KEY, volume_grid
 # outputs go back into the scan's units.
 BATCH_KEYS = (
     "image", "cond", "label", "time", "event", "covariates", "class_label", "subject", "affine",
-    "source_affine", "source_shape", "source_file", "source_series",
+    "source_affine", "source_shape", "source_file", "source_series", "source_label_file",
     "intensity_low", "intensity_high", "cond_intensity_low", "cond_intensity_high", "intensity_range",
 )
 
@@ -110,13 +111,15 @@ def check_modality_kind(kind: str | Sequence[str], channels: int) -> list[str] |
 
 
 class StoreSourceGridd(MapTransform):
-    """Record the grid of `key` as loaded from disk: `source_affine`, `source_shape`, `source_file`, `source_series`.
+    """Record the grid of `key` as loaded from disk: `source_affine`, `source_shape`, `source_file`, `source_series`;
+    and the file of `label_key` (`source_label_file`), which test-time metrics read as stored.
 
     Runs right after loading, before reorientation, resampling and crop/pad change the grid.
     """
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, label_key: str | None = None) -> None:
         super().__init__([key])
+        self.label_key = label_key
 
     def __call__(self, data: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
         d = dict(data)
@@ -126,6 +129,10 @@ class StoreSourceGridd(MapTransform):
         filename = volume.meta.get("filename_or_obj", "")
         d["source_file"] = str(filename[0] if isinstance(filename, (list, tuple)) else filename)
         d["source_series"] = str(volume.meta.get(SERIES_KEY, ""))
+        label = d.get(self.label_key) if self.label_key else None
+        if label is not None and hasattr(label, "meta"):
+            name = label.meta.get("filename_or_obj", "")
+            d["source_label_file"] = str(name[0] if isinstance(name, (list, tuple)) else name)
         return d
 
 
@@ -138,7 +145,7 @@ def read_voxels(path: str, series: str | None = None) -> np.ndarray:
     plan must not count them)."""
     if is_dicom_series(path):
         return np.nan_to_num(read_series(path, series)[0].astype(np.float32))
-    return np.nan_to_num(np.asarray(nib.load(path).dataobj, dtype=np.float32))
+    return np.nan_to_num(np.asarray(load_nifti(path).dataobj, dtype=np.float32))
 
 
 def sampled(values: np.ndarray, count: int = FOREGROUND_SAMPLE) -> np.ndarray:
@@ -451,7 +458,7 @@ class NiftiDataModule(VolumeDataModule):
             self.series,
         )
         # After loading (the first step), before anything changes the grid.
-        chain.insert(1, StoreSourceGridd(self.image_keys()[0]))
+        chain.insert(1, StoreSourceGridd(self.image_keys()[0], self.label_key))
         return chain
 
     def random(self, stage: str) -> list[Callable]:

@@ -20,6 +20,7 @@ from lightning_modules.base import MODEL_KEY
 from lightning_modules.ldm.slab_decoding import run_in_slabs
 from lightning_modules.vqgan.codebook import EMACodebook
 from lightning_modules.vqgan.vq_autoencoder import Decoder3d, Encoder3d
+from medvol.core.checkpoint_read import load_checkpoint
 from medvol.core.errors import MedvolError
 
 VQGAN_CLASS = "lightning_modules.vqgan.vqgan.VQGAN"
@@ -39,12 +40,7 @@ def read_first_stage(path: str | None) -> tuple[dict[str, Any], dict[str, torch.
     file = Path(str(path)).expanduser()
     if not file.is_file():
         raise MedvolError(f"`model.first_stage_ckpt`: no file at {file}; expected {EXPECTED}")
-    try:
-        checkpoint = torch.load(file, map_location="cpu", weights_only=False)
-    except Exception as err:  # noqa: BLE001 - truncated zip, pickle error, ...: all mean an unreadable file
-        raise MedvolError(
-            f"`model.first_stage_ckpt`: {file} is not a readable checkpoint ({type(err).__name__}); expected {EXPECTED}"
-        ) from err
+    checkpoint = load_checkpoint(file, "model.first_stage_ckpt", EXPECTED)
     saved = checkpoint.get(MODEL_KEY) if isinstance(checkpoint, dict) else None
     if saved != VQGAN_CLASS:
         raise MedvolError(

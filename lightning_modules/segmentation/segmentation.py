@@ -3,7 +3,12 @@
 Training cuts one patch per sample (at random or centred on the label) out of the whole-volume
 batch; validation and testing run `sliding_window_inference` over the whole volume with the
 training patch as the window, so the network always sees inputs of the size it was trained on.
-Dice and HD95 are computed per subject and gathered from all ranks before averaging.
+Each window gives class (softmax) or region (sigmoid) probabilities; at test time and in predict.py
+they are averaged over the window's mirrored copies (`model.tta`, nnU-Net's default), resampled
+linearly onto the source scan's grid and only there turned into masks, which are scored against the
+label file as stored: the Dice and HD95 of what the user receives. Validation while training scores
+the model grid without mirroring (`val/*`, the checkpoint monitor). Dice and HD95 are computed per
+subject and gathered from all ranks before averaging.
 """
 
 from __future__ import annotations
@@ -13,8 +18,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from monai.transforms import KeepLargestConnectedComponent
-from monai.utils import convert_to_tensor
 from torchmetrics import MeanMetric
 
 from lightning_modules.base import MedvolModule
@@ -22,9 +25,14 @@ from lightning_modules.segmentation.label_scheme import LabelScheme
 from lightning_modules.segmentation.losses import build_loss
 from lightning_modules.segmentation.networks import build_network, check_size, supervised_heads
 from lightning_modules.segmentation.patch_sampling import SAMPLINGS, cut_patches, patch_origins
+from lightning_modules.segmentation.postprocessing import Postprocessing, candidates
 from lightning_modules.segmentation.subject_scores import SubjectScores, subject_scores
 from medvol.core.errors import MedvolError
+from medvol.volumes.mirroring import SPATIAL_AXES, MirrorAveraged
 from medvol.volumes.sliding_window import SlidingWindow
+from medvol.volumes.source_grid import label_on_source_grid, to_source_grid
+
+SOURCE_GRID_KEYS = ("source_affine", "source_shape", "affine")
 
 
 def voxel_spacing(affine: torch.Tensor) -> list[list[float]]:
@@ -68,7 +76,10 @@ class Segmenter(MedvolModule):
         sw_batch_size: windows per network call.
         stitch_on_cpu: keep the blended whole-volume output on the CPU (windows still run on the device).
         threshold: sigmoid probability for a region voxel.
-        largest_component: keep only the largest connected component per class/region.
+        largest_component: keep only the largest connected component of every class/region (by hand; a run's
+            post-processing chosen on its validation predictions, `postprocessing.json`, replaces it).
+        tta: at test time and in predict.py, average each window's probabilities over its copies mirrored along
+            every spatial axis (8 network calls a window).
         optimizer: partial optimizer.
         scheduler: optional partial LR scheduler, stepped per epoch.
         image_key: batch key of the input volume.
@@ -97,6 +108,7 @@ class Segmenter(MedvolModule):
         stitch_on_cpu: bool = False,
         threshold: float = 0.5,
         largest_component: bool = False,
+        tta: bool = True,
         optimizer: Callable[..., torch.optim.Optimizer] | None = None,
         scheduler: Callable[..., Any] | None = None,
         image_key: str = "image",
@@ -129,13 +141,11 @@ class Segmenter(MedvolModule):
         self.loss = build_loss(loss, self.scheme.is_regions)
         self.optimizer_factory = optimizer or (lambda params: torch.optim.Adam(params, lr=1e-3))
         self.scheduler_factory = scheduler
-        # Every region, or every class but the background.
-        first = 0 if self.scheme.is_regions else 1
-        self.largest = (
-            KeepLargestConnectedComponent(applied_labels=list(range(first, self.scheme.out_channels)), is_onehot=True)
-            if largest_component
-            else None
-        )
+        # Set by the run from its validation predictions (`postprocessing.json`), or every structure by hand.
+        self.postprocessing = Postprocessing(tuple(candidates(self.scheme)[1]) if largest_component else ())
+        self.tta = bool(tta)
+        # Per structure, the [smallest, largest] training volume in ml (the run's record): the report flags outliers.
+        self.volume_range: dict[str, list[float]] = {}
         columns = len(self.scheme.names)
         self.val_dice, self.val_hd95 = SubjectScores(columns), SubjectScores(columns)
         self.test_dice, self.test_hd95 = SubjectScores(columns), SubjectScores(columns)
@@ -184,48 +194,146 @@ class Segmenter(MedvolModule):
             w * self.loss(output[:, i], target) for i, w in enumerate(self.supervision_weights)
         )
 
-    def sliding_window(self, image: torch.Tensor) -> torch.Tensor:
-        """Logits for whole volumes: windows of the training patch, overlap, Gaussian blending; windows past a
-        small volume are padded with the training background (`pad_value`)."""
+    def window(self, image: torch.Tensor) -> SlidingWindow:
+        """Windows of the training patch (or the whole volume), overlap, Gaussian blending; windows past a small
+        volume are padded with the training background (`pad_value`)."""
         roi = self.patch_size or list(image.shape[2:])
-        window = SlidingWindow.of(
+        return SlidingWindow.of(
             roi, overlap=self.hparams.overlap, mode="gaussian", batch_size=self.hparams.sw_batch_size,
             device=self.device, output_device=torch.device("cpu") if self.hparams.stitch_on_cpu else self.device,
             pad_value=self.pad_value,
         )
-        return window(self.net, image)
 
-    def postprocess(self, logits: torch.Tensor) -> torch.Tensor:
-        """Binary masks (B, C, ...): threshold or argmax, then optionally the largest connected component."""
-        masks = self.scheme.discretise(logits)
-        if self.largest is not None:
-            masks = torch.stack([convert_to_tensor(self.largest(m), track_meta=False) for m in masks])
-        return masks
+    def probabilities(
+        self, image: torch.Tensor, window: SlidingWindow | None = None, tta: bool = False
+    ) -> torch.Tensor:
+        """(B, C, ...) class or region probabilities of whole volumes on the model grid, window by window; with
+        `tta` each window's are the mean over its copies mirrored along every spatial axis."""
+        window = window or self.window(image)
+        if window.pad_value is None:
+            window = dataclasses.replace(window, pad_value=self.pad_value)
+        return window(MirrorAveraged(self.net, self.scheme.activation, SPATIAL_AXES if tta else ()), image)
+
+    def label_maps(self, probabilities: torch.Tensor) -> torch.Tensor:
+        """(B, 1, ...) int64 label maps: threshold or argmax, then the post-processing."""
+        label_map = self.scheme.label_map(self.scheme.discretise(probabilities))
+        if not self.postprocessing.steps:
+            return label_map
+        kept = [torch.from_numpy(self.postprocessing(m[0].cpu().numpy()))[None] for m in label_map]
+        return torch.stack(kept).to(label_map.device)
+
+    def masks_of(self, label_map: torch.Tensor) -> torch.Tensor:
+        """(B, C, ...) binary masks of the scored structures' channels from (B, 1, ...) label maps."""
+        return self.scheme.target(label_map) if self.scheme.is_regions else self.scheme.one_hot(label_map)
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> dict[str, Any]:
         image, label = batch[self.hparams.image_key], batch["label"]
         self.scheme.check_label(label)
-        logits = self.sliding_window(image)
-        target = self.scheme.target(label).to(logits.device)
+        probabilities = self.probabilities(image, tta=stage == "test" and self.tta)
+        target = self.scheme.target(label).to(probabilities.device)
         loss_metric: MeanMetric = getattr(self, f"{stage}_loss")
-        loss_metric.update(self.loss(logits, target).detach().to(self.device), weight=image.shape[0])
-        masks = self.postprocess(logits)
-        target_masks = target if self.scheme.is_regions else self.scheme.one_hot(target)
-        spacing = voxel_spacing(batch["affine"]) if "affine" in batch else None
+        loss = self.loss(self.scheme.as_logits(probabilities), target)
+        loss_metric.update(loss.detach().to(self.device), weight=image.shape[0])
+        if stage == "test" and on_source_grid(batch):
+            outputs = self.outputs_of(batch, probabilities)
+        else:
+            label_map = self.label_maps(probabilities)
+            target_masks = target if self.scheme.is_regions else self.scheme.one_hot(target)
+            outputs = {
+                "volumes": {
+                    "input": image.detach(), "seg": label_map.to(image.device),
+                    "label": self.scheme.label_map(target_masks).to(image.device),
+                },
+                "segments": self.scheme.segments,
+                "subject_metrics": self.subject_metrics(label_map, target_masks, batch.get("affine")),
+            }
+        metrics = outputs["subject_metrics"]
+        getattr(self, f"{stage}_dice").update(torch.stack([metrics[f"dice_{n}"] for n in self.scheme.names], 1))
+        getattr(self, f"{stage}_hd95").update(torch.stack([metrics[f"hd95_{n}"] for n in self.scheme.names], 1))
+        return outputs
+
+    def subject_metrics(
+        self, label_map: torch.Tensor, target_masks: torch.Tensor, affine: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """Dice and HD95 (mm where the grid's affine is known) per subject and scored structure."""
+        spacing = voxel_spacing(affine) if affine is not None else None
+        masks = self.masks_of(label_map).to(target_masks.device)
         dice, hd95 = subject_scores(self.scheme.scored(masks), self.scheme.scored(target_masks), spacing)
-        getattr(self, f"{stage}_dice").update(dice)
-        getattr(self, f"{stage}_hd95").update(hd95)
-        per_subject = {f"dice_{n}": dice[:, i] for i, n in enumerate(self.scheme.names)}
-        per_subject.update({f"hd95_{n}": hd95[:, i] for i, n in enumerate(self.scheme.names)})
         return {
-            "volumes": {
-                "input": image.detach(),
-                "seg": self.scheme.label_map(masks).to(image.device),
-                "label": self.scheme.label_map(target_masks).to(image.device),
-            },
-            "segments": self.scheme.segments,
-            "subject_metrics": per_subject,
+            **{f"dice_{n}": dice[:, i] for i, n in enumerate(self.scheme.names)},
+            **{f"hd95_{n}": hd95[:, i] for i, n in enumerate(self.scheme.names)},
         }
+
+    def outputs_of(
+        self, batch: dict[str, Any], probabilities: torch.Tensor, extras: Sequence[str] = ()
+    ) -> dict[str, Any]:
+        """The outputs a user receives from model-grid probabilities: on the source scan's grid where the batch
+        has one (probabilities resampled linearly per class, then the argmax or threshold, then the
+        post-processing), scored there against the label file as stored; else on the model grid. `extras`:
+        `probabilities` also returns them (written as `<subject>_probabilities.nii.gz`), `reference` the label
+        maps scored against (in model label values, on the same grid)."""
+        image = batch[self.hparams.image_key]
+        label = batch.get("label")
+        if not on_source_grid(batch):
+            label_map = self.label_maps(probabilities)
+            outputs: dict[str, Any] = {
+                "volumes": {"input": image, "seg": label_map}, "segments": self.scheme.segments, "as_is": ["seg"],
+                "volume_range": self.volume_range,
+            }
+            if "probabilities" in extras:
+                outputs["volumes"]["probabilities"] = probabilities.float()
+                outputs["as_is"].append("probabilities")
+            if label is not None:
+                target = self.scheme.target(label.to(probabilities.device))
+                target_masks = target if self.scheme.is_regions else self.scheme.one_hot(target)
+                outputs["subject_metrics"] = self.subject_metrics(label_map, target_masks, batch.get("affine"))
+                if "reference" in extras:
+                    outputs["volumes"]["reference"] = self.scheme.label_map(target_masks)
+            return outputs
+        maps, kept, references, rows = [], [], [], []
+        for i in range(image.shape[0]):
+            grid = (batch["source_affine"][i], batch["source_shape"][i])
+            source = to_source_grid(
+                probabilities[i].detach().float().cpu(), grid, batch["affine"][i], "linear", self.scheme.background()
+            )
+            label_map = self.label_maps(source[None])
+            maps.append(label_map[0])
+            if "probabilities" in extras:
+                kept.append(source)
+            if label is not None:
+                truth = self.source_truth(batch, i, grid)
+                references.append(truth[None])
+                target_masks = self.masks_of(truth[None, None])
+                rows.append(self.subject_metrics(label_map, target_masks, batch["source_affine"][i : i + 1]))
+        outputs = {
+            "volumes": {
+                "input": image, "seg": maps, **({"probabilities": kept} if kept else {}),
+                **({"reference": references} if "reference" in extras and references else {}),
+            },
+            "segments": self.scheme.segments, "as_is": ["seg", "probabilities"], "volume_range": self.volume_range,
+        }
+        if rows:
+            outputs["subject_metrics"] = {name: torch.cat([row[name] for row in rows]) for name in rows[0]}
+        return outputs
+
+    def source_truth(self, batch: dict[str, Any], index: int, grid: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The subject's label on the source grid in model label values: the label file as stored (its values
+        mapped through the batch's `label_values`, e.g. BraTS 2021's 4 -> 3), else the model-grid label's nearest
+        voxel."""
+        files = batch.get("source_label_file")
+        if not files or not files[index]:
+            label = batch["label"][index]
+            label = label if label.shape[0] == 1 else self.scheme.label_map(label[None])[0]
+            return to_source_grid(label.long().cpu(), grid, batch["affine"][index], "nearest")[0]
+        stored = label_on_source_grid(files[index], grid)
+        values = batch.get("label_values")
+        if values is None:
+            return stored
+        lookup = values[index].cpu().tolist()
+        model = torch.zeros_like(stored)
+        for model_value, file_value in enumerate(lookup):
+            model[stored == int(file_value)] = model_value
+        return model
 
     def _log_epoch(self, stage: str) -> None:
         # torchmetrics squeezes a one-column result (one class) to a scalar: back to one entry per column.
@@ -257,22 +365,12 @@ class Segmenter(MedvolModule):
     def predict_volumes(
         self, batch: dict[str, Any], window: SlidingWindow, extras: Sequence[str] = ()
     ) -> dict[str, Any]:
-        """Masks of whole volumes window by window; Dice and HD95 per subject where the batch has a label."""
+        """Masks of whole volumes on the source grid (`outputs_of`), mirrored as `tta` says; Dice and HD95 per subject
+        where the batch has a label."""
         image = batch[self.hparams.image_key]
-        if window.pad_value is None:
-            window = dataclasses.replace(window, pad_value=self.pad_value)
-        masks = self.postprocess(window(self.net, image))
-        outputs: dict[str, Any] = {
-            "volumes": {"input": image, "seg": self.scheme.label_map(masks)},
-            "segments": self.scheme.segments,
-        }
-        if batch.get("label") is not None:
-            target = self.scheme.target(batch["label"])
-            target_masks = target if self.scheme.is_regions else self.scheme.one_hot(target)
-            spacing = voxel_spacing(batch["affine"]) if "affine" in batch else None
-            dice, hd95 = subject_scores(self.scheme.scored(masks), self.scheme.scored(target_masks), spacing)
-            outputs["subject_metrics"] = {
-                **{f"dice_{n}": dice[:, i] for i, n in enumerate(self.scheme.names)},
-                **{f"hd95_{n}": hd95[:, i] for i, n in enumerate(self.scheme.names)},
-            }
-        return outputs
+        return self.outputs_of(batch, self.probabilities(image, window, self.tta), extras)
+
+
+def on_source_grid(batch: dict[str, Any]) -> bool:
+    """Whether the batch says which source scan grid each subject came from (file datasets; not patches)."""
+    return batch.get("patch_origin") is None and all(batch.get(k) is not None for k in SOURCE_GRID_KEYS)

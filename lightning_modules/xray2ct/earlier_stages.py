@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,12 +20,14 @@ from lightning_modules.xray2ct.denoiser import (
     load_from_previous_stage,
     network_settings,
 )
+from medvol.core.checkpoint_read import load_checkpoint
 from medvol.core.errors import MedvolError
 
 log = logging.getLogger("medvol")
 
 # An earlier stage: its settings, its frozen network, and where it came from (for refusals).
 EarlierStage = tuple[dict[str, Any], ViewConditionedDenoiser, str]
+EXPECTED = "a finished stage's best.ckpt"
 
 
 def _container(value: Any) -> Any:
@@ -45,12 +48,11 @@ def sampling_weights(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 def read_stage(path: str) -> tuple[dict[str, Any], ViewConditionedDenoiser]:
     """A finished stage's hyperparameters and the network it sampled with (EMA, else raw), from its checkpoint."""
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except FileNotFoundError:
-        raise MedvolError(
-            f"`model.previous_stages`: {path} does not exist; expected a finished stage's best.ckpt"
-        ) from None
+    if not Path(path).is_file():
+        raise MedvolError(f"`model.previous_stages`: {path} does not exist; expected {EXPECTED}")
+    checkpoint = load_checkpoint(Path(path), "model.previous_stages", EXPECTED)
+    if not isinstance(checkpoint, dict):
+        raise MedvolError(f"`model.previous_stages`: {path} is not an X-ray-to-CT stage checkpoint")
     hparams = dict(checkpoint.get("hyper_parameters", {}))
     if "stage" not in hparams or "views" not in hparams:
         raise MedvolError(f"`model.previous_stages`: {path} is not an X-ray-to-CT stage checkpoint")

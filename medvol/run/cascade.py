@@ -25,9 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from medvol.core.checkpoint_read import load_checkpoint
 from medvol.core.errors import MedvolError
 
 log = logging.getLogger("medvol")
@@ -52,7 +52,7 @@ def best_checkpoint(stage_dir: Path) -> tuple[Path, float | None]:
         if target.is_file():
             return target, None
         raise MedvolError(f"cascade: {stage_dir} has no checkpoints/last.ckpt; the stage did not finish an epoch")
-    state = torch.load(last, map_location="cpu", weights_only=False)
+    state = load_checkpoint(last, "cascade", "a stage's checkpoints/last.ckpt written by medvol")
     # A checkpoint callback's state is found by its content, not its class name: subclasses of
     # ModelCheckpoint (medvol's StepCheckpoint) store theirs under their own name.
     best, score = next(

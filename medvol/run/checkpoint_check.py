@@ -14,29 +14,19 @@ import torch
 
 from lightning_modules.base import MODEL_KEY
 from medvol.core.build import target_class
+from medvol.core.checkpoint_read import load_checkpoint
 from medvol.core.errors import MedvolError
 
 EXPECTED = "a .ckpt file written by medvol, e.g. <run>/checkpoints/last.ckpt"
 
 
 def read_checkpoint(ckpt_path: str) -> tuple[Path, dict[str, Any]]:
-    """(path, checkpoint) of a readable Lightning training checkpoint, else `MedvolError`."""
+    """(path, checkpoint) of a readable Lightning training checkpoint, read as data (tensors memory-mapped: the
+    pickled structure only is read), else `MedvolError`."""
     path = Path(str(ckpt_path)).expanduser()
     if not path.is_file():
         raise MedvolError(f"`ckpt_path`: no file at {path}; expected {EXPECTED}")
-    try:
-        # mmap reads the pickled structure only (tensors stay on disk); files in the legacy format cannot be mapped.
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        except RuntimeError as err:
-            if "mmap" not in str(err):
-                raise
-            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # noqa: BLE001 - truncated zip, pickle error, ...: all mean an unreadable file
-        reason = str(err).splitlines()[0][:100] if str(err) else ""
-        raise MedvolError(
-            f"`ckpt_path`: {path} is not a readable checkpoint ({type(err).__name__}: {reason}); expected {EXPECTED}"
-        ) from err
+    checkpoint = load_checkpoint(path, "ckpt_path", EXPECTED, mmap=True)
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "loops" not in checkpoint:
         raise MedvolError(
             f"`ckpt_path`: {path} is not a Lightning training checkpoint (no state_dict/loops); expected {EXPECTED}"

@@ -15,6 +15,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from medvol.core.config_targets import check_file_targets
 from medvol.core.errors import MedvolError
 from medvol.run.planning import with_run_plan
 from medvol.run.resolvers import run_dir_of_checkpoint
@@ -48,8 +49,11 @@ def run_config(ckpt_path: str) -> DictConfig:
         ),
         None,
     )
-    cfg = OmegaConf.load((stage_dir / "config.yaml") if stage_dir is not None else run_dir / ".hydra" / "config.yaml")
+    config_file = (stage_dir / "config.yaml") if stage_dir is not None else run_dir / ".hydra" / "config.yaml"
+    cfg = OmegaConf.load(config_file)
     assert isinstance(cfg, DictConfig)
+    # A run folder is data: its config builds only medvol's and its libraries' classes.
+    check_file_targets(cfg, config_file)
     with open_dict(cfg):
         # `${hydra:runtime.output_dir}` means nothing outside that run's Hydra job: the run is where split.json is.
         cfg.paths.output_dir = str(run_dir)

@@ -9,6 +9,7 @@ the file itself (`PredictionWriter(protected=...)`).
 from __future__ import annotations
 
 import csv
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,8 @@ from medvol.core.errors import MedvolError
 from medvol.run.generation import check_condition_files, lacks_targets, modality_field, without_targets
 from medvol.run.predict_config import merged, with_run_transforms
 from medvol.volumes.dicom_io import series_folders, series_geometry
+
+log = logging.getLogger("medvol")
 
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
 # The dataset class that reads input files given by path; the run's own transforms preprocess them.
@@ -57,7 +60,15 @@ def input_files(path: Path) -> list[Path]:
     if is_nifti(path):
         return [path]
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if is_nifti(p)) or series_folders(path)
+        entries = list(path.iterdir())
+        files = sorted(p for p in entries if is_nifti(p))
+        if files:
+            # A folder of scans often holds other files (reports, thumbnails, exports): counted, never opened.
+            others = sum(1 for p in entries if p.is_file() and not is_nifti(p))
+            if others:
+                log.info("input: %s: %d file(s) that are not .nii/.nii.gz skipped", path, others)
+            return files
+        files = series_folders(path)
         if files:
             return files
         raise MedvolError(

@@ -12,20 +12,21 @@ code that writes `test=true` outputs: the source grid and units, the source head
 from __future__ import annotations
 
 import logging
-import math
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from lightning_modules.base import MedvolModule
-from medvol.core.build import build_model, target_class
+from medvol.core.checkpoint_read import TRUST_KEY, checkpoints_trusted
 from medvol.core.console import log_file
-from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes
+from medvol.core.errors import MedvolError
+from medvol.run.ensemble import Ensemble, same_preprocessing
+from medvol.run.fold_records import fold_checkpoints, read_postprocessing, read_volume_range
 from medvol.run.generation import intensity_record, on_model_grid, sampled_outputs, with_target_units
 from medvol.run.noise_samples import write_noise_samples
 from medvol.run.predict_check import (
@@ -40,6 +41,8 @@ from medvol.run.predict_check import (
 from medvol.run.predict_config import input_geometry, recovered_run, with_geometry
 from medvol.run.predict_inputs import Inputs, batches, check_output_dir, find_inputs
 from medvol.run.radiographs import ct_from_radiographs
+from medvol.run.resolvers import run_dir_of_checkpoint
+from medvol.run.trained_model import load_module, mean_metrics
 from medvol.volumes.prediction_writer import PredictionWriter, check_output_format
 from medvol.volumes.sliding_window import SlidingWindow
 
@@ -50,13 +53,24 @@ LOG_FILE = "predict.log"
 
 
 def predict(cfg: DictConfig) -> dict[str, float]:
-    """Predict every subject the config names and write the outputs; return the mean per-subject metrics."""
+    """Predict every subject the config names and write the outputs; return the mean per-subject metrics.
+
+    Checkpoints are read as data unless this command says `trust_checkpoints=true`; the run's own config
+    never grants it."""
+    with checkpoints_trusted(cfg.get(TRUST_KEY, False)):
+        return _predicted(cfg)
+
+
+def _predicted(cfg: DictConfig) -> dict[str, float]:
+    checkpoints, decided_in = member_checkpoints(cfg)
+    cfg = with_checkpoint(cfg, checkpoints[0])
     run = recovered_run(cfg)
     overlap = check_predict(cfg, run)
     output_format = check_output_format(str(cfg.get("output_format", "nifti")))
     output_dir = Path(str(cfg.output_dir)).expanduser()
     device = pick_device(str(cfg.device))
     module = load_module(run, str(cfg.ckpt_path), device)
+    predictor = segmentation_predictor(cfg, module, run, checkpoints, decided_in, device)
     num_samples = int(cfg.get("num_samples", 1))
     if from_noise(cfg):
         return noise_samples(module, cfg.get("spacing"), output_dir, num_samples)
@@ -71,20 +85,86 @@ def predict(cfg: DictConfig) -> dict[str, float]:
         window = SlidingWindow.of(
             window_roi(cfg, run), overlap=overlap, mode=str(cfg.mode), batch_size=int(cfg.sw_batch_size), device=device,
         )
-        writer = PredictionWriter(output_dir, protected=inputs.protected, output_format=output_format)
+        writer = PredictionWriter(
+            output_dir, protected=inputs.protected, output_format=output_format,
+            segment_codes=OmegaConf.to_container(cfg.segment_codes) if cfg.get("segment_codes") else None,
+            channels={key: run.dataset.get(f"{key}_modalities") for key in ("image", "cond")},
+        )
+        extras = ["codes"] if cfg.codes else []
+        extras += ["probabilities"] if cfg.get("save_probabilities") else []
         with log_file(output_dir / LOG_FILE):
-            log.info("predict: %s on %d subject(s) from %s", cfg.ckpt_path, len(inputs.dataset), inputs.where)
-            count = predict_subjects(
-                module, inputs, window, writer, num_samples, refine, ["codes"] if cfg.codes else []
-            )
+            log.info("predict: %s on %d subject(s) from %s", ", ".join(checkpoints), len(inputs.dataset), inputs.where)
+            if hasattr(module, "postprocessing"):
+                log.info("%s", module.postprocessing.describe())
+            count = predict_subjects(predictor, inputs, window, writer, num_samples, refine, extras)
             writer.write_metrics()
             writer.write_predictions()
             log.info(summary_line(writer.rows, count, output_dir))
     return mean_metrics(writer.rows)
 
 
+def member_checkpoints(cfg: DictConfig) -> tuple[list[str], Path | None]:
+    """The checkpoints to predict with (one, or an ensemble's) and the folder whose post-processing applies:
+    `run_dir` (a fold sweep: each fold's validated checkpoint, the sweep's decision), or `ckpt_path` (one path or
+    a list; a single run's own decision)."""
+    run_dir, ckpt = cfg.get("run_dir"), cfg.get("ckpt_path")
+    if run_dir is not None and ckpt is not None:
+        raise MedvolError("`run_dir` and `ckpt_path` are both set; give one: a fold sweep's folder or checkpoints")
+    if run_dir is not None:
+        folder = Path(str(run_dir)).expanduser()
+        if not folder.is_dir():
+            raise MedvolError(f"`run_dir`: no folder at {folder}; expected a fold sweep's folder (-m dataset.fold=...)")
+        return fold_checkpoints(folder), folder
+    if ckpt is None:
+        raise MedvolError(
+            "`ckpt_path` is not set; expected a checkpoint of a medvol run (<run>/checkpoints/last.ckpt), a list of "
+            "them, or run_dir=<sweep> for a cross-validation's folds"
+        )
+    paths = [str(p) for p in ckpt] if OmegaConf.is_list(ckpt) else [str(ckpt)]
+    if not paths:
+        raise MedvolError("`ckpt_path` is an empty list; expected one checkpoint or several")
+    return paths, None
+
+
+def with_checkpoint(cfg: DictConfig, checkpoint: str) -> DictConfig:
+    """`cfg` naming one checkpoint (the first member's: its run gives the preprocessing)."""
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.ckpt_path = checkpoint
+    return cfg
+
+
+def segmentation_predictor(
+    cfg: DictConfig, module: MedvolModule, run: DictConfig, checkpoints: list[str], decided_in: Path | None,
+    device: torch.device,
+) -> Any:
+    """The model that predicts: `module`, or for several checkpoints their ensemble; for segmentation with the
+    command's `tta` and the post-processing of the run (or of the sweep, for its folds)."""
+    if not hasattr(module, "probabilities"):
+        if len(checkpoints) > 1 or cfg.get("tta") is not None or cfg.get("save_probabilities"):
+            raise MedvolError(
+                "several checkpoints (`ckpt_path=[...]`, `run_dir`), `tta` and `save_probabilities` apply to "
+                f"segmentation; {checkpoints[0]} is a {type(module).__name__}"
+            )
+        return module
+    if cfg.get("tta") is not None:
+        module.tta = bool(cfg.tta)
+    if decided_in is None:
+        decided_in = run_dir_of_checkpoint(checkpoints[0])
+    if decided_in is not None:
+        module.postprocessing = read_postprocessing(decided_in)
+    own = run_dir_of_checkpoint(checkpoints[0])
+    module.volume_range = read_volume_range(own) if own is not None else {}
+    if len(checkpoints) == 1:
+        return module
+    runs = [run] + [recovered_run(with_checkpoint(cfg, c)) for c in checkpoints[1:]]
+    same_preprocessing(runs, checkpoints)
+    members = [module] + [load_module(r, c, device) for r, c in zip(runs[1:], checkpoints[1:], strict=True)]
+    return Ensemble(members)
+
+
 def predict_subjects(
-    module: MedvolModule, inputs: Inputs, window: SlidingWindow, writer: PredictionWriter, num_samples: int,
+    module: Any, inputs: Inputs, window: SlidingWindow, writer: PredictionWriter, num_samples: int,
     refine: bool, extras: Sequence[str],
 ) -> int:
     """Each subject's outputs, written as they come, under a progress bar; return how many subjects."""
@@ -129,34 +209,8 @@ def noise_samples(module: MedvolModule, spacing: Any, output_dir: Path, num_samp
     return {}
 
 
-def load_module(run: DictConfig, ckpt_path: str, device: torch.device) -> MedvolModule:
-    """The run's model with the checkpoint's weights, in eval mode on `device`; what the family restores from the
-    checkpoint itself (`MedvolModule.restoring_settings`: e.g. X-ray-to-CT's earlier stages) over the run's config."""
-    checkpoint = check_checkpoint_family(ckpt_path, run.model._target_)
-    assert checkpoint is not None
-    family = target_class(run.model._target_)
-    module: MedvolModule = build_model(
-        run.model, **family.restoring_settings(dict(checkpoint.get("hyper_parameters") or {}))
-    )
-    check_checkpoint_shapes(ckpt_path, module, checkpoint)
-    module.on_load_checkpoint(checkpoint)
-    module.load_state_dict(checkpoint["state_dict"])
-    return module.to(device).eval()
-
-
 def summary_line(rows: list[dict[str, Any]], count: int, output_dir: Path) -> str:
     """`predicted N subjects -> DIR` and the mean of every per-subject metric."""
     means = [f"{name} {value:.4g}" for name, value in mean_metrics(rows).items()]
     metrics = f"; mean {', '.join(means)}" if means else ""
     return f"predicted {count} subject{'s' if count != 1 else ''} -> {output_dir}{metrics}"
-
-
-def mean_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Per metric, the mean over the subjects where it is finite (HD95 is NaN for an empty mask)."""
-    names = dict.fromkeys(key for row in rows for key in row if key != "subject")
-    means = {}
-    for name in names:
-        values = [row[name] for row in rows if name in row and math.isfinite(row[name])]
-        if values:
-            means[name] = sum(values) / len(values)
-    return means

@@ -35,6 +35,7 @@ from lightning_modules.base import MedvolModule
 from medvol.core.errors import MedvolError
 from medvol.run.generation import sampled_outputs
 from medvol.volumes.projection import VIEW_FRAME, view_pixel_spacing
+from medvol.volumes.volume_budget import load_nifti
 
 # A view's pixel spacing counts as the training one within this relative margin.
 SPACING_TOLERANCE = 1e-3
@@ -173,7 +174,7 @@ def in_view_frame(
 def read_view(path: Path, view: str, geometry: ViewGeometry) -> np.ndarray:
     """One radiograph as (rows, columns) in the projector's frame, refused unless its orientation fits its view name
     and its size and pixel spacing are the training views'."""
-    image = nib.load(str(path))
+    image = load_nifti(path)
     data = np.asarray(image.dataobj, dtype=np.float32)
     data = data.reshape(data.shape[:2]) if data.ndim > 2 and int(np.prod(data.shape[2:])) == 1 else data
     data, spacing = in_view_frame(image, data, path, view)

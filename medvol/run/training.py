@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_modules.base import MedvolModule
 from medvol.core.atomic_checkpoint import checkpoint_io_plugins
 from medvol.core.build import build, build_model, target_class
+from medvol.core.checkpoint_read import TRUST_KEY, checkpoints_trusted, weights_only
 from medvol.core.console import print_config_tree
 from medvol.core.errors import MedvolError
 from medvol.core.process_group import release_at_exit, run_started
@@ -20,6 +21,7 @@ from medvol.core.sync_batchnorm import layer_sync_plugins
 from medvol.run.batch_arithmetic import BatchArithmetic, scale_learning_rates
 from medvol.run.cascade import run_cascade
 from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes
+from medvol.run.cross_validation import after_training
 from medvol.run.fingerprint import RecordFingerprint
 from medvol.run.launch import local_ranks
 from medvol.run.planning import planned
@@ -106,8 +108,14 @@ def run(cfg: DictConfig) -> dict[str, float]:
 
     With `trainer.devices=N > 1` on one node and no external launcher, this process becomes
     rank 0 and starts the other ranks itself (see `medvol.run.launch`). A config with a `cascade`
-    node runs its stages one after another (see `medvol.run.cascade`).
+    node runs its stages one after another (see `medvol.run.cascade`). Checkpoints are read as data unless the
+    command says `trust_checkpoints=true` (`medvol.core.checkpoint_read`).
     """
+    with checkpoints_trusted(cfg.get(TRUST_KEY, False)):
+        return _stages_or_run(cfg)
+
+
+def _stages_or_run(cfg: DictConfig) -> dict[str, float]:
     if cfg.get("cascade"):
         return run_cascade(cfg, run, check_config)
     world = check_config(cfg)
@@ -175,8 +183,10 @@ def _run(cfg: DictConfig, world: World) -> dict[str, float]:
 
     ckpt_path = cfg.get("ckpt_path") or requeued_checkpoint(str(cfg.paths.output_dir))
     if cfg.get("train", True):
-        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=False)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=weights_only())
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}
+    # Segmentation: the best checkpoint on the validation subjects' source grids, and its post-processing.
+    metrics.update(after_training(cfg, trainer, module))
 
     if cfg.get("test", False):
         metrics.update(tested(trainer, module, datamodule, cfg))
@@ -204,5 +214,5 @@ def tested(
             log.warning("No best checkpoint found; testing the weights at the end of training")
     else:
         test_ckpt = cfg.get("ckpt_path")
-    trainer.test(module, datamodule=datamodule, ckpt_path=test_ckpt, weights_only=False)
+    trainer.test(module, datamodule=datamodule, ckpt_path=test_ckpt, weights_only=weights_only())
     return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("test/")}

@@ -58,12 +58,15 @@ def voxel_spacing(affine: torch.Tensor | np.ndarray | None) -> tuple[float, floa
     return tuple(float(s) or 1.0 for s in np.linalg.norm(matrix[:3, :3], axis=0))  # type: ignore[return-value]
 
 
-def mid_planes(volume: torch.Tensor, affine: torch.Tensor | np.ndarray | None = None) -> list[Plane]:
-    """Axial, coronal and sagittal planes through the middle voxel of a (D, H, W) volume.
+def mid_planes(
+    volume: torch.Tensor, affine: torch.Tensor | np.ndarray | None = None, centre: tuple[int, int, int] | None = None
+) -> list[Plane]:
+    """Axial, coronal and sagittal planes through the middle voxel of a (D, H, W) volume, or through `centre`.
 
     Args:
         volume: the volume in array order, as the affine maps it to the world.
         affine: 4x4 voxel-to-world matrix (the batch's `affine`); None means RAS, 1 mm.
+        centre: the voxel (array indices) the three planes cross at; None: the middle.
     """
     codes = orientation(affine)
     spacing = voxel_spacing(affine)
@@ -73,7 +76,8 @@ def mid_planes(volume: torch.Tensor, affine: torch.Tensor | np.ndarray | None = 
         fixed, rows, cols = (array_axis[_WORLD_AXIS[letter]] for letter in (normal, top, left))
         # Even sizes have two middle slices: take the same world slice however the array is stored.
         middle = volume.shape[fixed] // 2
-        image = volume.select(fixed, middle if codes[fixed] in "RAS" else volume.shape[fixed] - 1 - middle)
+        index = middle if codes[fixed] in "RAS" else volume.shape[fixed] - 1 - middle
+        image = volume.select(fixed, int(centre[fixed]) if centre is not None else index)
         remaining = [a for a in range(3) if a != fixed]
         if remaining.index(rows) == 1:
             image = image.T

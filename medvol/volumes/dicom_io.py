@@ -10,10 +10,17 @@ the first two world axes change sign), the space nibabel's NIfTI affines are in.
 values times RescaleSlope plus RescaleIntercept (Hounsfield units for CT). Compressed transfer syntaxes
 are decoded by pydicom's pixel handlers (pylibjpeg: JPEG, JPEG-LS, JPEG 2000, RLE).
 
+Slices whose positions lie off an even grid by more than `EVEN_TOLERANCE` of a step (a scanner that changed
+its step within the series) are resampled onto an even grid at their smallest step, linearly along the
+normal, with a warning saying so: read as if even, slices would land millimetres from where they were
+taken. Outputs written back as DICOM go onto the source slices again (`SeriesGeometry.on_source_slices`).
+
 Refused: several series where none was chosen, slices of different orientations, sizes or pixel
-spacings, two slices at one position, a gap (a missing slice), sheared stacks (a gantry tilt), colour
-and multi-frame images. Dropped with a warning: localizer (scout) images among the slices.
-Messages name folders, series UIDs and descriptions, never a patient attribute.
+spacings, two slices at one position, a gap (a missing slice: a step over `GAP_FACTOR` times the usual
+one), sheared stacks (a gantry tilt), colour images, multi-frame and enhanced objects (named as such), and
+series larger than the memory budget (`medvol.volumes.volume_budget`). Dropped with a warning: localizer
+(scout) images among the slices. Messages name folders, series UIDs and descriptions, never a patient
+attribute.
 """
 
 from __future__ import annotations
@@ -29,15 +36,20 @@ import pydicom
 from pydicom.dataset import FileDataset
 
 from medvol.core.errors import MedvolError
+from medvol.volumes.volume_budget import check_file_size, check_volume_size
 
 LOG = logging.getLogger("medvol")
 # DICOM's patient axes are L, P, S; NIfTI's (and medvol's) R, A, S.
 LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 # Directory records and other files without pixels share a folder with the slices.
 MEDIA_DIRECTORY_SOP = "1.2.840.10008.1.3.10"
-# Slice positions may differ from an even grid by rounding in the header strings.
 ORIENTATION_TOLERANCE = 1e-4
-RELATIVE_STEP_TOLERANCE = 0.1
+# How far (a fraction of the slice step) a slice may lie from the even grid through the first and last slices
+# and still be read as lying on it: header strings round positions to 1e-4 mm or finer, so an even series
+# is far inside; a fiftieth of a slice moves anatomy less than any interpolation of the volume resolves.
+EVEN_TOLERANCE = 0.02
+# A step this many times the series' usual one is a missing slice, not a changed step: refused.
+GAP_FACTOR = 1.5
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,9 @@ class SeriesGeometry:
         slices: the slices, ordered by position along the slice normal.
         affine: 4x4 voxel-to-world matrix in RAS mm of the (column, row, slice) axes.
         dropped: localizer files left out of the volume.
+        distances: where the slices lie along the normal, in mm from the first, when they lie off an even grid
+            (the volume is then resampled onto `grid_slices` even slices); None for an even series.
+        grid_slices: the number of slices of the even grid an uneven series is resampled onto.
     """
 
     folder: Path
@@ -67,15 +82,50 @@ class SeriesGeometry:
     slices: tuple[Slice, ...]
     affine: np.ndarray
     dropped: tuple[Path, ...] = ()
+    distances: tuple[float, ...] | None = None
+    grid_slices: int = 0
 
     @property
     def shape(self) -> tuple[int, int, int]:
+        """(columns, rows, slices) of the volume's grid: the source slices, or the even grid an uneven series
+        is resampled onto."""
         first = self.slices[0].header
-        return int(first.Columns), int(first.Rows), len(self.slices)
+        return int(first.Columns), int(first.Rows), self.grid_slices if self.resampled else len(self.slices)
+
+    @property
+    def resampled(self) -> bool:
+        """Whether the slices lie off an even grid and the volume is resampled onto one."""
+        return self.distances is not None
+
+    def on_grid(self, stacked: np.ndarray) -> np.ndarray:
+        """The source slices (stacked on the last axis, in order) on the volume's grid (linear along the normal)."""
+        if not self.resampled:
+            return stacked
+        step = float(np.linalg.norm(self.affine[:3, 2]))
+        return _interpolated(stacked, np.asarray(self.distances), np.arange(self.grid_slices) * step, labels=False)
+
+    def on_source_slices(self, volume: np.ndarray, labels: bool) -> np.ndarray:
+        """A volume on the grid back on the source slices: nearest for `labels`, linear otherwise."""
+        if not self.resampled:
+            return volume
+        step = float(np.linalg.norm(self.affine[:3, 2]))
+        return _interpolated(volume, np.arange(volume.shape[-1]) * step, np.asarray(self.distances), labels)
 
     @property
     def first(self) -> FileDataset:
         return self.slices[0].header
+
+
+def _interpolated(volume: np.ndarray, at: np.ndarray, to: np.ndarray, labels: bool) -> np.ndarray:
+    """`volume`'s slices (last axis) taken at positions `at` (increasing), read at positions `to`: the nearest
+    slice for labels, else linear between the two around each position."""
+    upper = np.clip(np.searchsorted(at, to, side="right"), 1, len(at) - 1)
+    lower = upper - 1
+    weight = np.clip((to - at[lower]) / (at[upper] - at[lower]), 0.0, 1.0)
+    if labels:
+        return volume[..., np.where(weight < 0.5, lower, upper)]
+    out = volume[..., lower] * (1.0 - weight) + volume[..., upper] * weight
+    return out.astype(volume.dtype, copy=False)
 
 
 def is_dicom_file(path: Path) -> bool:
@@ -124,7 +174,12 @@ def refuse_non_series_subjects(records: Sequence[Mapping[str, Any]]) -> None:
 
 def _image_slices(folder: Path) -> list[Slice]:
     slices = []
-    for path in dicom_files(folder):
+    files = dicom_files(folder)
+    others = sum(1 for p in folder.iterdir() if p.is_file()) - len(files)
+    if others:
+        # Read 132 bytes each to tell them apart, never whole.
+        LOG.info("medvol: %s: %d file(s) that are not DICOM skipped", folder, others)
+    for path in files:
         try:
             header = pydicom.dcmread(path, stop_before_pixels=True)
         except Exception as err:  # noqa: BLE001 - every parser failure means the same to the user
@@ -184,16 +239,36 @@ def _orientation(item: Slice) -> np.ndarray:
     return np.asarray([float(v) for v in item.header.ImageOrientationPatient], dtype=np.float64)
 
 
+def _frames(header: FileDataset) -> int:
+    try:
+        return int(header.get("NumberOfFrames", 1) or 1)
+    except (TypeError, ValueError):
+        return 1
+
+
+def refuse_multi_frame(item: Slice) -> None:
+    """Refuse a multi-frame or enhanced object (Enhanced CT/MR, RT Dose, ultrasound cine, ...) for what it is:
+    its geometry lives per frame in functional groups, not in the slice attributes a series of slices has."""
+    header = item.header
+    sop = header.get("SOPClassUID")
+    name = str(getattr(sop, "name", "") or sop or "DICOM")
+    frames = _frames(header)
+    if frames > 1 or "PerFrameFunctionalGroupsSequence" in header or "Enhanced" in name:
+        raise MedvolError(
+            f"{item.path}: a multi-frame {name} object ({frames} frame{'s' if frames != 1 else ''}); medvol reads a "
+            "series of single-frame slices: convert it to NIfTI (dcm2niix reads enhanced objects) or export the "
+            "series as single-frame slices"
+        )
+
+
 def _check_uniform(folder: Path, slices: Sequence[Slice]) -> np.ndarray:
-    """The orientation all slices share; refuses mixed orientations, sizes, spacings, colour or multi-frame."""
+    """The orientation all slices share; refuses multi-frame objects, mixed orientations, sizes, spacings, colour."""
+    for item in slices:
+        refuse_multi_frame(item)
     first = slices[0]
     orientation = _orientation(first)
     for item in slices:
         header = item.header
-        if int(header.get("NumberOfFrames", 1) or 1) > 1:
-            raise MedvolError(
-                f"{item.path}: a multi-frame (enhanced) DICOM image; export the series as single-frame slices"
-            )
         if int(header.get("SamplesPerPixel", 1)) != 1:
             raise MedvolError(
                 f"{item.path}: a colour image ({header.get('PhotometricInterpretation')}); expected greyscale slices"
@@ -224,11 +299,21 @@ def _position(item: Slice) -> np.ndarray:
     return np.asarray([float(v) for v in item.header.ImagePositionPatient], dtype=np.float64)
 
 
-def _slice_step(folder: Path, ordered: Sequence[Slice], distances: np.ndarray) -> float:
-    """The distance between neighbouring slices; refuses doubled slices and gaps."""
+@dataclass(frozen=True)
+class SliceGrid:
+    """The grid along the normal: its step (mm), and for slices off an even grid their distances from the first
+    and the number of even slices they are resampled onto."""
+
+    step: float
+    distances: tuple[float, ...] | None = None
+    slices: int = 0
+
+
+def _slice_grid(folder: Path, uid: str, ordered: Sequence[Slice], distances: np.ndarray) -> SliceGrid:
+    """The even grid of the slices; refuses doubled slices and gaps, resamples a series whose step changes."""
     if len(ordered) == 1:
         header = ordered[0].header
-        return float(header.get("SpacingBetweenSlices") or header.get("SliceThickness") or 1.0)
+        return SliceGrid(float(header.get("SpacingBetweenSlices") or header.get("SliceThickness") or 1.0))
     steps = np.diff(distances)
     step = float(np.median(steps))
     for k, gap in enumerate(steps):
@@ -237,12 +322,26 @@ def _slice_step(folder: Path, ordered: Sequence[Slice], distances: np.ndarray) -
                 f"{folder}: {ordered[k].path.name} and {ordered[k + 1].path.name} lie at the same position "
                 "(several echoes, phases or time points?); put one volume per folder or choose a series"
             )
-        if abs(gap - step) > RELATIVE_STEP_TOLERANCE * step:
+        if gap > GAP_FACTOR * step:
             raise MedvolError(
                 f"{folder}: a gap of {gap:.3g} mm between slices {ordered[k].path.name} and {ordered[k + 1].path.name} "
                 f"where the others are {step:.3g} mm apart (a missing slice?); the series must be complete"
             )
-    return float((distances[-1] - distances[0]) / (len(ordered) - 1))
+    span = float(distances[-1] - distances[0])
+    even = span / (len(ordered) - 1)
+    offsets = distances - distances[0]
+    off_grid = float(np.max(np.abs(offsets - even * np.arange(len(ordered)))))
+    if off_grid <= EVEN_TOLERANCE * even:
+        return SliceGrid(even)
+    # At least as fine as the finest step: no slice's detail is averaged away.
+    count = int(np.ceil(span / float(steps.min()) - 1e-6)) + 1
+    grid = SliceGrid(span / (count - 1), tuple(float(d) for d in offsets), count)
+    LOG.warning(
+        "medvol: %s: series %s has slice steps from %.4g to %.4g mm (slices up to %.3g mm off an even grid); "
+        "resampled onto %d even slices %.4g mm apart (linear along the slice normal)",
+        folder, uid, float(steps.min()), float(steps.max()), off_grid, count, grid.step,
+    )
+    return grid
 
 
 def series_geometry(folder: str | Path, series: str | None = None) -> SeriesGeometry:
@@ -260,17 +359,20 @@ def series_geometry(folder: str | Path, series: str | None = None) -> SeriesGeom
     order = np.argsort(distances, kind="stable")
     ordered = [kept[i] for i in order]
     distances = distances[order]
-    step = _slice_step(folder, ordered, distances)
-    _check_not_sheared(folder, ordered, normal, step)
+    grid = _slice_grid(folder, uid, ordered, distances)
+    _check_not_sheared(folder, ordered, normal, grid.step)
     row_spacing, column_spacing = _pixel_spacing(ordered[0])
     affine = np.eye(4)
     # Column index moves along the row direction, row index along the column direction.
     affine[:3, 0] = row_direction * column_spacing
     affine[:3, 1] = column_direction * row_spacing
-    affine[:3, 2] = normal * step
+    affine[:3, 2] = normal * grid.step
     affine[:3, 3] = _position(ordered[0])
     description = str(ordered[0].header.get("SeriesDescription", ""))
-    return SeriesGeometry(folder, uid, description, tuple(ordered), LPS_TO_RAS @ affine, dropped)
+    geometry = SeriesGeometry(folder, uid, description, tuple(ordered), LPS_TO_RAS @ affine, dropped,
+                              grid.distances, grid.slices)
+    check_volume_size(f"{folder} (series {uid})", geometry.shape, "its headers promise")
+    return geometry
 
 
 def _check_not_sheared(folder: Path, ordered: Sequence[Slice], normal: np.ndarray, step: float) -> None:
@@ -287,7 +389,9 @@ def _check_not_sheared(folder: Path, ordered: Sequence[Slice], normal: np.ndarra
 
 
 def _decoded(item: Slice) -> np.ndarray:
-    """The stored values of one slice; refuses a transfer syntax no installed decoder reads."""
+    """The stored values of one slice; refuses a file larger than a volume may be, and a transfer syntax no
+    installed decoder reads."""
+    check_file_size(item.path)
     dataset = pydicom.dcmread(item.path)
     try:
         return np.asarray(dataset.pixel_array)
@@ -320,4 +424,4 @@ def read_series(folder: str | Path, series: str | None = None) -> tuple[np.ndarr
             geometry.folder, len(geometry.dropped), geometry.uid,
         )
     volume = np.stack([slice_values(item).T for item in geometry.slices], axis=-1)
-    return volume, geometry
+    return geometry.on_grid(volume), geometry

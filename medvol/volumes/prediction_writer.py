@@ -23,7 +23,15 @@ from medvol.volumes.intensity import (
     scale_spread,
 )
 from medvol.volumes.nifti_io import save_volume
+from medvol.volumes.segmentation_report import (
+    INDEX_FILE,
+    render_picture,
+    structure_volumes,
+    volume_column,
+    write_index,
+)
 from medvol.volumes.source_grid import to_source_grid
+from medvol.volumes.volume_reader import VolumeReader
 
 SOURCE_KEYS = ("source_affine", "source_shape")
 OUTPUT_FORMATS = ("nifti", "dicom", "both")
@@ -48,6 +56,10 @@ class PlannedVolume:
     source_series: str = ""
     source_folder: str = ""
     segments: dict[str, list[int]] | None = None
+    subject: str = ""
+    index: int = 0
+    # The batch key whose units an image output is in (`image`, `cond`): its channel names say its modality.
+    units: str = "image"
 
 
 def to_source_units(
@@ -102,7 +114,10 @@ class PredictionWriter:
     2021's 0, 1, 2, 4) they are written with the values the input used. Patch batches (with
     `patch_origin`) stay on the patch grid and add the patch corner to the name. An `"arrays"`
     output (name -> (B, ...) tensor, e.g. a VQ-GAN's codes) is saved as `<subject>_<name>.npy`; a
-    `"rows"` output (per-subject dicts: risks, class probabilities) goes to `predictions.csv`.
+    `"rows"` output (per-subject dicts: risks, class probabilities) goes to `predictions.csv`. Volumes a model
+    names in `"as_is"` are already on the grid they are written on (the source grid where the batch has one,
+    e.g. segmentation probabilities resampled before the argmax) and in their final units: written as they are.
+    A `volumes` entry may be a list of per-sample tensors (source grids differ in shape from sample to sample).
 
     With `output_format` dicom or both, the volumes of subjects read from a DICOM series (a batch's
     `source_series`) are also written for a PACS (`medvol.volumes.dicom_write`): label maps as
@@ -115,18 +130,30 @@ class PredictionWriter:
         protected: input files no output may replace (`predict.py`'s inputs): a batch that would write onto one
             is refused before any of its files is written.
         output_format: nifti, dicom (only for subjects read from DICOM series) or both.
+        segment_codes: DICOM-SEG segment name -> its SNOMED CT `category` and/or `type`
+            (`medvol.volumes.segment_codes`; unnamed segments are coded from their names).
+        channels: batch key -> the dataset's channel names (`image_modalities`, `cond_modalities`): a derived
+            series of an output in a `ct` channel's units is a CT, in a `t2` channel's an MR.
     """
 
     def __init__(
         self, output_dir: str | Path, skip: Iterable[str] = ("input", "label"), protected: Iterable[str | Path] = (),
-        output_format: str = "nifti",
+        output_format: str = "nifti", segment_codes: Mapping[str, Any] | None = None,
+        channels: Mapping[str, Any] | None = None,
     ) -> None:
         self.output_dir = Path(output_dir)
         self.output_format = check_output_format(output_format)
+        self.segment_codes = dict(segment_codes or {})
+        self.channels = {key: [str(c) for c in names or []] for key, names in (channels or {}).items()}
         self.skip = set(skip)
         self.protected = {Path(p).expanduser().resolve() for p in protected}
         self.rows: list[dict[str, Any]] = []
         self.prediction_rows: list[dict[str, Any]] = []
+        # The report (`medvol.volumes.segmentation_report`): per subject its picture, the structures' names, and the
+        # training range of their volumes (a model's `"volume_range"` output).
+        self.pictures: dict[str, str] = {}
+        self.structures: list[str] = []
+        self.volume_range: dict[str, list[float]] = {}
 
     def write(self, outputs: Mapping[str, Any], batch: Mapping[str, Any]) -> list[Path]:
         """Write one batch's volumes (a `test_step` output) and keep its `subject_metrics` rows; the files written."""
@@ -144,17 +171,51 @@ class PredictionWriter:
             self._refuse_without_a_series(volumes)
         self.prediction_rows.extend(outputs.get("rows") or [])
         metrics = outputs.get("subject_metrics") or {}
-        if metrics:
-            self.rows.extend(
-                {"subject": str(subject), **{name: float(values[i]) for name, values in metrics.items()}}
-                for i, subject in enumerate(subjects)
-            )
-        written = [self._write_array(array, path) for path, array in planned]
+        rows = [
+            {"subject": str(subject), **{name: float(values[i]) for name, values in metrics.items()}}
+            for i, subject in enumerate(subjects)
+        ]
+        self.volume_range.update(outputs.get("volume_range") or {})
+        written = [self._report(v, outputs, batch, rows[v.index]) for v in volumes if v.segments]
+        self.rows.extend(row for row in rows if len(row) > 1)
+        written += [self._write_array(array, path) for path, array in planned]
         if self.output_format != "dicom":
             written += [save_volume(v.volume, v.path, v.affine, header=v.header) for v in volumes]
         if self.output_format != "nifti":
             written += [path for v in volumes if v.source_series for path in self._write_dicom(v)]
         return written
+
+    def _report(
+        self, planned: PlannedVolume, outputs: Mapping[str, Any], batch: Mapping[str, Any], row: dict[str, Any]
+    ) -> Path:
+        """A label map's structure volumes (into the subject's metrics row) and its picture on the scan."""
+        segments = planned.segments or {}
+        label_map = planned.volume.numpy()
+        label_map = label_map[0] if label_map.ndim == 4 else label_map
+        affine = np.asarray(planned.affine.detach().cpu() if torch.is_tensor(planned.affine) else planned.affine)
+        volumes = structure_volumes(label_map, segments, affine)
+        row.update({volume_column(name): value for name, value in volumes.items()})
+        self.structures = list(dict.fromkeys([*self.structures, *segments]))
+        scan = self._scan(planned, outputs, label_map.shape)
+        path = self.output_dir / f"{planned.path.name.removesuffix('.nii.gz')}.png"
+        self._refuse_replacing_an_input(path)
+        self.pictures[planned.subject] = path.name
+        return render_picture(scan, label_map, segments, affine, volumes, planned.subject, path)
+
+    @staticmethod
+    def _scan(planned: PlannedVolume, outputs: Mapping[str, Any], shape: tuple[int, ...]) -> np.ndarray:
+        """The scan under a label map: its source file's first channel where the map is on that file's grid, else
+        the model's input (first channel), else a blank."""
+        if planned.header is not None:
+            reader = VolumeReader()
+            array = np.asarray(reader.get_data(reader.read(str(planned.header)))[0], dtype=np.float32)
+            array = array[..., 0] if array.ndim == 4 else array
+            if array.shape == tuple(shape):
+                return array
+        image = (outputs.get("volumes") or {}).get("input")
+        if image is not None and tuple(image[planned.index].shape[1:]) == tuple(shape):
+            return image[planned.index][0].detach().float().cpu().numpy()
+        return np.zeros(shape, dtype=np.float32)
 
     @staticmethod
     def _refuse_without_a_series(volumes: list[PlannedVolume]) -> None:
@@ -175,12 +236,15 @@ class PredictionWriter:
             segments = planned.segments or {f"label {v}": [int(v)] for v in sorted(set(volume.flat)) if v != 0}
             target = self.output_dir / f"{stem}.dcm"
             self._refuse_replacing_an_input(target)
-            return [write_segmentation(volume, geometry, target, segments, f"medvol {planned.name}")]
+            description = f"medvol {planned.name}"
+            return [write_segmentation(volume, geometry, target, segments, description, self.segment_codes)]
         if volume.ndim != 3:
             raise MedvolError(
                 f"`output_format`: {stem} has {volume.shape[0]} channels; a derived DICOM series holds one"
             )
-        return write_derived_series(volume, geometry, self.output_dir / stem, f"medvol {planned.name}")
+        names = self.channels.get(planned.units) or []
+        channel = names[0] if len(names) == 1 else None
+        return write_derived_series(volume, geometry, self.output_dir / stem, f"medvol {planned.name}", channel)
 
     def _refuse_replacing_an_input(self, path: Path) -> None:
         if path.expanduser().resolve() in self.protected:
@@ -206,6 +270,7 @@ class PredictionWriter:
         series = batch.get("source_series")
         units = outputs.get("units") or {}
         spreads = set(outputs.get("spreads") or ())
+        as_is = set(outputs.get("as_is") or ())
         planned = []
         for name, batch_volumes in outputs["volumes"].items():
             if name in self.skip:
@@ -219,7 +284,7 @@ class PredictionWriter:
                 if is_label and label_values is not None:
                     lookup = label_values[i].cpu()
                     volume = lookup[volume.long().clamp(0, len(lookup) - 1)]
-                elif not is_label:
+                elif not is_label and name not in as_is:
                     volume = to_source_units(
                         volume.float(),
                         batch,
@@ -233,10 +298,11 @@ class PredictionWriter:
                 if is_label and label_values is not None and segments:
                     segments = {n: [int(lookup[v]) for v in values] for n, values in segments.items()}
                 if on_source:
-                    grid = (batch["source_affine"][i], batch["source_shape"][i])
-                    # Cropped-away voxels: background for labels, the darkest output value for intensities.
-                    fill = 0.0 if is_label else float(volume.min())
-                    volume = to_source_grid(volume, grid, affines[i], "nearest" if is_label else "linear", fill)
+                    if name not in as_is:
+                        grid = (batch["source_affine"][i], batch["source_shape"][i])
+                        # Cropped-away voxels: background for labels, the darkest output value for intensities.
+                        fill = 0.0 if is_label else float(volume.min())
+                        volume = to_source_grid(volume, grid, affines[i], "nearest" if is_label else "linear", fill)
                     affine = batch["source_affine"][i]
                     source_file = sources[i] if sources is not None else ""
                     header = source_file if source_file and Path(source_file).is_file() else None
@@ -252,13 +318,29 @@ class PredictionWriter:
                         source_series,
                         source_folder,
                         dict(segments) if is_label and segments else None,
+                        subject,
+                        i,
+                        units.get(name, "image"),
                     )
                 )
         return planned
 
     def write_metrics(self, rows: list[dict[str, Any]] | None = None) -> Path | None:
-        """Write `rows` (default: the collected ones) to `<output_dir>/metrics.csv`, sorted by subject."""
-        return self._write_table(self.rows if rows is None else rows, "metrics.csv")
+        """Write `rows` (default: the collected ones) to `<output_dir>/metrics.csv`, sorted by subject, and, where
+        label maps were written, the page of every subject's picture (`index.html`)."""
+        rows = self.rows if rows is None else rows
+        path = self._write_table(rows, "metrics.csv")
+        if self.structures and rows:
+            self._refuse_replacing_an_input(self.output_dir / INDEX_FILE)
+            pictures = {str(r["subject"]): f"{str(r['subject']).replace('/', '_')}" for r in rows}
+            pictures = {s: self.pictures.get(s, self._picture_name(stem)) for s, stem in pictures.items()}
+            write_index(self.output_dir, rows, pictures, self.structures, self.volume_range)
+        return path
+
+    def _picture_name(self, stem: str) -> str:
+        """A picture another rank wrote for `stem` (the first label map's), by its name on disk."""
+        found = sorted(self.output_dir.glob(f"{stem}_*.png"))
+        return found[0].name if found else ""
 
     def write_predictions(self) -> Path | None:
         """Write the collected `"rows"` outputs (risks, class probabilities) to `<output_dir>/predictions.csv`."""

@@ -21,6 +21,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from medvol.volumes.volume_budget import load_nifti
+from medvol.volumes.volume_reader import VolumeReader
+
 MODES = ("nearest", "linear")
 # Source voxels per lookup chunk: bounds the float64 coordinate buffers to ~50 MB.
 _CHUNK_VOXELS = 2_000_000
@@ -43,7 +46,7 @@ class SourceGrid:
     @classmethod
     def from_file(cls, path: str | Path) -> SourceGrid:
         """The grid of a NIfTI file, from its header only (no voxels are read)."""
-        image = nib.load(str(path))
+        image = load_nifti(path)
         return cls(np.asarray(image.affine, dtype=np.float64), tuple(int(s) for s in image.shape[:3]), image.header)
 
 
@@ -90,7 +93,7 @@ def to_source_grid(
     source: SourceGrid | str | Path | tuple[torch.Tensor | np.ndarray, Sequence[int] | torch.Tensor],
     transformed_affine: torch.Tensor | np.ndarray,
     mode: str = "nearest",
-    fill: float = 0.0,
+    fill: float | Sequence[float] = 0.0,
 ) -> torch.Tensor:
     """Resample `volume` from the model grid onto the source file's grid.
 
@@ -99,7 +102,8 @@ def to_source_grid(
         source: the source grid: a `SourceGrid`, the source NIfTI path, or (affine, shape).
         transformed_affine: 4x4 voxel-to-world matrix of the model grid (a batch's `affine`).
         mode: `nearest` (labels) or `linear` (intensities).
-        fill: value of source voxels the model grid does not cover (cropped away).
+        fill: value of source voxels the model grid does not cover (cropped away); one per channel or one for all
+            (class probabilities: 1 for the background, 0 for the others).
 
     Returns:
         (C, *source shape), or (*source shape) for a 3D input, same dtype and device as `volume`.
@@ -120,7 +124,13 @@ def to_source_grid(
     mapping = np.linalg.inv(np.asarray(model_affine, dtype=np.float64)) @ grid.affine
     channels = volume if volume.ndim == 4 else volume[None]
     model_shape = channels.shape[1:]
-    out = channels.new_full((channels.shape[0], *grid.shape), fill)
+    fills = [float(f) for f in fill] if isinstance(fill, Sequence) else [float(fill)] * channels.shape[0]
+    if len(fills) != channels.shape[0]:
+        raise ValueError(f"`fill` has {len(fills)} values; expected one per channel ({channels.shape[0]}) or one")
+    per_channel = torch.tensor(fills, dtype=channels.dtype if channels.is_floating_point() else torch.float64)
+    out = channels.new_empty((channels.shape[0], *grid.shape))
+    for c, value in enumerate(fills):
+        out[c] = value
     rows = max(1, _CHUNK_VOXELS // max(1, grid.shape[1] * grid.shape[2]))
     for start in range(0, grid.shape[0], rows):
         stop = min(start + rows, grid.shape[0])
@@ -142,8 +152,25 @@ def to_source_grid(
             normalised = (coords / scale * 2 - 1)[:, ::-1].copy()
             sample_grid = torch.from_numpy(normalised).to(device=volume.device, dtype=channels.dtype)
             sample_grid = sample_grid.reshape(1, stop - start, grid.shape[1], grid.shape[2], 3)
+            offset = per_channel.to(channels.device).reshape(-1, 1, 1, 1)
             sampled = F.grid_sample(
-                (channels - fill)[None], sample_grid, mode="bilinear", padding_mode="zeros", align_corners=True
+                (channels - offset)[None], sample_grid, mode="bilinear", padding_mode="zeros", align_corners=True
             )[0]
-            out[:, start:stop] = sampled + fill
+            out[:, start:stop] = sampled + offset
     return out if volume.ndim == 4 else out[0]
+
+
+def label_on_source_grid(
+    path: str | Path,
+    source: SourceGrid | str | Path | tuple[torch.Tensor | np.ndarray, Sequence[int] | torch.Tensor],
+) -> torch.Tensor:
+    """The label map stored at `path` (a NIfTI file or a DICOM series folder) on the source grid, int64 (D, H, W):
+    as stored where the two grids agree (the usual case), else each source voxel's nearest label voxel."""
+    reader = VolumeReader()
+    array, meta = reader.get_data(reader.read(str(path)))
+    label = torch.from_numpy(np.rint(np.asarray(array, dtype=np.float64)).astype(np.int64))
+    affine = np.asarray(meta["affine"], dtype=np.float64)
+    grid = as_source_grid(source)
+    if tuple(label.shape) == tuple(grid.shape) and np.allclose(affine, grid.affine, atol=1e-4):
+        return label
+    return to_source_grid(label, grid, affine, "nearest")

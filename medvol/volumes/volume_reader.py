@@ -12,7 +12,6 @@ from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import nibabel as nib
 import numpy as np
 from monai.data import ImageReader, NibabelReader
 from monai.data.utils import is_no_channel
@@ -20,6 +19,7 @@ from monai.transforms import LoadImaged
 from monai.utils import MetaKeys, SpaceKeys, ensure_tuple
 
 from medvol.volumes.dicom_io import is_dicom_series, read_series, series_geometry
+from medvol.volumes.volume_budget import load_nifti
 
 # The meta key naming the SeriesInstanceUID a volume was read from ('' for NIfTI).
 SERIES_KEY = "dicom_series"
@@ -30,7 +30,7 @@ def volume_grid(path: str | Path, series: str | None = None) -> tuple[tuple[int,
     if Path(path).is_dir():
         geometry = series_geometry(path, series)
         return geometry.shape, geometry.affine
-    image = nib.load(str(path))
+    image = load_nifti(path)
     return tuple(int(s) for s in image.shape), np.asarray(image.affine, dtype=np.float64)
 
 
@@ -60,6 +60,7 @@ class VolumeReader(ImageReader):
                 MetaKeys.ORIGINAL_CHANNEL_DIM: float("nan"), SERIES_KEY: geometry.uid,
             }
             return volume, meta
+        load_nifti(path)  # the header's size, before MONAI's reader allocates the voxels
         nifti = NibabelReader()
         array, meta = nifti.get_data(nifti.read(str(path)))
         meta[SERIES_KEY] = ""

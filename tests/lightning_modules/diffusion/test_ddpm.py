@@ -117,8 +117,8 @@ def test_ema_and_weights_survive_resume_exactly(tmp_path):
     run(compose_cfg(straight, [*common, "trainer.max_epochs=2"]))
     run(compose_cfg(resumed, [*common, "trainer.max_epochs=1"]))
     run(compose_cfg(resumed, [*common, "trainer.max_epochs=2", f"ckpt_path={resumed}/checkpoints/last.ckpt"]))
-    a = torch.load(straight / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
-    b = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    a = torch.load(straight / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    b = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     ema_keys = [k for k in a if k.startswith("ema.")]
     # 2 epochs x 2 batches (4 training subjects, batch 2): one EMA update per optimizer step.
     assert "ema.updates" in ema_keys and int(a["ema.updates"]) == 4

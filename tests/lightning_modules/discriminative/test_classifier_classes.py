@@ -91,7 +91,7 @@ def test_a_one_class_validation_set_is_nan_with_a_warning_and_checkpoints_fall_b
     rows = [r for r in csv.DictReader(next(Path(tmp_path).rglob("metrics.csv")).open()) if r.get("val/loss")]
     losses = [float(r["val/loss"]) for r in rows]
     best = min(range(len(losses)), key=losses.__getitem__)
-    checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
     state = next(v for k, v in checkpoint["callbacks"].items() if k.startswith("StepCheckpoint"))
     assert state["falling_back"] and f"epoch{best:03d}" in Path(state["best_model_path"]).name
     assert float(state["best_model_score"]) == pytest.approx(losses[best], rel=1e-5)

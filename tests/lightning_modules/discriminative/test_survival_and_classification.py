@@ -128,7 +128,7 @@ def test_covariate_statistics_come_from_the_training_split_and_survive_resume(tm
     split = json.loads((run_dir / "split.json").read_text())
     train = [r for r in _rows(table) if r["subject"] in set(split["train"])]
     expected = torch.tensor([[float(r["age"]), float(r["sex"])] for r in train], dtype=torch.float64)
-    state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     assert torch.allclose(state["net.covariates.mean"], expected.mean(0))
     assert torch.allclose(state["net.covariates.std"], expected.std(0, unbiased=False))
     everyone = torch.tensor([[float(r["age"]), float(r["sex"])] for r in _rows(table)], dtype=torch.float64)
@@ -153,7 +153,7 @@ def test_covariate_statistics_come_from_the_training_split_and_survive_resume(tm
         table, "dataset.covariate_columns=[age,sex]", "trainer.max_epochs=2",
         f"ckpt_path={run_dir}/checkpoints/last.ckpt",
     ), tiny=False))
-    resumed = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    resumed = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
     assert resumed["epoch"] == 1
     assert torch.allclose(resumed["state_dict"]["net.covariates.mean"], expected.mean(0))
 
@@ -201,7 +201,7 @@ def test_bad_outcome_tables_stop_with_one_clear_line(tmp_path, edit, extra, mess
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     """The trainable floating-point weights of a run's last checkpoint (batch-norm running statistics left out)."""
-    state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
     return {k: v.double() for k, v in state.items() if v.is_floating_point() and "running_" not in k}
 
 

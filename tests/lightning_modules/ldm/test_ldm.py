@@ -22,6 +22,7 @@ from lightning_modules.ldm.latent_diffusion import LatentDiffusion
 from lightning_modules.vqgan.vqgan import VQGAN
 from medvol.core.build import build, build_model
 from medvol.core.errors import MedvolError
+from medvol.core.plain_values import plain
 from medvol.run.predicting import predict
 from medvol.run.training import check_config, run
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
@@ -36,8 +37,8 @@ TINY_UNET = partial(
 
 
 def save_checkpoint(module: nn.Module, path: Path, family: str) -> Path:
-    """A checkpoint as a medvol run writes it (family, hyperparameters, weights)."""
-    torch.save({MODEL_KEY: family, "hyper_parameters": dict(getattr(module, "hparams", {})),
+    """A checkpoint as a medvol run writes it (family, hyperparameters as plain values, weights)."""
+    torch.save({MODEL_KEY: family, "hyper_parameters": plain(dict(getattr(module, "hparams", {}))),
                 "state_dict": module.state_dict(), "loops": {}}, path)
     return path
 
@@ -61,7 +62,7 @@ def phantoms(count: int = 2, size: int = 16, modality: str = "t1") -> torch.Tens
 
 def test_the_first_stage_is_the_vqgans_encoder_codebook_and_decoder_frozen(vqgan_ckpt):
     vqgan = VQGAN(**TINY_VQGAN)
-    vqgan.load_state_dict(torch.load(vqgan_ckpt, weights_only=False)["state_dict"])
+    vqgan.load_state_dict(torch.load(vqgan_ckpt, weights_only=True)["state_dict"])
     module = tiny_ldm(vqgan_ckpt)
     module.train()
     x = phantoms()
@@ -200,8 +201,8 @@ def ldm_run(tmp_path_factory) -> tuple[Path, Path]:
 
 def test_training_leaves_the_first_stage_bit_identical_and_the_checkpoint_carries_it(ldm_run):
     first_stage, run_dir = ldm_run
-    vqgan = torch.load(first_stage, weights_only=False)["state_dict"]
-    ldm = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    vqgan = torch.load(first_stage, weights_only=True)["state_dict"]
+    ldm = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
     carried = {k.removeprefix("first_stage."): v for k, v in ldm["state_dict"].items() if k.startswith("first_stage.")}
     assert carried and set(carried) == {k for k in vqgan if k.split(".")[0] in ("encoder", "codebook", "decoder")}
     for key, value in carried.items():
@@ -244,8 +245,8 @@ def test_the_cpu_preset_trains_the_vqgan_then_the_ldm_on_its_best_checkpoint(tmp
     best = tmp_path / "stage1" / "best.ckpt"
     assert OmegaConf.load(tmp_path / "stage2" / "config.yaml").model.first_stage_ckpt == str(best)
     assert "stage1/val/psnr" in metrics and "stage2/val/recon_psnr" in metrics
-    vqgan = torch.load(best, weights_only=False)["state_dict"]
-    ldm = torch.load(tmp_path / "stage2" / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    vqgan = torch.load(best, weights_only=True)["state_dict"]
+    ldm = torch.load(tmp_path / "stage2" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     for key, value in ldm.items():
         if key.startswith("first_stage."):
             assert torch.equal(value, vqgan[key.removeprefix("first_stage.")]), key
@@ -294,7 +295,7 @@ def test_a_resumed_ldm_run_ends_with_the_weights_of_an_uninterrupted_one(ldm_run
     run(compose_cfg(tmp_path / "resumed", [*common, "trainer.max_epochs=1"]))
     run(compose_cfg(tmp_path / "resumed", [*common, "trainer.max_epochs=2",
                                            f"ckpt_path={tmp_path / 'resumed' / 'checkpoints' / 'last.ckpt'}"]))
-    straight, resumed = (torch.load(tmp_path / name / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    straight, resumed = (torch.load(tmp_path / name / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
                          for name in ("straight", "resumed"))
     assert straight.keys() == resumed.keys()
     for key, value in straight.items():
@@ -316,7 +317,7 @@ def test_two_gloo_ranks_give_the_metrics_and_scale_factor_of_one(vqgan_ckpt, tmp
     for name in ("val/loss", "val/recon_psnr", "val/recon_ssim", "val/mmd", "val/recon_mmd", "val/diversity_msssim"):
         assert ranks[0][name] == ranks[1][name], name
         assert ranks[0][name] == pytest.approx(one[name], rel=1e-4), name
-    scales = [torch.load(d / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]["scale_factor"]
+    scales = [torch.load(d / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]["scale_factor"]
               for d in (tmp_path / "ddp", tmp_path / "single")]
     assert float(scales[0]) == pytest.approx(float(scales[1]), rel=1e-6)
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from monai.losses import DiceCELoss, DiceLoss
 from monai.metrics import DiceMetric, HausdorffDistanceMetric
+from scipy.ndimage import map_coordinates
 
 from lightning_modules.segmentation.label_scheme import LabelScheme
 from lightning_modules.segmentation.losses import build_loss
@@ -20,6 +21,7 @@ from lightning_modules.segmentation.segmentation import Segmenter
 from lightning_modules.segmentation.subject_scores import SubjectScores, subject_scores
 from medvol.core.errors import MedvolError
 from medvol.run.training import run
+from medvol.volumes.source_grid import to_source_grid
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
 from tests.ddp_support import explain, train_cli
 from tests.medvol.run.test_ddp_correctness import recorder
@@ -94,7 +96,7 @@ def test_sliding_window_of_an_identity_net_returns_the_input_on_a_non_divisible_
     module = Segmenter(in_channels=3, num_classes=3, features=[4, 8], patch_size=[16, 16, 16], overlap=0.5)
     module.net = Identity()
     volume = torch.randn(1, 3, 37, 29, 41, generator=torch.Generator().manual_seed(0))
-    out = module.sliding_window(volume)
+    out = module.window(volume)(module.net, volume)
     assert out.shape == volume.shape
     assert torch.allclose(out, volume, atol=1e-5)
 
@@ -133,6 +135,15 @@ def test_test_run_writes_masks_on_the_source_grid_with_brats_values_and_per_subj
     assert {"dice_WT", "dice_TC", "dice_ET", "hd95_WT"} <= set(rows[0])
     assert np.mean([float(r["dice_WT"]) for r in rows] + [float(r["dice_TC"]) for r in rows]
                    + [float(r["dice_ET"]) for r in rows]) == pytest.approx(metrics["test/dice"], abs=1e-5)
+    # The page and a picture per subject beside the masks; each structure's volume in metrics.csv.
+    assert (predictions / "index.html").is_file() and {"volume_WT_ml", "volume_ET_ml"} <= set(rows[0])
+    assert sorted(p.name for p in predictions.glob("*.png")) == sorted(f"{s}_seg.png" for s in test_subjects)
+    # After training, the validation subjects on their source grids, and the post-processing chosen on them.
+    val_subjects = json.loads((tmp_path / "run" / "split.json").read_text())["val"]
+    validation = tmp_path / "run" / "validation"
+    assert sorted(p.name for p in validation.glob("*_seg.nii.gz")) == sorted(f"{s}_seg.nii.gz" for s in val_subjects)
+    assert "validation/dice_WT" in metrics and (tmp_path / "run" / "postprocessing.json").is_file()
+    assert set(json.loads((tmp_path / "run" / "structure_volumes.json").read_text())) == {"WT", "TC", "ET"}
 
 
 @pytest.mark.parametrize(
@@ -224,15 +235,14 @@ def test_post_processing_keeps_the_largest_component_of_each_class_or_region(reg
     logits[:, 0] = 5.0 if regions is None else -5.0  # background wins everywhere (classes)
     logits[:, 1, 6] = 10.0  # the large component: a plane that splits the background in two
     logits[:, 1, 1:4, 1:4, 1:4] = 10.0  # a small one, dropped
-    masks = module.postprocess(logits)
-    assert type(masks) is torch.Tensor
-    label_map = module.scheme.label_map(masks)
+    label_map = module.label_maps(module.scheme.activation(logits))
+    assert type(label_map) is torch.Tensor
     assert int((label_map == 1).sum()) == 144 and int(label_map[0, 0, 1:4, 1:4, 1:4].sum()) == 0
-    without = Segmenter(in_channels=1, num_classes=3, regions=regions, features=[4, 8]).postprocess(logits)
-    assert int(without[0, 1].sum()) == 144 + 27
+    without = Segmenter(in_channels=1, num_classes=3, regions=regions, features=[4, 8])
+    assert int((without.label_maps(without.scheme.activation(logits)) == 1).sum()) == 144 + 27
     if regions is None:
         # Both halves of the background stay: the background is not cut down to one component.
-        assert int(masks[0, 0].sum()) == 12**3 - 144 - 27
+        assert int((label_map == 0).sum()) == 12**3 - 144
 
 
 class FixedLogits(torch.nn.Module):
@@ -267,7 +277,8 @@ def test_hd95_in_millimetres_and_dice_on_an_oblique_anisotropic_volume_equal_a_h
     affine[:3, :3] = turn @ np.diag([0.5, 2.0, 3.0])
     affine[:3, 3] = [10.0, -4.0, 7.0]
 
-    module = Segmenter(in_channels=1, num_classes=2, features=[4, 8])
+    # Without mirroring: the given output is the prediction (mirrored copies of a fixed output would average it).
+    module = Segmenter(in_channels=1, num_classes=2, features=[4, 8], tta=False)
     module.net = FixedLogits(logits)
     batch = {"image": torch.zeros(1, 1, *shape), "label": target, "affine": torch.from_numpy(affine)[None]}
     with torch.no_grad():
@@ -283,5 +294,54 @@ def test_whole_volume_evaluation_blends_windows_with_gaussian_weights():
                        sw_batch_size=3)
     module.net = PositionDependent()
     volume = torch.randn(1, 2, *VOLUME_SHAPE, generator=torch.Generator().manual_seed(1))
-    out = module.sliding_window(volume)
+    out = module.window(volume)(module.net, volume)
     np.testing.assert_allclose(out[0].numpy(), hand_blend(volume[0].numpy(), gaussian_weights(ROI)), atol=1e-4)
+
+
+def test_probabilities_go_to_the_source_grid_before_the_argmax_so_a_thin_structure_survives():
+    # Model grid: 8^3 at 1 mm. Source grid: 2 mm along D, its voxels at model depths 1.5, 3.5, 5.5. A thin plane
+    # of class 1 at depth 1 (p 0.9), depth 2 at p 0.3: the source voxel at depth 1.5 lies halfway, p 0.6 > 0.5.
+    # Nearest-neighbour on the model-grid mask picks depth 2 (background) and loses the plane.
+    foreground = torch.full((8, 8, 8), 0.05)
+    foreground[1], foreground[2] = 0.9, 0.3
+    probabilities = torch.stack([1 - foreground, foreground])[None]
+    source_affine = torch.tensor([[2.0, 0, 0, 1.5], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], dtype=torch.float64)
+    batch = {
+        "image": torch.zeros(1, 1, 8, 8, 8), "affine": torch.eye(4, dtype=torch.float64)[None],
+        "source_affine": source_affine[None], "source_shape": torch.tensor([[3, 8, 8]]),
+    }
+    module = Segmenter(in_channels=1, num_classes=2, features=[4, 8])
+    outputs = module.outputs_of(batch, probabilities, extras=["probabilities"])
+    seg = outputs["volumes"]["seg"][0][0]
+    assert seg.shape == (3, 8, 8) and bool((seg[0] == 1).all()) and not bool(seg[1:].any())
+    # The reference: scipy's linear interpolation of each class's probabilities at the source voxels' positions.
+    positions = np.meshgrid(np.arange(3) * 2 + 1.5, np.arange(8), np.arange(8), indexing="ij")
+    expected = np.stack([map_coordinates(c.numpy(), positions, order=1) for c in probabilities[0]])
+    np.testing.assert_allclose(outputs["volumes"]["probabilities"][0].numpy(), expected, atol=1e-5)
+    assert np.array_equal(seg.numpy(), expected.argmax(0))
+    # The old way, argmax on the model grid then nearest-neighbour: the plane is gone.
+    nearest = to_source_grid(probabilities.argmax(1), (source_affine, (3, 8, 8)), torch.eye(4), "nearest")
+    assert not bool(nearest.any())
+    assert outputs["as_is"] == ["seg", "probabilities"]
+
+
+def test_test_time_metrics_score_the_label_file_as_stored_on_the_source_grid(tmp_path):
+    # The label file holds BraTS 2021's 4; the model's label 3 (ET) must meet it through `label_values`.
+    truth = np.zeros((6, 6, 6), dtype=np.int16)
+    truth[1:4, 1:4, 1:4] = 4
+    truth[4, 4, 4] = 2
+    path = tmp_path / "seg.nii.gz"
+    affine = np.diag([2.0, 2.0, 2.0, 1.0])
+    nib.save(nib.Nifti1Image(truth, affine), str(path))
+    module = Segmenter(in_channels=1, regions={"WT": [1, 2, 3], "TC": [1, 3], "ET": [3]}, features=[4, 8])
+    probabilities = torch.zeros(1, 3, 6, 6, 6)
+    probabilities[0, :, 1:4, 1:4, 1:4] = 0.9  # WT, TC and ET on the cube; the oedema voxel missed
+    batch = {
+        "image": torch.zeros(1, 1, 6, 6, 6), "affine": torch.from_numpy(affine)[None],
+        "source_affine": torch.from_numpy(affine)[None], "source_shape": torch.tensor([[6, 6, 6]]),
+        "source_label_file": [str(path)], "label_values": torch.tensor([[0, 1, 2, 4]]),
+        "label": torch.zeros(1, 1, 6, 6, 6, dtype=torch.int64),  # the model-grid label is not what is scored
+    }
+    metrics = module.outputs_of(batch, probabilities)["subject_metrics"]
+    assert float(metrics["dice_ET"][0]) == pytest.approx(1.0) and float(metrics["dice_TC"][0]) == pytest.approx(1.0)
+    assert float(metrics["dice_WT"][0]) == pytest.approx(2 * 27 / (27 + 28))

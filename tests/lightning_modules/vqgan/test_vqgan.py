@@ -182,6 +182,6 @@ def test_accumulating_two_batches_of_one_steps_like_one_batch_of_two(tmp_path):
                                   "trainer.limit_train_batches=2"]))
     run(compose_cfg(single, [*common, "dataset.batch_size=2", "trainer.limit_train_batches=1"]))
     first, second = (torch.load(d / "checkpoints" / "last.ckpt",
-                                weights_only=False)["state_dict"] for d in (accumulated, single))
+                                weights_only=True)["state_dict"] for d in (accumulated, single))
     for key in (k for k in first if k.startswith(("encoder.", "decoder."))):
         assert torch.allclose(first[key], second[key], rtol=1e-4, atol=1e-6), key

@@ -40,7 +40,7 @@ def _digest(path: Path) -> str:
 
 
 def _network(checkpoint: Path, prefix: str) -> dict[str, torch.Tensor]:
-    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
@@ -103,14 +103,14 @@ def test_resume_in_stage_two_continues_stage_two_and_never_touches_stage_one(cas
     stage1_best = _digest(root / "stage1" / "best.ckpt")
     stage1_last = _digest(root / "stage1" / "checkpoints" / "last.ckpt")
     last = root / "stage2" / "checkpoints" / "last.ckpt"
-    before = torch.load(last, map_location="cpu", weights_only=False)
+    before = torch.load(last, map_location="cpu", weights_only=True)
     overrides = [
         *[o for o in TINY_CASCADE if not o.startswith("cascade.stage2=")],
         "cascade.stage2={dataset:{size:16,spacing:12.0,batch_size:2},trainer:{max_epochs:2}}",
         f"ckpt_path={last}",
     ]
     metrics = run(compose_cfg(tmp_path / "elsewhere", overrides, tiny=False))
-    after = torch.load(last, map_location="cpu", weights_only=False)
+    after = torch.load(last, map_location="cpu", weights_only=True)
     assert (before["epoch"], after["epoch"]) == (0, 1)
     assert after["global_step"] > before["global_step"]
     assert _digest(root / "stage1" / "best.ckpt") == stage1_best
@@ -196,7 +196,7 @@ def test_a_ct_from_radiographs_alone_is_the_test_time_ct_of_the_same_views(casca
     cfg = OmegaConf.load(root / "stage2" / "config.yaml")
     datamodule = build(OmegaConf.merge(cfg.dataset, {"seed": 5, "num_subjects": 2, "split_file": None}))
     dataset = datamodule.build_dataset(datamodule.subjects(), "test")
-    module = XrayToCT.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=False).eval()
+    module = XrayToCT.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True).eval()
     assert sorted(p.name for p in out.iterdir()) == ["phantom-5-0000_ct.nii.gz", "phantom-5-0001_ct.nii.gz",
                                                      "predict.log"]
     # The views predict.py reads from the files, in the model's range and order, are the dataset's.
@@ -221,7 +221,7 @@ def test_num_samples_from_radiographs_writes_the_seeded_draws_their_mean_and_std
     names = ["ct_0", "ct_1", "ct_2", "ct_mean", "ct_std"]
     assert sorted(p.name for p in out.iterdir()) == sorted([*(f"phantom-5-0000_{n}.nii.gz" for n in names),
                                                             "predict.log"])
-    module = XrayToCT.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=False).eval()
+    module = XrayToCT.load_from_checkpoint(checkpoint, map_location="cpu", weights_only=True).eval()
     views = model_views(folder, view_geometry(predict_config.run_config(str(checkpoint))))["phantom-5-0000"][None]
     # Draw k is seeded sample_seed + k; HU by the preset's window, undone by hand.
     draws = np.stack([
@@ -252,7 +252,7 @@ def test_a_moved_cascade_run_predicts_from_its_checkpoint_alone(cascade_run, tmp
     config = OmegaConf.load(moved / "stage2" / "config.yaml")
     config.model.previous_stages, config.model.init_from = [elsewhere], elsewhere
     OmegaConf.save(config, moved / "stage2" / "config.yaml")
-    checkpoint = torch.load(moved / "stage2" / "best.ckpt", map_location="cpu", weights_only=False)
+    checkpoint = torch.load(moved / "stage2" / "best.ckpt", map_location="cpu", weights_only=True)
     checkpoint["hyper_parameters"].update(previous_stages=[elsewhere], init_from=elsewhere)
     torch.save(checkpoint, moved / "stage2" / "best.ckpt")
     shutil.rmtree(moved / "stage1")
@@ -263,7 +263,7 @@ def test_a_moved_cascade_run_predicts_from_its_checkpoint_alone(cascade_run, tmp
         assert np.array_equal(nib.load(str(tmp_path / "there" / name)).get_fdata(),
                               nib.load(str(tmp_path / "here" / name)).get_fdata())
     # Lightning's own loading builds the same stage: stage 1's network from the checkpoint, equal to stage 1's EMA.
-    module = XrayToCT.load_from_checkpoint(moved / "stage2" / "best.ckpt", map_location="cpu", weights_only=False)
+    module = XrayToCT.load_from_checkpoint(moved / "stage2" / "best.ckpt", map_location="cpu", weights_only=True)
     stage1_ema = _network(root / "stage1" / "best.ckpt", "ema.module.")
     assert all(torch.equal(module.previous[0].state_dict()[k], v) for k, v in stage1_ema.items())
     assert module.previous_settings[0]["stage"] == 1 and "previous_settings" not in module.previous_settings[0]
@@ -306,7 +306,7 @@ def test_a_crop_trained_stage_beats_its_identity_baseline_on_the_cpu_preset(tmp_
     run(cfg)
     stage2 = OmegaConf.load(tmp_path / "stage2" / "config.yaml")
     assert stage2.model.crop_size == 16 and stage2.dataset.size == 24
-    module = XrayToCT.load_from_checkpoint(tmp_path / "stage2" / "best.ckpt", map_location="cpu", weights_only=False)
+    module = XrayToCT.load_from_checkpoint(tmp_path / "stage2" / "best.ckpt", map_location="cpu", weights_only=True)
     datamodule = build(stage2.dataset)
     datamodule.setup("test")
     subjects = [datamodule.datasets["test"][i] for i in range(len(datamodule.datasets["test"]))]

@@ -10,7 +10,6 @@ must equal those of a run that was never interrupted. Checkpoint writes are slow
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, TINY
+from tests.conftest import ROOT, TINY, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +39,7 @@ def start(run_dir: Path, marker: Path, log: Path) -> subprocess.Popen:
     """`train.py` with slow checkpoint writes, resuming from the run's `last.ckpt` when there is one."""
     last = run_dir / "checkpoints" / "last.ckpt"
     resume = [f"ckpt_path={last}"] if last.exists() else []
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MEDVOL_TEST_WRITE_MARKER": str(marker)}
+    env = subprocess_env(OMP_NUM_THREADS="1", MEDVOL_TEST_WRITE_MARKER=str(marker))
     command = [sys.executable, str(ROOT / "tests" / "slow_checkpoint_writes.py"), str(ROOT / "train.py"),
                *TINY, *COMMON, f"hydra.run.dir={run_dir}", *resume]
     with log.open("a") as handle:
@@ -65,7 +64,7 @@ def kill_when(process: subprocess.Popen, moment: Callable[[], bool]) -> bool:
 def loadable_last(run_dir: Path) -> dict | None:
     """The run's `last.ckpt` (it must load whenever it exists), or None before the first one."""
     last = run_dir / "checkpoints" / "last.ckpt"
-    return torch.load(last, map_location="cpu", weights_only=False) if last.exists() else None
+    return torch.load(last, map_location="cpu", weights_only=True) if last.exists() else None
 
 
 def test_sigkill_inside_checkpoint_writes_and_after_the_last_one_resumes_exactly(tmp_path):
@@ -74,13 +73,13 @@ def test_sigkill_inside_checkpoint_writes_and_after_the_last_one_resumes_exactly
     straight = tmp_path / "straight"
     reference = start(straight, tmp_path / "straight-writing", tmp_path / "straight.log")
     assert reference.wait(timeout=RUN_TIMEOUT) == 0, (tmp_path / "straight.log").read_text()[-5000:]
-    expected = torch.load(straight / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    expected = torch.load(straight / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
 
     run_dir, marker, log = tmp_path / "killed", tmp_path / "writing", tmp_path / "killed.log"
     last = run_dir / "checkpoints" / "last.ckpt"
     def final_epoch_saved() -> bool:
         try:
-            return last.exists() and torch.load(last, map_location="cpu", weights_only=False)["epoch"] == 3
+            return last.exists() and torch.load(last, map_location="cpu", weights_only=True)["epoch"] == 3
         except (OSError, RuntimeError, EOFError, KeyError):
             return False
 

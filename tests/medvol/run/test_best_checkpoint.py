@@ -49,7 +49,7 @@ def test_test_stage_loads_the_best_checkpoint_not_the_last_weights(tmp_path):
     metrics = run(cfg)
     checkpoints = tmp_path / "checkpoints"
     (best,) = checkpoints.glob("epoch001-*.ckpt")
-    best_steps = torch.load(best, weights_only=False)["state_dict"]["steps"].item()
-    last_steps = torch.load(checkpoints / "last.ckpt", weights_only=False)["state_dict"]["steps"].item()
+    best_steps = torch.load(best, weights_only=True)["state_dict"]["steps"].item()
+    last_steps = torch.load(checkpoints / "last.ckpt", weights_only=True)["state_dict"]["steps"].item()
     assert 0 < best_steps < last_steps
     assert metrics["test/steps"] == best_steps

@@ -35,7 +35,7 @@ class CountingStage(MedvolModule):
         self.steps = nn.Parameter(torch.zeros(1))
         self.register_buffer("started_from", torch.full((1,), float("nan")))
         if init_from:
-            state = torch.load(init_from, map_location="cpu", weights_only=False)["state_dict"]
+            state = torch.load(init_from, map_location="cpu", weights_only=True)["state_dict"]
             with torch.no_grad():
                 self.steps.copy_(state["steps"])
                 self.started_from.copy_(state["steps"])
@@ -73,18 +73,18 @@ def test_stage_two_starts_from_the_best_epoch_of_stage_one_not_its_last(tmp_path
     stage1 = tmp_path / "stage1"
     best_epoch = _best_epoch(stage1 / "csv" / "metrics.csv")
     (epoch_file,) = (stage1 / "checkpoints").glob(f"epoch{best_epoch:03d}-*.ckpt")
-    expected = torch.load(epoch_file, map_location="cpu", weights_only=False)["state_dict"]["steps"]
+    expected = torch.load(epoch_file, map_location="cpu", weights_only=True)["state_dict"]["steps"]
     last = torch.load(stage1 / "checkpoints" / "last.ckpt", map_location="cpu",
-                      weights_only=False)["state_dict"]["steps"]
+                      weights_only=True)["state_dict"]["steps"]
     assert 0 < float(expected) < float(last)
 
-    handed_on = torch.load(stage1 / "best.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    handed_on = torch.load(stage1 / "best.ckpt", map_location="cpu", weights_only=True)["state_dict"]
     assert torch.equal(handed_on["steps"], expected)
     # The summary names the best epoch's score, not the last epoch's metric.
     summary = json.loads((tmp_path / "cascade_summary.json").read_text())
     assert summary["stage1"]["best_score"] == pytest.approx(SCORES[best_epoch])
     assert summary["stage1"]["metrics"]["val/score"] == pytest.approx(SCORES[-1])
-    stage2 = torch.load(tmp_path / "stage2" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    stage2 = torch.load(tmp_path / "stage2" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert torch.equal(stage2["state_dict"]["started_from"], expected)
 
 
@@ -111,4 +111,4 @@ def test_a_stage_without_a_monitored_metric_hands_on_its_last_checkpoint_and_say
     with caplog.at_level(logging.INFO, logger="medvol"):
         best, score = best_checkpoint(stage_dir)
     assert score is None and "no best checkpoint" in caplog.text
-    assert torch.equal(torch.load(best, weights_only=False)["state_dict"]["steps"], torch.ones(1))
+    assert torch.equal(torch.load(best, weights_only=True)["state_dict"]["steps"], torch.ones(1))

@@ -60,7 +60,7 @@ def recorder(directory: Path) -> list[str]:
 
 
 def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    return torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    return torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
 
 
 def assert_same_weights(ddp: dict[str, torch.Tensor], single: dict[str, torch.Tensor], skip: str | None = None) -> None:

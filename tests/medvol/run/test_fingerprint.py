@@ -71,7 +71,7 @@ def test_the_record_is_saved_in_the_checkpoint_and_a_resumed_run_keeps_its_first
     first.fit(TinyMedvol(), datamodule=RecordedData("first start"))
     checkpoint = tmp_path / "first.ckpt"
     first.save_checkpoint(checkpoint)
-    assert torch.load(checkpoint, weights_only=False)[DATA_KEY]["dataset"] == "first start"
+    assert torch.load(checkpoint, weights_only=True)[DATA_KEY]["dataset"] == "first start"
     resumed = TinyMedvol()
     tiny_trainer(tmp_path, max_epochs=2, callbacks=[RecordFingerprint()]).fit(
         resumed, datamodule=RecordedData("data of the resume"), ckpt_path=str(checkpoint)

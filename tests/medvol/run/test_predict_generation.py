@@ -62,7 +62,7 @@ def test_a_condition_only_prediction_equals_the_test_true_sample_of_the_same_sub
                         "split=test", "keep_crop=true", f"output_dir={out}"))
     tested = sorted((translation_run / "predictions").glob("*_sample.nii.gz"))
     assert tested and sorted(p.name for p in out.iterdir() if p.name != "predict.log") == [p.name for p in tested]
-    record = torch.load(translation_run / "checkpoints" / "last.ckpt", weights_only=False)["medvol_data"]["intensity"]
+    record = torch.load(translation_run / "checkpoints" / "last.ckpt", weights_only=True)["medvol_data"]["intensity"]
     for path in tested:
         subject = path.name.removesuffix("_sample.nii.gz")
         # test=true wrote its sample in that subject's own T2 units (its 0.5/99.5 percentiles); the condition-only
@@ -83,7 +83,7 @@ def test_t1_files_give_n_seeded_samples_with_their_mean_and_spread_on_each_files
     ckpt = f"ckpt_path={translation_run}/checkpoints/last.ckpt"
     predict(predict_cfg(ckpt, f"input={inputs}", f"output_dir={tmp_path / 'one'}"))
     predict(predict_cfg(ckpt, f"input={inputs}", f"output_dir={tmp_path / 'three'}", "num_samples=3"))
-    record = torch.load(translation_run / "checkpoints" / "last.ckpt", weights_only=False)["medvol_data"]["intensity"]
+    record = torch.load(translation_run / "checkpoints" / "last.ckpt", weights_only=True)["medvol_data"]["intensity"]
     for path in sorted(inputs.iterdir()):
         subject = path.name.removesuffix(".nii.gz")
         assert sorted(p.name for p in (tmp_path / "one").glob(f"{subject}_*")) == [f"{subject}_sample.nii.gz"]
@@ -163,7 +163,7 @@ def test_a_coarse_scan_is_refined_to_the_training_spacing_and_a_noisy_one_denois
     noisy = raw + np.random.default_rng(0).normal(0, 160, SHAPE)
     nib.save(nib.Nifti1Image(noisy.astype(np.int16), fine.affine), str(scans / "noisy.nii.gz"))
     ckpt = f"ckpt_path={run_dir}/checkpoints/last.ckpt"
-    spacing = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["medvol_data"]["spacing"]
+    spacing = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["medvol_data"]["spacing"]
     if task == "super_resolution":
         predict(predict_cfg(ckpt, f"input={scans / 'coarse.nii.gz'}", f"output_dir={tmp_path / 'out'}"))
         written = nib.load(str(tmp_path / "out" / "coarse_sample.nii.gz"))
@@ -204,7 +204,7 @@ def test_a_few_epochs_beat_the_identity_baseline_from_t1_files_alone(tmp_path):
         targets[f"p{index}"] = phantom
     predict(predict_cfg(f"ckpt_path={run_dir}/checkpoints/last.ckpt", f"input={inputs}",
                         f"output_dir={tmp_path / 'out'}"))
-    high = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["medvol_data"]["intensity"]["high"][0]
+    high = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["medvol_data"]["intensity"]["high"][0]
 
     def psnr(a: np.ndarray, b: np.ndarray) -> float:
         return float(10 * np.log10(4.0 / np.mean((a - b) ** 2)))

@@ -109,7 +109,7 @@ def phantom_run(tmp_path_factory) -> Path:
 
 
 def test_a_run_records_the_phantoms_spacing_and_predict_resamples_there_native_or_as_asked(phantom_run, tmp_path):
-    checkpoint = torch.load(phantom_run / "checkpoints" / "last.ckpt", weights_only=False)
+    checkpoint = torch.load(phantom_run / "checkpoints" / "last.ckpt", weights_only=True)
     assert checkpoint["medvol_data"]["spacing"] == [6.0, 6.0, 6.0] and checkpoint["medvol_data"]["orientation"] == "RAS"
     # A 2 mm scan 96 x 80 x 64 mm wide: the model sees it at 6 mm unless told otherwise.
     scan = tmp_path / "scans" / "head.nii.gz"

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 import medvol.run.rank as rank
 from medvol.core.errors import MedvolError
-from tests.conftest import ROOT
+from tests.conftest import ROOT, subprocess_env
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def test_a_rank_whose_parent_is_gone_stops_with_one_line():
     # The child is told its rank 0 has a pid that is not its parent's, as after rank 0 died.
     gone = os.getpid() + 1_000_000
     script = f"import time, medvol.run.rank as r; r._exit_with_parent({gone}); time.sleep(30)"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "1"}
+    env = subprocess_env(RANK="1")
     result = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 1

@@ -215,3 +215,66 @@ def test_a_series_and_a_4d_nifti_stack_as_channels(tmp_path: Path):
     assert loaded.shape == (3, 5, 4, 3)
     np.testing.assert_allclose(loaded[0].numpy(), read_series(tmp_path / "s")[0])
     assert float(loaded[1].mean()) == 1.0 and float(loaded[2].mean()) == 2.0
+
+
+def test_a_series_whose_step_changes_is_resampled_onto_an_even_grid_with_a_line(tmp_path: Path, caplog):
+    # Six slices 2.5 mm apart, then six 2.74 mm apart: read as even (the mean step), the last slices would lie
+    # 0.7 mm from where they were taken; each voxel of the even grid is the linear interpolation of its two
+    # neighbouring slices at their true positions (numpy's interp per voxel, the reference).
+    positions = np.concatenate([np.arange(6) * 2.5, 12.5 + np.arange(1, 7) * 2.74])
+    stored = ramp(3, 4, 12)
+    write_series(tmp_path / "s", stored, positions=positions, seed=4)
+    with caplog.at_level(logging.WARNING, logger="medvol"):
+        volume, geometry = read_series(tmp_path / "s")
+    # The even grid spans the series at no coarser a step than its finest: 28.94 mm in 12 steps of 2.412 mm.
+    assert "slice steps from 2.5 to 2.74 mm" in caplog.text and "resampled onto 13 even slices 2.412 mm" in caplog.text
+    assert geometry.resampled and geometry.shape == (4, 3, 13) and volume.shape == (4, 3, 13)
+    step = np.linalg.norm(geometry.affine[:3, 2])
+    assert step == pytest.approx(positions[-1] / 12)
+    grid = np.arange(13) * step
+    values = stored.transpose(1, 0, 2).astype(np.float64)
+    expected = np.apply_along_axis(lambda along: np.interp(grid, positions, along), 2, values)
+    np.testing.assert_allclose(volume, expected, atol=1e-3)
+    # Back on the source slices: the values as stored (the writers take outputs there).
+    np.testing.assert_allclose(geometry.on_source_slices(volume, labels=False), values, atol=0.5)
+    np.testing.assert_array_equal(geometry.on_source_slices(np.broadcast_to(grid, (4, 3, 13)), labels=True)[0, 0],
+                                  grid[np.abs(grid[None, :] - positions[:, None]).argmin(1)])
+
+
+def test_an_even_series_within_the_tolerance_is_read_as_it_is(tmp_path: Path, caplog):
+    positions = np.arange(8) * 2.0 + np.array([0, 0.01, -0.01, 0.02, 0, -0.02, 0.01, 0])
+    write_series(tmp_path / "s", ramp(3, 3, 8), positions=positions)
+    with caplog.at_level(logging.WARNING, logger="medvol"):
+        volume, geometry = read_series(tmp_path / "s")
+    assert not geometry.resampled and volume.shape[2] == 8 and "resampled" not in caplog.text
+
+
+def test_a_multi_frame_object_is_refused_for_what_it_is(tmp_path: Path):
+    # pydicom's real RT Dose file: 15 frames, geometry in GridFrameOffsetVector, not in slices.
+    (tmp_path / "dose").mkdir()
+    shutil.copy(pydicom_file("rtdose.dcm"), tmp_path / "dose" / "rtdose.dcm")
+    with pytest.raises(MedvolError, match=r"rtdose\.dcm: a multi-frame RT Dose Storage object \(15 frames\)"):
+        read_series(tmp_path / "dose")
+    # An Enhanced CT: its orientation lives in functional groups, so the slice attributes are absent.
+    info = write_series(tmp_path / "enhanced", ramp(4, 4, 1))
+    enhanced = pydicom.dcmread(info["files"][0])
+    enhanced.SOPClassUID = "1.2.840.10008.5.1.4.1.1.2.1"
+    enhanced.NumberOfFrames = 3
+    for keyword in ("ImageOrientationPatient", "ImagePositionPatient"):
+        delattr(enhanced, keyword)
+    enhanced.save_as(info["files"][0])
+    with pytest.raises(MedvolError, match=r"a multi-frame Enhanced CT Image Storage object \(3 frames\); medvol reads"):
+        read_series(tmp_path / "enhanced")
+
+
+def test_a_series_whose_headers_promise_more_than_the_memory_budget_is_refused_before_its_pixels(tmp_path, monkeypatch):
+    info = write_series(tmp_path / "s", ramp(4, 4, 3))
+    for path in info["files"]:
+        header = pydicom.dcmread(path)
+        header.Rows = header.Columns = 65535
+        header.save_as(path)
+    decoded = []
+    monkeypatch.setattr(pydicom.dataset.Dataset, "pixel_array", property(lambda _: decoded.append(1)))
+    with pytest.raises(MedvolError, match=r"its headers promise 65535x65535x3 = 1\.29e\+10 voxels .*refused before"):
+        read_series(tmp_path / "s")
+    assert not decoded

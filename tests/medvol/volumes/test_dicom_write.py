@@ -9,6 +9,7 @@ import numpy as np
 import pydicom
 import pytest
 import SimpleITK as sitk
+from pydicom.uid import CTImageStorage, MRImageStorage
 
 from medvol.core.errors import MedvolError
 from medvol.volumes.dicom_io import series_geometry
@@ -70,3 +71,79 @@ def test_a_segmentation_read_back_gives_each_segment_on_its_source_slices_and_om
     assert seg.NumberOfFrames == 2 + 1
     with pytest.raises(MedvolError, match="must lie on the source slices"):
         write_segmentation(mask[:, :, :2], source, tmp_path / "bad.dcm", {"whole": [1]}, "x")
+
+
+def test_a_ct_generated_from_an_mr_is_a_ct_that_names_its_source_slices_and_how_it_was_made(tmp_path):
+    write_series(tmp_path / "mr", ramp(5, 4, 3), step=3.0, modality="MR", seed=5)
+    mr = series_geometry(tmp_path / "mr")
+    hounsfield = np.linspace(-1000.0, 1500.0, int(np.prod(mr.shape))).reshape(mr.shape)
+    write_derived_series(hounsfield, mr, tmp_path / "ct", "medvol ct", channel="ct")
+    made = sorted((pydicom.dcmread(p) for p in (tmp_path / "ct").iterdir()), key=lambda d: d.InstanceNumber)
+    sources = {str(item.header.SOPInstanceUID): item.header for item in mr.slices}
+    for k, ds in enumerate(made):
+        assert (ds.Modality, ds.SOPClassUID, ds.file_meta.MediaStorageSOPClassUID) == ("CT", CTImageStorage,
+                                                                                       CTImageStorage)
+        assert ds.RescaleType == "HU" and ds.FrameOfReferenceUID == mr.first.FrameOfReferenceUID
+        source = ds.SourceImageSequence[0]
+        assert source.ReferencedSOPInstanceUID == str(mr.slices[k].header.SOPInstanceUID)
+        assert source.ReferencedSOPClassUID == MRImageStorage
+        assert (source.PurposeOfReferenceCodeSequence[0].CodeValue,
+                source.PurposeOfReferenceCodeSequence[0].CodingSchemeDesignator) == ("121322", "DCM")
+        assert list(ds.ImagePositionPatient) == list(sources[source.ReferencedSOPInstanceUID].ImagePositionPatient)
+        derivation = ds.DerivationCodeSequence[0]
+        assert (derivation.CodeValue, derivation.CodingSchemeDesignator) == ("123110", "DCM")
+        assert "ScanningSequence" not in ds
+    # highdicom reads it as a CT image of the same frame of reference; SimpleITK gets the HU back.
+    image = hd.imread(tmp_path / "ct" / "0001.dcm")
+    assert image.Modality == "CT" and image.FrameOfReferenceUID == mr.first.FrameOfReferenceUID
+    values, _ = sitk_series(tmp_path / "ct")
+    np.testing.assert_allclose(values, hounsfield, atol=float(made[0].RescaleSlope) / 2 + 1e-6)
+
+
+def test_an_mr_output_of_an_mr_keeps_its_modality_and_borrows_only_same_modality_attributes(tmp_path):
+    write_series(tmp_path / "mr", ramp(4, 4, 2), modality="MR")
+    mr = series_geometry(tmp_path / "mr")
+    write_derived_series(np.zeros(mr.shape), mr, tmp_path / "t2", "medvol t2", channel="t2")
+    ds = pydicom.dcmread(tmp_path / "t2" / "0001.dcm")
+    assert (ds.Modality, ds.SOPClassUID, ds.ScanningSequence, ds.EchoTime) == ("MR", MRImageStorage, "SE", 12)
+    write_derived_series(np.zeros(mr.shape), mr, tmp_path / "other", "medvol x", channel="feature map")
+    assert pydicom.dcmread(tmp_path / "other" / "0001.dcm").SOPClassUID == MRImageStorage
+
+
+def test_segments_are_coded_by_their_names_or_as_the_user_says(tmp_path, source):
+    mask = np.zeros(source.shape, dtype=np.int64)
+    for value in range(1, 6):
+        mask[value % 5, 1, value % 4] = value
+    names = {"tumour": [1], "oedema": [2], "liver": [3], "ET": [4], "implant": [5]}
+    given = {"implant": {"category": "SCT:260787004:Physical object", "type": "SCT:40388003:Implant"}}
+    seg = hd.seg.segread(write_segmentation(mask, source, tmp_path / "seg.dcm", names, "medvol seg", given))
+    coded = {s.SegmentLabel: (s.SegmentedPropertyCategoryCodeSequence[0].CodeValue,
+                              s.SegmentedPropertyTypeCodeSequence[0].CodeValue) for s in seg.SegmentSequence}
+    # SNOMED CT: 49755003 morphologically abnormal structure, 108369006 neoplasm, 79654002 oedema; 91723000
+    # anatomical structure, 10200004 liver.
+    assert coded == {"tumour": ("49755003", "108369006"), "oedema": ("49755003", "79654002"),
+                     "liver": ("91723000", "10200004"), "ET": ("49755003", "108369006"),
+                     "implant": ("260787004", "40388003")}
+    with pytest.raises(MedvolError, match=r"`segment_codes.tumour.type` is 'Tumourous'; expected a SNOMED CT keyword"):
+        write_segmentation(mask, source, tmp_path / "bad.dcm", names, "x", {"tumour": {"type": "Tumourous"}})
+
+
+def test_a_resampled_series_gets_its_outputs_back_on_its_source_slices(tmp_path):
+    positions = [0.0, 2.5, 5.0, 7.74, 10.48]
+    write_series(tmp_path / "src", ramp(4, 3, 5), positions=positions)
+    uneven = series_geometry(tmp_path / "src")
+    assert uneven.resampled and len(uneven.slices) == 5 and uneven.shape[2] == 6  # 10.48 mm in 2.096 mm steps
+    grid = np.arange(uneven.shape[2]) * np.linalg.norm(uneven.affine[:3, 2])
+    # A mask whose slab lies between 7 and 9 mm on the even grid: on the source slices only the one at 7.74 mm.
+    mask = np.zeros(uneven.shape, dtype=np.int64)
+    mask[..., (grid > 7) & (grid < 9)] = 1
+    seg = hd.seg.segread(write_segmentation(mask, uneven, tmp_path / "seg.dcm", {"slab": [1]}, "x"))
+    instances = [str(item.header.SOPInstanceUID) for item in uneven.slices]
+    frames = seg.get_pixels_by_source_instance(source_sop_instance_uids=instances, segment_numbers=[1])
+    assert frames[..., 0].reshape(5, -1).any(axis=1).tolist() == [False, False, False, True, False]
+    ramp_along = np.broadcast_to(grid, uneven.shape).astype(np.float64)
+    write_derived_series(ramp_along, uneven, tmp_path / "out", "x")
+    made = sorted((pydicom.dcmread(p) for p in (tmp_path / "out").iterdir()), key=lambda d: d.InstanceNumber)
+    assert len(made) == 5
+    at_source = [float(d.pixel_array[0, 0]) * float(d.RescaleSlope) + float(d.RescaleIntercept) for d in made]
+    np.testing.assert_allclose(at_source, positions, atol=0.01)

@@ -174,7 +174,7 @@ def test_a_plan_is_written_once_and_read_back_bit_for_bit_on_resume_and_by_predi
                           tiny=False)
     run(resumed)
     assert plan_file.read_text() == text
-    assert torch.load(last, weights_only=False)["hyper_parameters"]["patch_size"] == [8, 8, 4]
+    assert torch.load(last, weights_only=True)["hyper_parameters"]["patch_size"] == [8, 8, 4]
     predicting = with_run_plan(run_config(str(last)))
     assert window_size(predicting) == [8, 8, 4]
     assert predicting.dataset.transforms.foreground_ratio == 0.6
@@ -242,7 +242,7 @@ def test_the_segmenters_windows_pad_with_the_datasets_background(tmp_path, overr
     module = build_model(cfg.model)
     seen = []
     module.net.register_forward_pre_hook(lambda _, inputs: seen.append(inputs[0].clone()))
-    module.sliding_window(torch.ones(1, 1, 4, 4, 4))
+    module.probabilities(torch.ones(1, 1, 4, 4, 4))
     assert float(seen[0].min()) == expected[0]
 
 

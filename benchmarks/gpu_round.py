@@ -1,0 +1,587 @@
+"""The GPU round: one command that proves every model family on one CUDA GPU and measures the rows of
+docs/BENCHMARKS.md that no GPU has filled yet, within 9 minutes (docs/BENCHMARKS.md, "The GPU round").
+
+    python3 benchmarks/gpu_round.py                        # on a machine with one CUDA GPU
+    python3 benchmarks/gpu_round.py --dry-run --out DIR    # every step at toy size on the CPU (make test-slow)
+    python3 benchmarks/gpu_round.py --only ldm-ctpa vqgan-b4    # some steps again (names: --list)
+
+The steps run in this order, each in its own process(es) with its own time limit (at the limit its whole
+process group is killed, so one hang costs that step alone), inside a budget for the whole round (`--budget`):
+
+1. tests: `pytest -m gpu`, then the fast tests of every family (tests/lightning_modules, tests/test_experiments.py)
+   with the GPU visible, on pytest-xdist workers where it is installed;
+2. families: each family's CPU-preset command (as its guide gives it) with `hardware=gpu
+   trainer.precision=bf16-mixed test=true` for a few batches, then `predict.py` on the run's test subjects
+   (the unconditional LDM: samples from noise); `--jobs` families at a time, each with its own limit;
+3. benchmarks at the seed scale, a few steps each, one at a time: the CTPA VQ-GAN's patches/s on 128^3 at batch 1
+   and 4, a Fast-DDPM step at 128^3 (memory, time), the X-ray-to-CT stages' training steps at the seed batches,
+   the CTPA LDM's training step at 64^3 and 128^3 latents and a whole 512x512x604 volume generated in 10 steps and
+   decoded, a planned BraTS segmentation step, and a whole 256^3 CT through the three X-ray-to-CT stages;
+4. environment: nvidia-smi, torch, CUDA and cuDNN, the packages' versions.
+
+Each step leaves `<work>/steps/NN-name.log` (its output) and `NN-name.json` (its commands, exit codes, seconds,
+limit, status and figures). After every step, `<out>/steps.tar.gz` holds all of them, `<out>/summary.json` every
+step's record, and `<out>/summary.md` the figures against the targets of docs/BENCHMARKS.md: a round stopped from
+outside still leaves what it finished. `--out` is `$OUT` where that is set (the device machine's folder that comes
+back, at most 8 files: hence one archive), else `outputs/gpu_round`.
+
+`--dry-run` runs every step on the CPU at toy size (fp32 for bf16-mixed, `cpu` for `cuda`, tiny networks and
+volumes, one step of each benchmark), so that the script cannot rot between GPU loans
+(`tests/test_gpu_round.py`, slow).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+GB = 1e9 / 2**30  # one GB (10^9 bytes) in GiB: the targets are in GB, the scripts report GiB
+# Seconds kept for the environment step at the end, and the least a step is started with.
+ENVIRONMENT_LIMIT = 30.0
+LEAST = 10.0
+# A dry run's limit for every step: a hang's bound on a shared CPU, not a speed.
+DRY_LIMIT = 600.0
+
+
+@dataclass
+class Step:
+    """One step: commands run one after another in one log, under one time limit."""
+
+    name: str
+    phase: str
+    commands: list[list[str]]
+    limit: float
+    figures: Callable[[Step], dict[str, Any]] = lambda step: {}
+    # Benchmarks write their figures here (`--json`); families their run here.
+    output: Path | None = None
+    # Where the commands run (None: the round's work folder).
+    cwd: Path | None = None
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- the steps ----------------------------------------------------------------------------------------------------
+
+FAMILY_GPU = ["hardware=gpu", "trainer.precision=bf16-mixed", "test=true", "trainer.max_epochs=1",
+              "trainer.limit_train_batches=3", "trainer.limit_val_batches=2", "trainer.limit_test_batches=2",
+              "callbacks.progress_bar=null"]
+FAMILY_DRY = ["hardware=cpu", "trainer.precision=32-true", "test=true", "trainer.max_epochs=1",
+              "trainer.limit_train_batches=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
+              "callbacks.progress_bar=null"]
+TOY_SYNTHETIC = ["dataset.num_subjects=8", "dataset.size=16"]
+# Each family's CPU-preset command (its guide's), and in a dry run what makes it a toy.
+FAMILIES: dict[str, dict[str, list[str]]] = {
+    "vqgan": {
+        "gpu": [],
+        "dry": [*TOY_SYNTHETIC, "model.n_hiddens=8", "model.n_codes=32", "model.disc_channels=8", "model.disc_layers=2",
+                "model.ssim_kernel_size=5"],
+    },
+    "ddpm": {
+        "gpu": ["model=ddpm"],
+        "dry": ["model=ddpm", *TOY_SYNTHETIC, "model.network.channels=[8,8]",
+                "model.network.attention_levels=[false,true]", "model.network.norm_num_groups=4",
+                "model.network.num_head_channels=4", "model.ssim_kernel_size=5"],
+    },
+    "xray2ct": {
+        "gpu": ["experiment=xray2ct_cascade", *(f"cascade.stage{k}.trainer.max_epochs=1" for k in (1, 2, 3))],
+        "dry": ["experiment=xray2ct_cascade", *(f"cascade.stage{k}.trainer.max_epochs=1" for k in (1, 2, 3)),
+                "dataset.num_subjects=8", "model.timesteps=4"],
+    },
+    "ldm": {
+        "gpu": ["experiment=ldm_cpu", *(f"cascade.stage{k}.trainer.max_epochs=1" for k in (1, 2))],
+        "dry": ["experiment=ldm_cpu", *(f"cascade.stage{k}.trainer.max_epochs=1" for k in (1, 2)),
+                "dataset.num_subjects=8", "model.n_hiddens=8", "model.n_codes=32"],
+    },
+    "segmentation": {
+        "gpu": ["model=segmentation", "dataset=brats", "dataset.label_regions=[WT,TC,ET]"],
+        "dry": ["model=segmentation", "dataset=brats", "dataset.label_regions=[WT,TC,ET]",
+                "model.plan.base_features=4", "model.plan.memory_budget_mib=64"],
+    },
+    "survival": {
+        "gpu": ["experiment=survival_synthetic"],
+        "dry": ["experiment=survival_synthetic", "dataset.num_subjects=32", "dataset.size=16",
+                "model.widen_factor=0.125"],
+    },
+    "classifier": {
+        "gpu": ["model=classifier"],
+        "dry": ["model=classifier", *TOY_SYNTHETIC, "model.backbone=resnet10", "model.widen_factor=0.125"],
+    },
+}
+# The checkpoint predict.py reads, relative to the run, and what it predicts.
+PREDICT = {
+    "xray2ct": ("stage3/best.ckpt", ["split=test"]),
+    "ldm": ("stage2/best.ckpt", ["num_samples=2"]),
+}
+
+
+def family_steps(dry: bool, work: Path) -> list[Step]:
+    steps = []
+    device = "cpu" if dry else "cuda"
+    for family, presets in FAMILIES.items():
+        run = work / "runs" / family
+        overrides = [*(FAMILY_DRY if dry else FAMILY_GPU), *presets["dry" if dry else "gpu"], f"hydra.run.dir={run}"]
+        commands = []
+        if family == "segmentation":
+            data = work / "data" / "brats"
+            commands.append([PY, "-m", "datamodules.sources.example_data", "brats2021", str(data), "--subjects", "8",
+                             "--size", "24" if dry else "32"])
+            overrides.append(f"dataset.root={data}")
+        commands.append([PY, str(ROOT / "train.py"), *overrides])
+        checkpoint, inputs = PREDICT.get(family, ("checkpoints/last.ckpt", ["split=test"]))
+        commands.append([PY, str(ROOT / "predict.py"), f"ckpt_path={run / checkpoint}", *inputs,
+                         f"output_dir={run / 'predict'}", f"device={device}"])
+        steps.append(Step(f"family-{family}", "families", commands, DRY_LIMIT if dry else 120.0, family_figures, run))
+    return steps
+
+
+# The dry run's toy networks: the CTPA VQ-GAN's and the X-ray-to-CT preset's, narrowed (Hydra overrides).
+TOY_VQGAN = ["model.n_hiddens=8", "model.n_codes=64", "model.disc_channels=8"]
+TOY_XRAY2CT = ["model.channels=[16,16,16,16]", "model.encoder_channels=[8,8,8,8,8]", "model.token_dim=16",
+               "model.num_head_channels=8", "model.norm_num_groups=8", "model.num_res_blocks=1"]
+
+
+def benchmark_steps(dry: bool, scratch: Path) -> list[Step]:
+    """The benchmarks: (name, script and arguments on a GPU, the dry run's instead, limit on a GPU, figures)."""
+    table: list[tuple[str, list[str], list[str], float, Callable[[Step], dict[str, Any]]]] = [
+        ("vqgan-b1", ["gpu_vqgan.py", "--batch", "1", "--steps", "10", "--warmup", "3", "--channels-last"],
+         ["gpu_vqgan.py", "--batch", "1", "--steps", "1", "--warmup", "1", "--channels-last", "--device", "cpu",
+          "--size", "32", "--precision", "32-true", *TOY_VQGAN], 60.0, vqgan_figures(25.0)),
+        ("vqgan-b4", ["gpu_vqgan.py", "--batch", "4", "--steps", "10", "--warmup", "3", "--channels-last"],
+         ["gpu_vqgan.py", "--batch", "4", "--steps", "1", "--warmup", "1", "--channels-last", "--device", "cpu",
+          "--size", "32", "--precision", "32-true", *TOY_VQGAN], 75.0, vqgan_figures(40.0)),
+        ("ddpm-seed", ["ddpm.py", "memory", "--size", "128", "--device", "cuda", "--precision", "bf16-mixed",
+                       "--checkpointing", "--channels", "32", "64", "128", "128", "--groups", "32", "--head-channels",
+                       "32", "--repeats", "5"],
+         ["ddpm.py", "memory", "--size", "16", "--device", "cpu", "--precision", "32", "--checkpointing",
+          "--channels", "8", "16", "16", "16", "--groups", "8", "--head-channels", "8", "--repeats", "1"],
+         60.0, ddpm_figures),
+        ("xray2ct-stages", ["xray2ct_memory.py", "--device", "cuda", "--reduce", "1", "--modes", "on", "--repeats", "2",
+                            "--parts", "train"],
+         ["xray2ct_memory.py", "--device", "cpu", "--reduce", "8", "--batch-divisor", "16", "--modes", "on",
+          "--repeats", "1", "--parts", "train", *TOY_XRAY2CT], 120.0, xray2ct_stage_figures),
+        ("ldm-ctpa", ["ldm.py", "--device", "cuda", "--preset", "ctpa", "--rows", "train", "generate", "--samplers",
+                      "fast_ddpm_10", "--repeats", "2"],
+         ["ldm.py", "--device", "cpu", "--preset", "cpu", "--rows", "train", "generate", "--samplers", "fast_ddpm_10",
+          "--repeats", "1"], 150.0, ldm_figures),
+        ("segmentation-planned", ["segmentation.py", "gpu", "--nets", "dynunet", "--steps", "5", "--batch", "2"],
+         ["segmentation.py", "gpu", "--nets", "dynunet", "--steps", "1", "--batch", "1", "--device", "cpu",
+          "--size", "32"], 60.0, segmentation_figures),
+        ("xray2ct-whole-ct", ["xray2ct_memory.py", "--device", "cuda", "--reduce", "1", "--parts", "whole",
+                              "--steps", "10"],
+         ["xray2ct_memory.py", "--device", "cpu", "--reduce", "8", "--parts", "whole", "--steps", "1",
+          "--overlap", "0", *TOY_XRAY2CT],
+         100.0, xray2ct_whole_figures),
+    ]
+    steps = []
+    for name, gpu, toy, limit, figures in table:
+        output = scratch / f"{name}.json"
+        arguments = toy if dry else gpu
+        command = [PY, str(ROOT / "benchmarks" / arguments[0]), *arguments[1:], "--json", str(output)]
+        steps.append(Step(name, "benchmarks", [command], DRY_LIMIT if dry else limit, figures, output))
+    return steps
+
+
+def all_steps(dry: bool, work: Path) -> list[Step]:
+    family_tests = ["tests/lightning_modules", "tests/test_experiments.py"]
+    pytest = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    workers = [] if dry or not installed("xdist") else ["-n", str(min(12, os.cpu_count() or 1))]
+    steps = [
+        Step("tests-gpu", "tests", [[*pytest, "-m", "gpu", "tests/test_gpu.py"]], DRY_LIMIT if dry else 60.0,
+             pytest_figures, cwd=ROOT),
+        # The dry run collects the family tests (the fast suite runs them on the CPU anyway).
+        Step("tests-families", "tests", [[*pytest, *workers, *(["--collect-only"] if dry else []), *family_tests]],
+             DRY_LIMIT if dry else 120.0, pytest_figures, cwd=ROOT),
+        *family_steps(dry, work),
+        *benchmark_steps(dry, work / "scratch"),
+        Step("environment", "environment", [[PY, str(Path(__file__).resolve()), "--environment"]], ENVIRONMENT_LIMIT,
+             environment_figures),
+    ]
+    return steps
+
+
+def installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+# ---- figures of each kind of step ---------------------------------------------------------------------------------
+
+
+def read_output(step: Step) -> dict[str, Any]:
+    if step.output is None or not step.output.is_file():
+        return {}
+    return json.loads(step.output.read_text())
+
+
+def check(name: str, value: float | None, target: str, met: bool, device: str) -> dict[str, Any]:
+    """One figure against its target; `met` is None where the figure is not a GPU's (a dry run's: the targets are
+    a GPU's)."""
+    return {"figure": name, "value": value, "target": target, "met": None if str(device).startswith("cpu") else met}
+
+
+def at_most(value: float | None, bound: float) -> bool:
+    """Within `bound`; a figure that is missing (out of memory, a failed row) is not."""
+    return value is not None and value <= bound
+
+
+def pytest_figures(step: Step) -> dict[str, Any]:
+    """The counts of pytest's closing line ("3 passed, 1 skipped in 4.20s")."""
+    text = Path(step.record["log"]).read_text(errors="replace")
+    found = re.findall(r"(\d+)(?:/\d+)? (passed|failed|skipped|errors?|deselected|xfailed|xpassed|tests? collected)",
+                       text[-3000:])
+    return {"counts": {("collected" if "collected" in word else word): int(n) for n, word in found}}
+
+
+def family_figures(step: Step) -> dict[str, Any]:
+    """Per run (a cascade: per stage) the test metrics, samples/s and peak GPU memory; the files predict.py wrote."""
+    run = step.output
+    assert run is not None
+    runs = {}
+    for summary in sorted(run.glob("**/summary.json")):
+        data = json.loads(summary.read_text())
+        metrics = {k: v for k, v in (data.get("metrics") or {}).items() if k.startswith("test/")}
+        runs[str(summary.parent.relative_to(run)) or "."] = {
+            "test": metrics, "samples_per_second": data.get("samples_per_second"),
+            "peak_gpu_memory_mb": data.get("peak_gpu_memory_mb"),
+        }
+    predicted = sorted(p.name for p in (run / "predict").glob("*")) if (run / "predict").is_dir() else []
+    return {"runs": runs, "predicted_files": len(predicted), "predicted": predicted[:6]}
+
+
+def vqgan_figures(target: float) -> Callable[[Step], dict[str, Any]]:
+    def figures(step: Step) -> dict[str, Any]:
+        data = read_output(step)
+        if not data:
+            return {}
+        rate = data["patches_per_second"]
+        data["checks"] = [check(f"CTPA VQ-GAN patches/s, {data['size']}^3, batch {data['batch']}", rate,
+                                f">= {target:g}", rate >= target, data["device"])]
+        return data
+
+    return figures
+
+
+def ddpm_figures(step: Step) -> dict[str, Any]:
+    data = read_output(step)
+    if not data:
+        return {}
+    data["checks"] = [
+        check(f"Fast-DDPM step memory, {data['size']}^3 (GiB)", data.get("peak_gib"), f"<= 4 GB ({4 * GB:.2f} GiB)",
+              at_most(data.get("peak_gib"), 4 * GB), data["device"]),
+        check(f"Fast-DDPM step time, {data['size']}^3 (ms)", data["step_ms"], "<= 120", at_most(data["step_ms"], 120),
+              data["device"]),
+    ]
+    return data
+
+
+def xray2ct_stage_figures(step: Step) -> dict[str, Any]:
+    data = read_output(step)
+    if not data:
+        return {}
+    checks = []
+    for row in data["stages"]:
+        # On the CPU the row holds the host's resident set, no GPU figure.
+        peak = row["peak_mib"] / 1024 if "peak_mib" in row and data["device"] == "cuda" else None
+        checks.append(check(f"X-ray-to-CT stage {row['stage']} training step, batch {row['batch']} (GiB)", peak,
+                            f"<= 40 GB ({40 * GB:.1f} GiB)", at_most(peak, 40 * GB), data["device"]))
+    data["checks"] = checks
+    return data
+
+
+def xray2ct_whole_figures(step: Step) -> dict[str, Any]:
+    data = read_output(step)
+    whole = data.get("whole") if data else None
+    if not whole:
+        return data
+    size = whole.get("size", ["?"])[0] if "size" in whole else "?"
+    name = f"X-ray-to-CT whole {size}^3 CT, {data['sampling_steps']} steps a stage (s)"
+    data["checks"] = [check(name, whole.get("seconds"), "<= 120", at_most(whole.get("seconds"), 120), data["device"])]
+    return data
+
+
+def ldm_figures(step: Step) -> dict[str, Any]:
+    data = read_output(step)
+    if not data:
+        return {}
+    rows, checks, device = data["rows"], [], data["device"]
+    train = [name for name in rows if name.startswith("train:")]
+    if train:
+        # On the CPU the row holds the host's resident set, no GPU figure.
+        peak = rows[train[-1]].get("peak_gib") if device == "cuda" else None
+        checks.append(check(f"LDM training step at {train[-1][6:]} latents (GiB)", peak,
+                            f"<= 40 GB ({40 * GB:.1f} GiB)", at_most(peak, 40 * GB), device))
+    if "generate:fast_ddpm_10" in rows:
+        latent = "x".join(map(str, data["generate_latent"]))
+        seconds = rows["generate:fast_ddpm_10"].get("total_s")
+        checks.append(check(f"LDM volume generated (10 steps) and decoded, {latent} latent (s)", seconds, "<= 60",
+                            at_most(seconds, 60), device))
+    data["checks"] = checks
+    return data
+
+
+def segmentation_figures(step: Step) -> dict[str, Any]:
+    return read_output(step)
+
+
+def environment_figures(step: Step) -> dict[str, Any]:
+    text = Path(step.record["log"]).read_text(errors="replace")
+    lines = [line for line in text.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else {}
+
+
+def environment() -> None:
+    """Print the machine: nvidia-smi, then one JSON line of versions and the device."""
+    import importlib.metadata
+    import platform
+
+    import torch
+
+    if shutil.which("nvidia-smi"):
+        subprocess.run(["nvidia-smi"], check=False)
+    else:
+        print("nvidia-smi: not found")
+    cuda = torch.cuda.is_available()
+    versions = {}
+    for name in ("torch", "pytorch-lightning", "torchmetrics", "monai", "hydra-core", "omegaconf", "nibabel",
+                 "numpy", "torchsurv", "pydicom", "highdicom", "triton"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    info = {
+        "python": platform.python_version(), "torch_cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if cuda else None, "cuda_available": cuda,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "capability": list(torch.cuda.get_device_capability(0)) if cuda else None,
+        "memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None,
+        "cpus": os.cpu_count(), "versions": versions,
+    }
+    print(json.dumps(info))
+
+
+# ---- running ------------------------------------------------------------------------------------------------------
+
+
+class Round:
+    """The steps, the budget, and the files each step leaves."""
+
+    def __init__(self, args: argparse.Namespace, steps: list[Step]) -> None:
+        self.args = args
+        self.steps = steps
+        self.start = time.monotonic()
+        self.deadline = self.start + args.budget
+        self.lock = threading.Lock()
+        self.out: Path = args.out
+        self.folder: Path = args.work / "steps"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (args.work / "scratch").mkdir(parents=True, exist_ok=True)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+    def left(self, step: Step) -> float:
+        """Seconds this step may take: its limit, within the budget less the environment step's share (where the
+        round has that step)."""
+        last = any(s.phase == "environment" for s in self.steps)
+        reserve = ENVIRONMENT_LIMIT if last and step.phase != "environment" else 0.0
+        return min(step.limit, self.deadline - time.monotonic() - reserve)
+
+    def run(self, index: int, step: Step) -> None:
+        stem = f"{index:02d}-{step.name}"
+        log = self.folder / f"{stem}.log"
+        step.record = {"step": step.name, "phase": step.phase, "limit_s": step.limit, "log": str(log),
+                       "commands": [subprocess.list2cmdline(c) for c in step.commands], "exit_codes": []}
+        began = time.monotonic()
+        with log.open("w") as handle:
+            for command in step.commands:
+                limit = self.left(step) - (time.monotonic() - began)
+                if limit < LEAST:
+                    step.record["status"] = f"{'stopped' if step.record['exit_codes'] else 'skipped'}: budget spent"
+                    break
+                handle.write(f"$ {subprocess.list2cmdline(command)}\n")
+                handle.flush()
+                code = run_command(command, handle, limit, step.cwd or self.args.work, self.env(step))
+                step.record["exit_codes"].append(code)
+                if code != 0:
+                    step.record["status"] = "timed out" if code is None else "failed"
+                    break
+            else:
+                step.record["status"] = "passed"
+        seconds = round(time.monotonic() - began, 1)
+        try:
+            figures = step.figures(step)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            figures = {"error": f"{type(error).__name__}: {error}"}
+        with self.lock:
+            # Finished: the summary takes the steps whose record has its seconds.
+            step.record.update(seconds=seconds, figures=figures)
+            (self.folder / f"{stem}.json").write_text(json.dumps(step.record, indent=1))
+            print(f"[{time.monotonic() - self.start:5.0f} s] {step.name}: {step.record['status']} in "
+                  f"{step.record['seconds']:.0f} s (limit {step.limit:.0f} s) {brief(step)}", flush=True)
+            self.save()
+
+    def env(self, step: Step) -> dict[str, str]:
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        variables = {"PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "1"}
+        if step.phase == "families":
+            # Several runs share the machine's cores.
+            variables["OMP_NUM_THREADS"] = "1" if self.args.dry_run else "2"
+        return {**os.environ, **variables}
+
+    def save(self) -> None:
+        """summary.json, summary.md and steps.tar.gz in `out`, as far as the round has come."""
+        records = [step.record for step in self.steps if "seconds" in step.record]
+        summary = {"started": self.started, "dry_run": self.args.dry_run, "budget_s": self.args.budget,
+                   "seconds": round(time.monotonic() - self.start, 1), "commit": commit(), "steps": records}
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        (self.out / "summary.md").write_text(markdown(summary))
+        archive = self.out / "steps.tar.gz"
+        partial = archive.with_suffix(".partial")
+        with tarfile.open(partial, "w:gz") as tar:
+            tar.add(self.folder, arcname="steps")
+        partial.replace(archive)
+
+    def go(self) -> None:
+        numbered = list(enumerate(self.steps, start=1))
+        families = [(i, s) for i, s in numbered if s.phase == "families"]
+        for index, step in numbered:
+            if step.phase == "families":
+                if families:
+                    with ThreadPoolExecutor(max_workers=self.args.jobs) as pool:
+                        running = [pool.submit(self.run, *pair) for pair in families]
+                    # Every family has run; an error of the round's own code is raised now.
+                    for future in running:
+                        future.result()
+                    families = []
+                continue
+            self.run(index, step)
+        print(f"\nround done in {time.monotonic() - self.start:.0f} s; {self.out / 'summary.md'}:\n")
+        print((self.out / "summary.md").read_text())
+
+
+def run_command(command: list[str], handle: Any, limit: float, cwd: Path, env: dict[str, str]) -> int | None:
+    """The command's exit code, or None when it ran past `limit` seconds (its process group is killed)."""
+    process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, cwd=cwd, env=env,
+                               start_new_session=True)
+    try:
+        return process.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        handle.write(f"\n[gpu_round] killed after {limit:.0f} s\n")
+        return None
+    finally:
+        # Whatever the command left running in its group (loader workers, xdist workers, a hung child) goes too.
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        process.wait()
+
+
+def commit() -> str | None:
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    except OSError:
+        return None
+    return done.stdout.strip() or None
+
+
+def brief(step: Step) -> str:
+    """The step's figures in a few words."""
+    figures = step.record.get("figures") or {}
+    if "counts" in figures:
+        return ", ".join(f"{n} {w}" for w, n in figures["counts"].items())
+    if "runs" in figures:
+        return f"{len(figures['runs'])} run(s), {figures['predicted_files']} predicted file(s)"
+    if "checks" in figures:
+        return "; ".join(f"{c['figure']}: {value(c['value'])}" for c in figures["checks"])
+    if "device" in figures and "versions" in figures:
+        return f"{figures['device']}, torch {figures['versions'].get('torch')}, CUDA {figures.get('torch_cuda')}"
+    if "rows" in figures:
+        return "; ".join(f"{r.get('net')}: {r.get('step_ms', 0):.0f} ms a step" for r in figures["rows"])
+    return figures.get("error", "")
+
+
+def value(number: float | None) -> str:
+    return "-" if number is None else f"{number:.3g}" if abs(number) < 100 else f"{number:.0f}"
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """The round as tables: the figures against their targets, then every step."""
+    device = next((s["figures"].get("device") for s in summary["steps"] if s["phase"] == "environment"
+                   and s.get("figures")), None)
+    lines = [f"GPU round{' (dry run, CPU)' if summary['dry_run'] else ''}: started {summary['started']}, "
+             f"{summary['seconds']:.0f} s of the {summary['budget_s']:.0f} s budget, "
+             f"device {device or 'not read yet'}, "
+             f"commit {summary['commit'] or 'unknown'}", "",
+             "| figure | target | value | met |", "|---|---|---|---|"]
+    for record in summary["steps"]:
+        for c in (record.get("figures") or {}).get("checks", []):
+            met = "-" if c["met"] is None else "yes" if c["met"] else "**no**"
+            lines.append(f"| {c['figure']} | {c['target']} | {value(c['value'])} | {met} |")
+    lines += ["", "| step | status | seconds | limit | figures |", "|---|---|---|---|---|"]
+    for record in summary["steps"]:
+        step = Step(record["step"], record["phase"], [], record["limit_s"], record=record)
+        lines.append(f"| {record['step']} | {record['status']} | {record['seconds']:.0f} | {record['limit_s']:.0f} | "
+                     f"{brief(step)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="every step at toy size on the CPU")
+    parser.add_argument("--out", type=Path, default=None, help="summary and archive ($OUT, else outputs/gpu_round)")
+    parser.add_argument("--work", type=Path, default=None, help="runs, step logs and figures (a new temporary folder)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds for the whole round (530; dry run 3600)")
+    parser.add_argument("--jobs", type=int, default=None, help="families at a time (GPU 7, dry run 2)")
+    parser.add_argument("--only", nargs="+", metavar="STEP", help="these steps alone, in the round's order")
+    parser.add_argument("--list", action="store_true", help="print the steps and their commands")
+    parser.add_argument("--environment", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.environment:
+        environment()
+        return
+    args.out = args.out or Path(os.environ.get("OUT") or ROOT / "outputs" / "gpu_round")
+    args.work = (args.work or Path(tempfile.mkdtemp(prefix="medvol-gpu-round-"))).resolve()
+    args.jobs = args.jobs or (2 if args.dry_run else len(FAMILIES))
+    args.budget = args.budget or (3600.0 if args.dry_run else 530.0)
+    steps = all_steps(args.dry_run, args.work)
+    if args.only:
+        unknown = set(args.only) - {s.name for s in steps}
+        if unknown:
+            parser.error(f"--only names no step {sorted(unknown)}; the steps: {[s.name for s in steps]}")
+        steps = [s for s in steps if s.name in args.only]
+    if args.list:
+        for step in steps:
+            print(f"{step.name} ({step.phase}, limit {step.limit:.0f} s)")
+            for command in step.commands:
+                print(f"    {subprocess.list2cmdline(command)}")
+        return
+    if not args.dry_run:
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("benchmarks/gpu_round.py needs a CUDA GPU (or --dry-run for the CPU)")
+    print(f"GPU round{' (dry run)' if args.dry_run else ''}: {len(steps)} steps, budget {args.budget:.0f} s; "
+          f"work {args.work}, out {args.out}", flush=True)
+    Round(args, steps).go()
+
+
+if __name__ == "__main__":
+    main()

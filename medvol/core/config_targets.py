@@ -1,0 +1,98 @@
+"""A config read from a file (a run's `.hydra/config.yaml`, a cascade stage's `config.yaml`) builds only
+medvol's classes and the classes of the libraries medvol builds from, never an arbitrary callable.
+
+Hydra instantiates whatever a `_target_` names: `os.system` with the right arguments is as valid a target as
+a network. A run folder someone shares is data, so every `_target_` in a config read from one is checked
+before anything is imported from it or built: the path must lie in medvol's own packages, or in torch, MONAI
+or Lightning and name a class of the kinds medvol builds there (a network, an optimizer, a scheduler, a
+callback, a logger, a strategy, a trainer). The user's own command line is not checked: it may name any target.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from medvol.core.errors import MedvolError
+
+OWN_PACKAGES = ("medvol", "lightning_modules", "datamodules", "callbacks")
+LIBRARIES = ("torch", "monai", "pytorch_lightning", "lightning", "lightning_fabric")
+ALLOWED = "medvol's classes, or torch/MONAI/Lightning networks, optimizers, schedulers, callbacks, loggers, strategies"
+
+
+def _library_bases() -> tuple[type, ...]:
+    import pytorch_lightning as pl
+    import torch
+    from pytorch_lightning.loggers import Logger
+    from pytorch_lightning.strategies import Strategy
+
+    return (
+        torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, pl.Callback,
+        pl.LightningModule, pl.LightningDataModule, pl.Trainer, Logger, Strategy,
+    )
+
+
+def file_targets(node: Any, key: str = "") -> Iterator[tuple[str, Any]]:
+    """(key of the node, its `_target_` as written) for every node of a plain config tree that has one."""
+    if isinstance(node, dict):
+        if "_target_" in node:
+            yield key or "<root>", node["_target_"]
+        for name, value in node.items():
+            yield from file_targets(value, f"{key}.{name}" if key else str(name))
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from file_targets(value, f"{key}[{index}]")
+
+
+def _located(target: str) -> Any:
+    """The object a dotted path names, imported from the longest importable module prefix; None if none."""
+    parts = target.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attribute in parts[cut:]:
+            found = getattr(found, attribute, None)
+            if found is None:
+                return None
+        return found
+    return None
+
+
+def target_problem(target: Any) -> str | None:
+    """Why a `_target_` read from a file may not be built, or None when it may."""
+    if not isinstance(target, str):
+        return "is not a class path"
+    if "${" in target:
+        return "is an interpolation, not a class path"
+    package = target.split(".")[0]
+    if package not in OWN_PACKAGES + LIBRARIES:
+        return f"lies outside {', '.join(OWN_PACKAGES + LIBRARIES)}"
+    found = _located(target)
+    if not isinstance(found, type):
+        return "is no class" if found is not None else "names nothing importable"
+    if package in OWN_PACKAGES or issubclass(found, _library_bases()):
+        return None
+    return "is not a class medvol builds from that library"
+
+
+def check_file_targets(cfg: DictConfig, source: Path) -> None:
+    """Raise `MedvolError` naming the first `_target_` of `cfg` (read from `source`) that may not be built.
+
+    A `hydra` node (a cascade stage's config keeps the job's) is Hydra's record of how the job ran: medvol
+    builds nothing from it."""
+    tree = OmegaConf.to_container(cfg, resolve=False)
+    assert isinstance(tree, dict)
+    tree.pop("hydra", None)
+    for key, target in file_targets(tree):
+        problem = target_problem(target)
+        if problem:
+            raise MedvolError(
+                f"`{key}._target_: {target}` in {source} {problem}; a config read from a run folder builds only "
+                f"{ALLOWED} (name any other class on your own command line)"
+            )
