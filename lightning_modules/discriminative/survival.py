@@ -3,6 +3,7 @@ Brier score, Kaplan-Meier curves of the test set's risk groups."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +17,7 @@ from lightning_modules.discriminative.risk_groups import km_figure, risk_groups
 from lightning_modules.discriminative.survival_metrics import (
     SurvivalMetrics,
     breslow_baseline,
+    horizon_name,
     survival_probabilities,
 )
 from medvol.core.errors import MedvolError
@@ -25,6 +27,11 @@ from medvol.core.step import logging_step
 BASELINE_KEY = "medvol_survival_baseline"
 KM_FILE = "km_risk_groups.png"
 KM_TAG = "test/km_risk_groups"
+# The validation metrics that rank subjects: logged as NaN where the set has no comparable pair, so that the
+# checkpoint callback finds its monitored key and falls back to `model.fallback_monitor`.
+RANKING = ("cindex", "uno_cindex")
+
+log = logging.getLogger("medvol")
 
 
 class SurvivalModel(OutcomeModule):
@@ -37,7 +44,10 @@ class SurvivalModel(OutcomeModule):
     Every validation epoch fits Breslow's baseline hazard to the validation set's log-risks (held-out
     subjects, the weights of that epoch) and keeps it in the checkpoints; the tested checkpoint's
     baseline turns each test subject's log-risk into a survival curve (`test/ibs`, the `survival@h`
-    columns). At test time the subjects above the median risk and the others get Kaplan-Meier curves
+    columns). A validation set without a comparable pair (no event before another subject's follow-up
+    ends) cannot rank anything: its C-indices and AUCs are logged as NaN with one warning, and the
+    checkpoints are chosen by `model.fallback_monitor` (the epoch: the latest). At test time the subjects
+    above the median risk and the others get Kaplan-Meier curves
     and a log-rank test (`test/logrank_p`, `km_risk_groups.png` beside `risks.csv`, and the loggers' images).
 
     Args:
@@ -60,6 +70,7 @@ class SurvivalModel(OutcomeModule):
         self.test_metrics = SurvivalMetrics(horizons)
         # Breslow's (event times, cumulative baseline hazard) of the last validation epoch, or of the loaded checkpoint.
         self.baseline: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._warned = False
 
     def check_training_split(self, table: dict[str, Any]) -> None:
         event = table.get("event")
@@ -121,6 +132,17 @@ class SurvivalModel(OutcomeModule):
     def _log_metrics(self, metrics: SurvivalMetrics, prefix: str) -> None:
         values = metrics.compute()
         metrics.reset()
+        if prefix == "val" and "cindex" not in values and metrics.gathered is not None:
+            undefined = [*RANKING, *(horizon_name(h) for h in self.horizons)]
+            values = {**dict.fromkeys(undefined, torch.tensor(float("nan"))), **values}
+            if not self._warned and not self.trainer.sanity_checking and self.trainer.is_global_zero:
+                self._warned = True
+                _, _, event = metrics.gathered
+                log.warning(
+                    "the validation set (%d subjects, %d events) has no comparable pair (no event before another "
+                    "subject's follow-up ends): val/cindex is undefined and logged as NaN", len(event),
+                    int((event > 0.5).sum()),
+                )
         # Logged once per epoch from the gathered set: identical on every rank, nothing left to reduce.
         self.log_dict({f"{prefix}/{k}": v for k, v in values.items()}, sync_dist=False, rank_zero_only=False)
 

@@ -175,6 +175,29 @@ def test_classifier_trains_on_the_class_column_and_writes_probabilities(tmp_path
     assert all(float(r["p0"]) + float(r["p1"]) == pytest.approx(1.0, abs=1e-5) for r in probabilities)
 
 
+def test_a_validation_set_without_a_comparable_pair_checkpoints_the_latest_epoch_and_the_run_goes_on(tmp_path):
+    # Every validation subject censored: no C-index exists there (it used to stop the run: ModelCheckpoint
+    # "could not find the monitored key val/cindex").
+    table = write_mace_csv(tmp_path / "mace", 12, 16)
+    rows = _rows(table)
+    subjects = [r["subject"] for r in rows]
+    split = {"train": subjects[:6], "val": subjects[6:9], "test": subjects[9:]}
+    for row in rows:
+        row["event"] = "0" if row["subject"] in split["val"] else row["event"]
+    assert any(r["event"] == "1" for r in rows if r["subject"] in split["train"])
+    _write_rows(table, rows)
+    (tmp_path / "split.json").write_text(json.dumps(split))
+    run_dir = tmp_path / "run"
+    metrics = run(compose_cfg(run_dir, _csv_overrides(
+        table, f"dataset.split_file={tmp_path / 'split.json'}", "trainer.max_epochs=2", "test=true"
+    ), tiny=False))
+    assert math.isnan(metrics["val/cindex"]) and math.isnan(metrics["val/uno_cindex"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["best_by"] == "epoch"
+    assert torch.load(summary["best_checkpoint"], weights_only=True)["epoch"] == 1
+    assert sorted(r["subject"] for r in _rows(run_dir / "predictions" / "risks.csv")) == split["test"]
+
+
 @pytest.mark.parametrize(
     ("edit", "extra", "message"),
     [
