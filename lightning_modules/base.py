@@ -36,6 +36,9 @@ class MedvolModule(pl.LightningModule):
     gradient_clip_algorithm: str = "norm"
     # What the model saw of its training data; set by the run, kept in checkpoints, read by predict.py.
     training_data: dict[str, Any] | None = None
+    # Whether the network reads each volume whole at the training crop/pad size (a survival or classification model
+    # pools one volume into one prediction): predict.py then keeps the run's `spatial_size`, as test=true saw it.
+    fixed_input_size: bool = False
 
     def set_manual_step_policy(
         self,

@@ -394,7 +394,8 @@ class NiftiDataModule(VolumeDataModule):
         """What a segmentation plan is made from (`medvol.volumes.plan`), read from every training subject as
         nnU-Net's fingerprint extractor reads them: the spacing (in the axes after reorientation), the box of the
         voxels non-zero in any channel and the share of the volume it keeps, per image channel (a 4D file gives one
-        per volume) the intensities of the labelled voxels (a subject without any gives none), and the label values
+        per volume) the intensities of the labelled voxels (a subject whose label map is empty gives none; a subject
+        without a label map, as an outcome model's, its non-zero voxels), and the label values
         with their voxel counts after the dataset's own mapping (`label_value_map`)."""
         self.assign_split()
         records = self.training_records()
@@ -420,7 +421,8 @@ class NiftiDataModule(VolumeDataModule):
             shapes.append(box)
             spacings.append(oriented_spacing(affine, orientation))
             relative.append(float(np.prod(box)) / float(np.prod(nonzero.shape)))
-            foreground = np.zeros(nonzero.shape, bool)
+            # Without a label map (an outcome table's scans) the body's voxels are the foreground.
+            foreground = nonzero
             if record.get(LABEL_KEY):
                 raw = np.rint(read_voxels(record[LABEL_KEY], self.series)).astype(np.int64)
                 label = raw.copy()

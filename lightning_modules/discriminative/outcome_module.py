@@ -32,6 +32,8 @@ class OutcomeModule(MedvolModule, ABC):
         backbone: resnet10, resnet18, resnet34 or resnet50 (MONAI, random initialisation).
         in_channels: image channels.
         num_covariates: length of the batch's `covariates` vector; 0 for image only.
+        covariate_names: the covariates' names (the table's columns), for the per-subject tables; null names
+            them covariate_0, covariate_1, ...
         widen_factor: backbone width scale (1.0 is the published network).
         dropout: dropout before the head.
         pretrained_path: local backbone weights; nothing is downloaded.
@@ -43,6 +45,8 @@ class OutcomeModule(MedvolModule, ABC):
     """
 
     prediction_file = "predictions.csv"
+    # One prediction pooled from the whole volume: predict.py gives it volumes of the training size.
+    fixed_input_size = True
 
     def __init__(
         self,
@@ -50,6 +54,7 @@ class OutcomeModule(MedvolModule, ABC):
         backbone: str = "resnet18",
         in_channels: int = 1,
         num_covariates: int = 0,
+        covariate_names: Sequence[str] | None = None,
         widen_factor: float = 1.0,
         dropout: float = 0.0,
         pretrained_path: str | None = None,
@@ -62,6 +67,13 @@ class OutcomeModule(MedvolModule, ABC):
         super().__init__()
         if num_covariates < 0:
             raise MedvolError(f"`model.num_covariates` must be >= 0, got {num_covariates}")
+        names = [str(n) for n in covariate_names] if covariate_names is not None else None
+        if names is not None and len(names) != num_covariates:
+            raise MedvolError(
+                f"`model.covariate_names` has {len(names)} names ({names}) but `model.num_covariates` is "
+                f"{num_covariates}; expected one name per covariate"
+            )
+        self.covariate_names = names or [f"covariate_{i}" for i in range(num_covariates)]
         self.net = ImageCovariateNet(
             outputs, backbone, in_channels, num_covariates, widen_factor, dropout, pretrained_path
         )
@@ -83,6 +95,13 @@ class OutcomeModule(MedvolModule, ABC):
                 )
             covariates = batch["covariates"]
         return self.net(batch[self.image_key], covariates)
+
+    def covariate_values(self, batch: dict[str, Any], index: int) -> dict[str, float]:
+        """Subject `index`'s covariates as the table gave them (before standardisation), by name; none without."""
+        if not self.covariate_names or "covariates" not in batch:
+            return {}
+        values = batch["covariates"][index].tolist()
+        return {name: float(v) for name, v in zip(self.covariate_names, values, strict=True)}
 
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(self.parameters())

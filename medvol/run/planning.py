@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lightning_modules.segmentation.segmentation import Segmenter
 from medvol.core.build import target_class
 from medvol.core.errors import MedvolError
+from medvol.run.survival_planning import is_survival_plan, survival_planned, with_survival_plan
 from medvol.run.world import global_rank
 from medvol.volumes.plan import PLAN_FILE, background_values, describe, make_plan, read_plan, write_plan
 
@@ -103,6 +104,8 @@ def planned(cfg: DictConfig, datamodule: pl.LightningDataModule, accelerator: st
     if not wants_plan(cfg):
         return with_data_classes(cfg, datamodule), []
     path = plan_path(cfg)
+    if cfg.model.plan.get("family") == "survival":
+        return survival_planned(cfg, datamodule, path, accelerator)
     if path.is_file():
         plan = read_plan(path)
     else:
@@ -219,4 +222,5 @@ def with_run_plan(run: DictConfig) -> DictConfig:
     path = plan_path(run)
     if not path.is_file():
         return run
-    return with_plan(run, read_plan(path))
+    plan = read_plan(path)
+    return with_survival_plan(run, plan) if is_survival_plan(plan) else with_plan(run, plan)

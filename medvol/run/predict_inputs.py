@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import csv
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import Dataset, default_collate
 
-from medvol.core.build import build
+from medvol.core.build import build, target_class
 from medvol.core.errors import MedvolError
 from medvol.run.channel_files import channel_groups, files_per_subject
 from medvol.run.generation import check_condition_files, lacks_targets, modality_field, without_targets
@@ -31,8 +31,20 @@ log = logging.getLogger("medvol")
 NIFTI_SUFFIXES = (".nii", ".nii.gz")
 # The dataset class that reads input files given by path; the run's own transforms preprocess them.
 FILE_DATASET = "datamodules.sources.nifti.NiftiDataModule"
+# The same files with covariates per subject (a model trained on image + covariates).
+COVARIATE_DATASET = "datamodules.sources.csv_table.CsvDataModule"
+# Where a model with covariates finds those of `input`'s subjects when `covariates` is not given: beside them.
+COVARIATE_FILE = "covariates.csv"
 # Training-only settings dropped for prediction: every voxel of a subject is predicted.
 WHOLE_VOLUME = {"spatial_size": None, "random_crop": None, "flip_prob": 0.0, "affine_prob": 0.0}
+
+
+def prediction_transforms(run: DictConfig, keep_crop: bool) -> dict[str, Any]:
+    """`WHOLE_VOLUME`, but keeping the run's crop/pad (`spatial_size`) with `keep_crop` or for a model that reads
+    volumes at the training size (`MedvolModule.fixed_input_size`: survival, classification)."""
+    target = (run.get("model") or {}).get("_target_")
+    keeps = keep_crop or (target is not None and bool(getattr(target_class(str(target)), "fixed_input_size", False)))
+    return {k: v for k, v in WHOLE_VOLUME.items() if not (keeps and k == "spatial_size")}
 
 
 def is_nifti(path: Path) -> bool:
@@ -95,27 +107,99 @@ class Inputs:
     protected: list[Path] = field(default_factory=list)
 
 
+def model_covariates(run: DictConfig) -> list[str]:
+    """The covariate columns the run's model takes (an outcome model trained with `dataset.covariate_columns`)."""
+    model = run.get("model") or {}
+    if not int(model.get("num_covariates") or 0):
+        return []
+    return [str(c) for c in model.get("covariate_names") or run.dataset.get("covariate_columns") or []]
+
+
+def covariate_table(path: Path, names: list[str], subjects: list[str]) -> dict[str, list[float]]:
+    """Per subject of `subjects`, its covariates `names` from the CSV table at `path` (column `subject`)."""
+    try:
+        with path.open(newline="") as handle:
+            reader = csv.DictReader(handle)
+            rows = list(reader)
+            header = reader.fieldnames or []
+    except (OSError, csv.Error, UnicodeDecodeError) as err:
+        raise MedvolError(f"`covariates`: cannot read {path} ({err})") from err
+    missing = [c for c in ["subject", *names] if c not in header]
+    if missing:
+        raise MedvolError(
+            f"`covariates`: {path} has no column {missing[0]!r}; expected columns subject, {', '.join(names)} "
+            f"(its columns are {header})"
+        )
+    table: dict[str, list[float]] = {}
+    for number, row in enumerate(rows, start=2):
+        values = []
+        for name in names:
+            try:
+                value = float(str(row[name]).strip())
+            except ValueError:
+                value = float("nan")
+            if value != value or value in (float("inf"), float("-inf")):
+                raise MedvolError(f"`covariates`: {path.name}:{number}: {name}={row[name]!r}: expected a number")
+            values.append(value)
+        table[str(row["subject"]).strip()] = values
+    absent = [s for s in subjects if s not in table]
+    if absent:
+        raise MedvolError(
+            f"`covariates`: {path} has no row for subject {absent[0]!r} ({len(absent)} of the {len(subjects)} inputs "
+            "have none); expected one row per input file, named by the file without .nii.gz"
+        )
+    return {s: table[s] for s in subjects}
+
+
+def input_covariates(
+    cfg: DictConfig, run: DictConfig, source: Path, subjects: list[str]
+) -> tuple[list[str], dict[str, list[float]]]:
+    """The covariate names the model takes and, per input file's subject, their values: from `covariates`, else
+    from `covariates.csv` beside the inputs; none for a model without covariates."""
+    names = model_covariates(run)
+    if not names:
+        return [], {}
+    given = cfg.get("covariates")
+    path = Path(str(given)).expanduser() if given else (source if source.is_dir() else source.parent) / COVARIATE_FILE
+    if not path.is_file():
+        where = f"no file at {path}" if given else f"none given and no {COVARIATE_FILE} beside the inputs ({path})"
+        raise MedvolError(
+            f"`covariates`: the model takes covariates {names}: {where}; expected a CSV table with columns subject, "
+            f"{', '.join(names)} (covariates=FILE.csv)"
+        )
+    return names, covariate_table(path, names, subjects)
+
+
 def file_dataset(
     files: list[Path] | dict[str, list[Path]], run: DictConfig, override: Any, listing: Path,
-    geometry: Mapping[str, Any], key: str = "image", series: str | None = None,
+    geometry: Mapping[str, Any], key: str = "image", series: str | None = None, covariate_names: Sequence[str] = (),
+    covariates: Mapping[str, list[float]] | None = None,
 ) -> Inputs:
     """A dataset over input files (one subject each, or per subject its channel files), preprocessed with the run's
     transforms on whole volumes, resampled to `geometry`; the files are the `image` of each subject, or a generative
-    model's `cond`."""
+    model's `cond`; with `covariate_names`, each subject's `covariates` too."""
     subjects = files if isinstance(files, dict) else {subject_of(f): [f] for f in files}
     width = max(len(group) for group in subjects.values())
-    names = [key] if width == 1 else [f"{key}_{k:04d}" for k in range(width)]
+    channels = [key] if width == 1 else [f"{key}_{k:04d}" for k in range(width)]
+    names = list(covariate_names)
     with listing.open("w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["subject", *names])
-        writer.writerows([subject, *(str(f.resolve()) for f in group)] for subject, group in subjects.items())
+        writer.writerow(["subject", *channels, *names])
+        writer.writerows([subject, *(str(f.resolve()) for f in group), *(covariates or {}).get(subject, [])]
+                         for subject, group in subjects.items())
     own = run.dataset.get("transforms")
     transforms = OmegaConf.to_container(own, resolve=True) if own is not None else {}
     assert isinstance(transforms, dict)
+    listed = (
+        {"_target_": COVARIATE_DATASET, "csv_path": str(listing), "time_column": None, "event_column": None,
+         "covariate_columns": names}
+        if names else {"_target_": FILE_DATASET, "list_file": str(listing)}
+    )
     config = OmegaConf.create({
-        "_target_": FILE_DATASET, "list_file": str(listing), "image_modalities": names if key == "image" else [],
-        "cond_modalities": names if key == "cond" else [],
-        "transforms": {**transforms, **geometry, **WHOLE_VOLUME}, "num_workers": 0, "split_file": None,
+        **listed, "image_modalities": channels if key == "image" else [],
+        "cond_modalities": channels if key == "cond" else [],
+        "transforms": {**transforms, **geometry, **prediction_transforms(run, False)}, "num_workers": 0,
+        "split_file": None,
         "series": series,
     })
     config = merged(config, override)
@@ -136,8 +220,10 @@ def dataset_subjects(
         config.num_workers = 0
         if split is None:
             config.split_file = None
-        if not keep_crop and config.get("transforms") is not None:
-            config.transforms = {**OmegaConf.to_container(config.transforms, resolve=True), **WHOLE_VOLUME}
+        if config.get("transforms") is not None:
+            config.transforms = {
+                **OmegaConf.to_container(config.transforms, resolve=True), **prediction_transforms(run, keep_crop)
+            }
     # In the run's config, so `${paths.output_dir}` and `${seed}` resolve against the run.
     whole = run.copy()
     with open_dict(whole):
@@ -197,7 +283,11 @@ def find_inputs(
         series_geometry(folder, cfg.get("series"))
     # nnU-Net's <case>_XXXX files of one case are one subject's channels, as training took them.
     groups = channel_groups(files, files_per_subject(run, plan_path(run))) if key == "image" else files
-    inputs = file_dataset(groups, run, override, scratch / "inputs.csv", geometry, key, cfg.get("series"))
+    subjects = list(groups) if isinstance(groups, dict) else [subject_of(f) for f in groups]
+    names, covariates = input_covariates(cfg, run, source, subjects) if not generation else ([], {})
+    inputs = file_dataset(
+        groups, run, override, scratch / "inputs.csv", geometry, key, cfg.get("series"), names, covariates
+    )
     # A file's outputs may go next to it (`<subject>_<name>.nii.gz`); the writer refuses to replace an input.
     inputs.where, inputs.protected = "input", files
     return inputs

@@ -32,7 +32,7 @@ def survival_model(ties: str = "breslow") -> tuple[SurvivalModel, dict[str, Any]
     """The model under a one-process stand-in trainer, and the values it logs."""
     module = SurvivalModel(ties=ties, backbone="resnet10", widen_factor=0.125)
     module.net = LogRiskNet()
-    module._trainer = SimpleNamespace(world_size=1, is_global_zero=True, datamodule=None)
+    module._trainer = SimpleNamespace(world_size=1, is_global_zero=True, datamodule=None, sanity_checking=False)
     logged: dict[str, Any] = {}
     module.log = lambda name, value, **kwargs: logged.__setitem__(name, float(value))
     module.log_dict = lambda values, **kwargs: logged.update({k: float(v) for k, v in values.items()})

@@ -62,6 +62,17 @@ def test_cox_loss_without_events_is_zero_with_zero_gradients_through_the_network
     assert float(loss) == 0.0 and weight.grad is not None and torch.equal(weight.grad, torch.zeros(3))
 
 
+def test_cox_loss_of_a_single_subject_with_an_event_is_zero_as_its_own_risk_set_gives():
+    # An epoch's last batch can hold one subject (83 training subjects, batch 2): torchsurv refuses it.
+    weight = torch.nn.Parameter(torch.ones(3))
+    loss = cox_loss(torch.randn(1, 3) @ weight, torch.tensor([4.0]), torch.ones(1))
+    loss.backward()
+    assert float(loss) == 0.0 and torch.equal(weight.grad, torch.zeros(3))
+    # Two subjects: the partial likelihood of the earlier event over both, as torchsurv computes it.
+    two = cox_loss(torch.tensor([0.3, -0.2]), torch.tensor([1.0, 2.0]), torch.tensor([1.0, 0.0]))
+    assert float(two) == pytest.approx(-(0.3 - math.log(math.exp(0.3) + math.exp(-0.2))), abs=1e-6)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_cindex_equals_lifelines_and_uno_equals_torchsurv_on_ties_and_censoring(seed):
     risk, time, event = tied_censored_data(seed=seed)
@@ -123,10 +134,12 @@ def test_covariate_statistics_come_from_the_training_split_and_survive_resume(tm
     everyone = torch.tensor([[float(r["age"]), float(r["sex"])] for r in _rows(table)], dtype=torch.float64)
     assert not torch.allclose(state["net.covariates.mean"], everyone.mean(0))
 
-    # The risk table: every test subject once, with its outcome and split.
+    # The risk table: every test subject once, with its outcome, its covariates, its survival at the horizons
+    # (the validation set's baseline hazard) and split.
     risks = _rows(run_dir / "predictions" / "risks.csv")
     assert sorted(r["subject"] for r in risks) == sorted(split["test"])
-    assert set(risks[0]) == {"subject", "risk", "time", "event", "split"}
+    assert list(risks[0]) == ["subject", "risk", "time", "event", "age", "sex", "survival@12", "survival@24",
+                              "survival@36", "split"]
     assert "test/cindex" in json.loads((run_dir / "summary.json").read_text())["metrics"] or all(
         r["event"] == "0" for r in risks
     )
@@ -160,6 +173,29 @@ def test_classifier_trains_on_the_class_column_and_writes_probabilities(tmp_path
     assert len(probabilities) == 3 and set(probabilities[0]) == {"subject", "class_label", "predicted", "p0", "p1",
                                                                  "split"}
     assert all(float(r["p0"]) + float(r["p1"]) == pytest.approx(1.0, abs=1e-5) for r in probabilities)
+
+
+def test_a_validation_set_without_a_comparable_pair_checkpoints_the_latest_epoch_and_the_run_goes_on(tmp_path):
+    # Every validation subject censored: no C-index exists there (it used to stop the run: ModelCheckpoint
+    # "could not find the monitored key val/cindex").
+    table = write_mace_csv(tmp_path / "mace", 12, 16)
+    rows = _rows(table)
+    subjects = [r["subject"] for r in rows]
+    split = {"train": subjects[:6], "val": subjects[6:9], "test": subjects[9:]}
+    for row in rows:
+        row["event"] = "0" if row["subject"] in split["val"] else row["event"]
+    assert any(r["event"] == "1" for r in rows if r["subject"] in split["train"])
+    _write_rows(table, rows)
+    (tmp_path / "split.json").write_text(json.dumps(split))
+    run_dir = tmp_path / "run"
+    metrics = run(compose_cfg(run_dir, _csv_overrides(
+        table, f"dataset.split_file={tmp_path / 'split.json'}", "trainer.max_epochs=2", "test=true"
+    ), tiny=False))
+    assert math.isnan(metrics["val/cindex"]) and math.isnan(metrics["val/uno_cindex"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["best_by"] == "epoch"
+    assert torch.load(summary["best_checkpoint"], weights_only=True)["epoch"] == 1
+    assert sorted(r["subject"] for r in _rows(run_dir / "predictions" / "risks.csv")) == split["test"]
 
 
 @pytest.mark.parametrize(

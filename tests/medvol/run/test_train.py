@@ -29,7 +29,9 @@ MODELS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
 # The classifier's AUROC needs both classes in the validation batch (a one-class set logs NaN): 2 of 8 subjects;
 # the diffusion families' set metrics (MMD, MS-SSIM among samples) compare sets of at least two volumes (NaN below).
 SETS = ["dataset.val_fraction=0.25", "dataset.batch_size=2"]
-EXTRA = {"classifier": ["dataset.val_fraction=0.25"], "ldm": SETS, "ddpm": SETS}
+# Survival's C-index needs a comparable pair among the validation subjects (NaN, and a warning, without one).
+EXTRA = {"classifier": ["dataset.val_fraction=0.25"], "survival": ["dataset.val_fraction=0.25"], "ldm": SETS,
+         "ddpm": SETS}
 
 
 def model_extra(model: str, tmp_path: Path) -> list[str]:
