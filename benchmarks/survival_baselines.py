@@ -234,6 +234,7 @@ def real(args: argparse.Namespace, overrides: list[str]) -> None:
                 values = scores(last, table, split["test"], split["val"], args.horizons)
                 results["medvol, last epoch"].append(values)
                 lines.append(row(f"medvol, last epoch, seed {seed}", values, 0.0))
+                print(lines[-1], flush=True)
             elif arm == "plain":
                 risks, wall = plain_arm(root, table, split, args.epochs, seed)
             else:
