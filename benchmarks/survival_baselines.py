@@ -1,7 +1,7 @@
 """Survival figures: baselines on the synthetic phantoms, and medvol against a plain script on real anatomy.
 
     .venv/bin/python benchmarks/survival_baselines.py synthetic --subjects 512 --size 32 --split RUN/split.json
-    .venv/bin/python benchmarks/survival_baselines.py real [--subjects 96] [--spacing 6 6 6] [--epochs 12]
+    .venv/bin/python benchmarks/survival_baselines.py real [--subjects 96] [--spacing 8 8 8] [--epochs 12]
         [--seeds 0 1 2] [--arms medvol plain oracle] [--train-script PATH] [medvol overrides ...]
 
 `synthetic` prints the C-index of a Cox model on the lesion fraction (the oracle, fitted on the run's
@@ -234,6 +234,7 @@ def real(args: argparse.Namespace, overrides: list[str]) -> None:
                 values = scores(last, table, split["test"], split["val"], args.horizons)
                 results["medvol, last epoch"].append(values)
                 lines.append(row(f"medvol, last epoch, seed {seed}", values, 0.0))
+                print(lines[-1], flush=True)
             elif arm == "plain":
                 risks, wall = plain_arm(root, table, split, args.epochs, seed)
             else:
@@ -282,7 +283,7 @@ def main() -> None:
     phantoms.add_argument("--split", required=True, help="split.json of the run")
     anatomy = sub.add_parser("real")
     anatomy.add_argument("--subjects", type=int, default=96)
-    anatomy.add_argument("--spacing", type=float, nargs=3, default=[6.0, 6.0, 6.0])
+    anatomy.add_argument("--spacing", type=float, nargs=3, default=[8.0, 8.0, 8.0])
     anatomy.add_argument("--epochs", type=int, default=12)
     anatomy.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     anatomy.add_argument("--cohort", type=int, default=0, help="seed of the generated subjects")

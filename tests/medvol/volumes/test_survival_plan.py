@@ -70,6 +70,7 @@ def test_the_plan_normalizes_mr_per_volume_and_ct_with_the_datasets_statistics()
     forced = make_survival_plan(found, [1] * 40, 48**3, {"batch_size": 6, "spacing": [5, 5, 5], "spatial_size": None},
                                 kinds=["mr", "mr"])
     assert (forced["batch_size"], forced["spacing"], forced["spatial_size"]) == (6, [5.0, 5.0, 5.0], [24, 24, 24])
-    assert forced["overridden"] == ["batch_size", "spacing"] and forced["normalization"] == [{"kind": "mr", "use_mask": True}] * 2
+    assert forced["overridden"] == ["batch_size", "spacing"]
+    assert forced["normalization"] == [{"kind": "mr", "use_mask": True}] * 2
     lines = describe_survival_plan(forced)
     assert "spacing 5x5x5 mm" in lines[0] and "batch 6" in lines[1] and lines[2].endswith("batch_size, spacing")
