@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import resource
 import shutil
@@ -340,12 +341,15 @@ def structure_scores(seg: Any, truth: Any, structures: dict[str, tuple[int, ...]
 
 
 def mean_scores(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Per score, the mean over the subjects where it is finite; NaN where it is finite for none (an HD95 of masks
+    that are empty for every subject is undefined, not 0 mm)."""
     import math
 
-    return {
-        k: sum(r[k] for r in rows if math.isfinite(r[k])) / max(1, sum(math.isfinite(r[k]) for r in rows))
-        for k in rows[0]
-    }
+    means = {}
+    for k in rows[0]:
+        finite = [r[k] for r in rows if math.isfinite(r[k])]
+        means[k] = sum(finite) / len(finite) if finite else float("nan")
+    return means
 
 
 def score_folder(kind: str, root: Path, folder: Path, subjects: list[str], name: str, back: dict | None = None) -> dict:
@@ -945,7 +949,7 @@ def results_table(tag: str, kind: str, results: dict[str, dict[str, Any]]) -> st
         s = r["scores"]
         lines.append(
             f"| {arm} | {r['steps']} ({r['batch']}) | " + " | ".join(f"{s[f'dice_{n}']:.3f}" for n in names) + " | "
-            + " | ".join(f"{s[f'hd95_{n}']:.1f}" for n in names)
+            + " | ".join(f"{s[f'hd95_{n}']:.1f}" if math.isfinite(s[f"hd95_{n}"]) else "-" for n in names)
             + f" | {r['train_s']:.0f} | {r['predict_s']:.0f} | {r.get('peak_mib', float('nan')):.0f}"
             + (f" | {r['data_wait']:.1%} |" if r.get("data_wait") is not None else " | - |")
         )
