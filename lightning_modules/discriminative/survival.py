@@ -77,6 +77,9 @@ class SurvivalModel(OutcomeModule):
             for s, r, t, e in zip(batch["subject"], log_risk, batch["time"], batch["event"], strict=True)
         )
 
+    def export_about(self) -> dict[str, Any]:
+        return {"output": "log risk (higher: an earlier event), predict.py's `risk` column"}
+
     def prediction_rows(self, batch: dict[str, Any], split: str) -> list[dict[str, Any]]:
         """Per subject the log risk, with its time and event where the batch has them."""
         log_risk = self(batch).squeeze(1).float()
