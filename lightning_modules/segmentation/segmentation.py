@@ -388,7 +388,7 @@ class Segmenter(MedvolModule):
             ExportedNetwork("window", self.bundle_network(), {"image": image}, "probabilities",
                             {"image": axes, "probabilities": axes}, seconds,
                             {**about, "output": "probabilities (softmax or sigmoid), averaged over the mirrored copies",
-                             "mirror_axes": list(SPATIAL_AXES) if self.tta else []}),
+                             "mirrored_along": ["depth", "height", "width"] if self.tta else []}),
         ]
 
     def bundle_network(self) -> torch.nn.Module:

@@ -51,6 +51,9 @@ TENSOR_KEYS = (
     "channel_def",
 )
 SOURCE_KEY = "source"
+# `dataset.transforms` keys that only training applies (random crops, flips, affine); predict.py never does.
+TRAINING_ONLY = ("random_crop", "foreground_crop", "foreground_ratio", "flip_prob", "affine_prob", "rotate_range",
+                 "scale_range")
 MODEL_FILE = "models/model.ts"
 
 
@@ -69,9 +72,7 @@ def write_bundle(
     network = module.bundle_network()
     assert network is not None
     channels = int(module.hparams.get("in_channels", 1))
-    geometry = input_geometry(None, module.training_data, module.refines_resolution)
-    transforms = with_geometry(run, geometry).dataset.get("transforms")
-    settings = {**(OmegaConf.to_container(transforms, resolve=True) if transforms is not None else {}), **WHOLE_VOLUME}
+    settings = inference_settings(module, run)
     (folder / "configs").mkdir(parents=True)
     (folder / "models").mkdir()
     example = torch.randn(1, channels, *[int(s) for s in size], generator=torch.Generator().manual_seed(0))
@@ -87,6 +88,15 @@ def write_bundle(
     (folder / "configs" / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
     (folder / "README.md").write_text(readme(metadata, segmentation))
     return {"bundle": {"model": MODEL_FILE, "configs": ["configs/inference.json", "configs/metadata.json"]}}
+
+
+def inference_settings(module: MedvolModule, run: DictConfig) -> dict[str, Any]:
+    """The run's `dataset.transforms` as predict.py applies them by default: at the spacing the model was trained
+    at, on whole volumes, without the training-only random steps."""
+    geometry = input_geometry(None, module.training_data, module.refines_resolution)
+    transforms = with_geometry(run, geometry).dataset.get("transforms")
+    settings = {**(OmegaConf.to_container(transforms, resolve=True) if transforms is not None else {}), **WHOLE_VOLUME}
+    return {k: v for k, v in settings.items() if k not in TRAINING_ONLY}
 
 
 def preprocessing(settings: Mapping[str, Any], channels: int) -> list[dict[str, Any]]:

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from lightning_modules.base import ExportedNetwork, MedvolModule, class_path
 from medvol.core.checkpoint_read import TRUST_KEY, checkpoints_trusted
 from medvol.core.errors import MedvolError
-from medvol.run.bundle import traced, write_bundle
+from medvol.run.bundle import inference_settings, traced, write_bundle
 from medvol.run.predict_config import recovered_run, window_size
 from medvol.run.predicting import segmentation_predictor
 from medvol.run.trained_model import load_module
@@ -203,15 +203,14 @@ def describe(network: ExportedNetwork, path: Path, checked: dict[str, Any]) -> d
 def pipeline(module: MedvolModule, run: DictConfig, size: list[int]) -> dict[str, Any]:
     """What predict.py does around the network for this run: the dataset's preprocessing (the plan's spacing, crop
     and normalization), the sliding window, mirroring and post-processing, and the training data's record."""
-    transforms = run.dataset.get("transforms")
     record: dict[str, Any] = {
-        "preprocessing": OmegaConf.to_container(transforms, resolve=True) if transforms is not None else None,
+        "preprocessing": inference_settings(module, run),
         "window": {"roi": [int(s) for s in size], "overlap": float(run.model.get("overlap", 0.25)),
                    "mode": "gaussian"},
         "training_data": module.training_data or {},
     }
     if hasattr(module, "probabilities"):
-        record["mirroring"] = bool(module.tta)
+        record["mirroring"] = ["depth", "height", "width"] if module.tta else []
         record["postprocessing"] = module.postprocessing.to_json()
         record["pad_value"] = list(module.pad_value or [0.0])
         record["labels"] = module.scheme.names

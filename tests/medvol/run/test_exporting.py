@@ -24,6 +24,7 @@ from medvol.core.errors import MedvolError
 from medvol.run.exporting import TOLERANCE, export, write_networks
 from tests.conftest import ROOT, TINY_MODEL, compose_cfg, subprocess_env
 from tests.lightning_modules.ldm.test_ldm import TINY_VQGAN, save_checkpoint
+from tests.payloads import crafted_checkpoint
 
 onnx = pytest.importorskip("onnx", reason="the [export] extra (onnx, onnxruntime) is not installed")
 onnxruntime = pytest.importorskip("onnxruntime", reason="the [export] extra (onnx, onnxruntime) is not installed")
@@ -134,12 +135,13 @@ def test_a_checkpoint_that_is_not_medvols_or_asks_to_run_code_is_refused_and_lea
     torch.save({"state_dict": {"w": torch.zeros(2)}}, foreign)
     with pytest.raises(MedvolError, match=r"foreign\.ckpt.*(medvol|family)"):
         export(export_cfg(foreign, tmp_path / "out"))
-    # A crafted file whose pickle asks to call a function: read as data, it is refused at that name, uncalled.
-    crafted = run_dir / "checkpoints" / "crafted.ckpt"
-    torch.save({MODEL_KEY: "lightning_modules.discriminative.classifier.ClassifierModel",
-                "state_dict": {}, "hook": Path("x")}, crafted)
-    with pytest.raises(MedvolError, match=r"crafted\.ckpt.*(pathlib|PosixPath)"):
+    # A crafted file whose unpickling would run a command: read as data, it is refused at that name, never run.
+    marker = tmp_path / "ran"
+    crafted = crafted_checkpoint(run_dir / "checkpoints" / "crafted.ckpt", marker,
+                                 **{MODEL_KEY: "lightning_modules.discriminative.classifier.ClassifierModel"})
+    with pytest.raises(MedvolError, match=r"crafted\.ckpt"):
         export(export_cfg(crafted, tmp_path / "out"))
+    assert not marker.exists()
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
 
 
