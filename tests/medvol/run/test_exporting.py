@@ -158,3 +158,19 @@ def test_the_command_line_refuses_an_existing_output_folder_in_one_line(tmp_path
         f"medvol: error: `output_dir`: {tmp_path / 'out'} exists; expected a new folder (an export never overwrites "
         "files)"
     ]
+
+
+class SignFlip(torch.nn.Module):
+    """Python control flow on a tensor's value: tracing fixes the branch its example takes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if bool(x.sum() > 0) else -x
+
+
+def test_a_file_that_differs_from_pytorch_at_the_second_size_is_refused(tmp_path):
+    positive = torch.ones(1, 1, 4, 4, 4)
+    network = ExportedNetwork("flip", SignFlip(), {"image": positive}, "out", {"image": {0: "batch"}},
+                              {"image": -torch.ones(2, 1, 4, 4, 4)})
+    with pytest.raises(MedvolError, match=r"the exported flip\.ts gives outputs 3 away from PyTorch's on inputs of "
+                                          r"shapes \{'image': \[2, 1, 4, 4, 4\]\}; expected at most 0\.0001"):
+        write_networks(tmp_path, [network], "torchscript", 17)
