@@ -49,10 +49,13 @@ SLOW = {"survival", "ddpm", "ldm", "xray2ct"}
 
 
 def noisy(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` with seeded noise on every weight, half its tensor's spread (0.05 where the tensor is constant,
+    e.g. a zeroed output layer), so the outputs stay of the size a trained network gives."""
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for parameter in module.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.1)
+            spread = float(parameter.std()) if parameter.numel() > 1 else 0.0
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * (0.5 * spread or 0.05))
     return module.eval()
 
 
