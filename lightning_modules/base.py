@@ -154,7 +154,8 @@ class MedvolModule(pl.LightningModule):
         return []
 
     def not_exportable(self) -> str:
-        """Why a family exports no network, for the one line that refuses it."""
+        """Why a family cannot be exported as a bundle (or, where `exported_networks` is empty, at all), for the one
+        line that refuses it."""
         return "it has no network export defined"
 
     def bundle_network(self) -> torch.nn.Module | None:

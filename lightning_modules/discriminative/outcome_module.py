@@ -148,6 +148,12 @@ class OutcomeModule(MedvolModule, ABC):
             dynamic["covariates"] = {0: "batch"}
         return [ExportedNetwork("network", self.net.eval(), inputs, "output", dynamic, seconds, self.export_about())]
 
+    def not_exportable(self) -> str:
+        return (
+            "predict.py gives it one row per subject (predictions.csv) from the whole volume, not a volume a bundle's "
+            "sliding window writes; format=onnx or format=torchscript exports the network (docs/export.md)"
+        )
+
     def export_about(self) -> dict[str, Any]:
         """What the network's output means (the families say)."""
         return {}

@@ -128,12 +128,31 @@ def test_bad_settings_are_refused_in_one_line_before_the_checkpoint_is_read(tmp_
     assert not (tmp_path / "out").exists()
 
 
-def test_a_checkpoint_that_is_not_medvols_or_asks_to_run_code_is_refused_and_leaves_nothing(tmp_path):
+def classifier_run(tmp_path: Path) -> Path:
+    """A run folder as train.py leaves it, of a tiny classifier (its config; checkpoints added by the tests)."""
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)
     (run_dir / ".hydra").mkdir()
     cfg = compose_cfg(run_dir, ["model=classifier", *TINY_MODEL["classifier"]])
     OmegaConf.save({k: v for k, v in cfg.items() if k != "hydra"}, run_dir / ".hydra" / "config.yaml")
+    return run_dir
+
+
+def test_a_classifier_is_refused_as_a_bundle_and_exported_as_onnx(tmp_path):
+    run_dir = classifier_run(tmp_path)
+    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    ckpt = save_checkpoint(build_model(cfg.model), run_dir / "checkpoints" / "last.ckpt",
+                           "lightning_modules.discriminative.classifier.ClassifierModel")
+    with pytest.raises(MedvolError, match=r"^`format=bundle`: a ClassifierModel cannot be exported as a MONAI bundle: "
+                                          r"predict.py gives it one row per subject"):
+        export(export_cfg(ckpt, tmp_path / "bundle", format="bundle"))
+    assert not (tmp_path / "bundle").exists()
+    record = export(export_cfg(ckpt, tmp_path / "onnx"))
+    assert [n["file"] for n in record["networks"]] == ["network.onnx"] and (tmp_path / "onnx" / "export.json").is_file()
+
+
+def test_a_checkpoint_that_is_not_medvols_or_asks_to_run_code_is_refused_and_leaves_nothing(tmp_path):
+    run_dir = classifier_run(tmp_path)
     foreign = run_dir / "checkpoints" / "foreign.ckpt"
     torch.save({"state_dict": {"w": torch.zeros(2)}}, foreign)
     with pytest.raises(MedvolError, match=r"foreign\.ckpt.*(medvol|family)"):
