@@ -194,5 +194,5 @@ def test_a_file_that_differs_from_pytorch_at_the_second_size_is_refused(tmp_path
     network = ExportedNetwork("flip", SignFlip(), {"image": positive}, "out", {"image": {0: "batch"}},
                               {"image": -torch.ones(2, 1, 4, 4, 4)})
     with pytest.raises(MedvolError, match=r"the exported flip\.ts gives outputs 3 away from PyTorch's on inputs of "
-                                          r"shapes \{'image': \[2, 1, 4, 4, 4\]\}; expected at most 0\.0001"):
+                                          r"shapes \{'image': \[2, 1, 4, 4, 4\]\}; expected at most 0\.0001 times"):
         write_networks(tmp_path, [network], "torchscript", 17)
