@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# A CPU machine gets the local CPU wheel; a machine that already has torch (e.g. CUDA) keeps it.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,slurm,sweep]"
+	$(PY) -m pip install -q -e ".[dev,slurm,sweep,export]"
 	touch $(STAMP)
 
 train: setup  ## train with the defaults; pass overrides as ARGS="model=vqgan trainer.max_epochs=5"

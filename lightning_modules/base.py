@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytorch_lightning as pl
@@ -16,6 +17,45 @@ from medvol.volumes.sliding_window import SlidingWindow
 MODEL_KEY = "medvol_model"
 # Checkpoint key of the training data's fingerprint (`VolumeDataModule.fingerprint`: spacing, orientation, intensity).
 DATA_KEY = "medvol_data"
+
+
+@dataclass(frozen=True)
+class ExportedNetwork:
+    """A network of a trained family as export.py writes it (TorchScript, ONNX): plain tensors in and out.
+
+    Args:
+        name: the file's name (`<name>.onnx`, `<name>.ts`).
+        network: an eval-mode module whose forward takes the `inputs` positionally and returns one tensor.
+        inputs: input name -> an example tensor (the training size; what tracing runs).
+        output: the output's name.
+        dynamic: input or output name -> {axis: name} of the axes that may vary (batch, spatial); the others are
+            fixed at the example's size.
+        larger: input name -> a second example of other sizes along the dynamic axes (the parity check's second
+            size: another batch, and other spatial sizes where the network allows them).
+        about: what the network computes, its inputs' and output's meaning and units (export.json, docs).
+    """
+
+    name: str
+    network: torch.nn.Module
+    inputs: dict[str, torch.Tensor]
+    output: str
+    dynamic: dict[str, dict[int, str]]
+    larger: dict[str, torch.Tensor]
+    about: dict[str, Any] = field(default_factory=dict)
+
+
+def spatial_examples(
+    channels: int, size: Sequence[int], multiple: Sequence[int], batch: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded random (batch, C, *size) example and a larger one, `multiple` more voxels along each axis (what the
+    network's halvings divide), for a network with dynamic spatial axes."""
+    generator = torch.Generator().manual_seed(0)
+    first = torch.randn(batch, channels, *[int(s) for s in size], generator=generator)
+    larger = [int(s) + int(m) for s, m in zip(size, multiple, strict=True)]
+    return first, torch.randn(batch + 1, channels, *larger, generator=generator)
+
+
+DYNAMIC_AXES = {0: "batch", 2: "depth", 3: "height", 4: "width"}
 
 
 def class_path(obj: object) -> str:
@@ -108,6 +148,23 @@ class MedvolModule(pl.LightningModule):
         same subject and condition (the same code path). Families with `generation_inputs` override it.
         """
         raise NotImplementedError(f"{class_path(self)} generates nothing without its target")
+
+    # Export (export.py: TorchScript, ONNX, a MONAI bundle) ---------------------------------------------------
+
+    def exported_networks(self, size: Sequence[int]) -> list[ExportedNetwork]:
+        """The networks of this family that can leave medvol, with example inputs of the training `size` (D, H, W);
+        empty where the model is no network a server can call (families override it)."""
+        return []
+
+    def not_exportable(self) -> str:
+        """Why a family cannot be exported as a bundle (or, where `exported_networks` is empty, at all), for the one
+        line that refuses it."""
+        return "it has no network export defined"
+
+    def bundle_network(self) -> torch.nn.Module | None:
+        """The network a MONAI bundle's sliding window calls (`models/model.ts`): a whole window in, the output
+        predict.py blends out; None where predict.py does more than blend windows (a sampler loop, a risk)."""
+        return None
 
     @classmethod
     def check_settings(cls, settings: Mapping[str, Any]) -> None:

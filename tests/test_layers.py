@@ -1,6 +1,6 @@
 """The layers hold: imports point down only and never run in a circle (DESIGN.md, "Where new things go").
 
-    train.py, predict.py, check_data.py, medvol.run      the run layer
+    train.py, predict.py, check_data.py, export.py, medvol.run    the run layer
       -> lightning_modules, datamodules, callbacks         the rooms (never each other)
       -> medvol.core, medvol.volumes                       the ground
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("medvol", "lightning_modules", "datamodules", "callbacks")
-ENTRY_POINTS = ("train", "predict", "check_data")
+ENTRY_POINTS = ("train", "predict", "check_data", "export")
 ROOMS = ("lightning_modules", "datamodules", "callbacks")
 GROUND = ("medvol", "medvol.core", "medvol.volumes")
 

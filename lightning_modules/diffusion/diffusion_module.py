@@ -21,7 +21,7 @@ from torch import nn
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 
-from lightning_modules.base import MedvolModule
+from lightning_modules.base import DYNAMIC_AXES, ExportedNetwork, MedvolModule, spatial_examples
 from lightning_modules.diffusion.ema import EMA
 from lightning_modules.diffusion.generation_metrics import TrainingSetMetric, VolumeSetFID2p5D, pooled
 from lightning_modules.diffusion.prediction import (
@@ -73,6 +73,20 @@ class SamplingPlan:
     eta: float
     clip_sample: bool
     prediction_type: str
+
+
+class DenoiserCall(nn.Module):
+    """A family's `network_output` as a module with positional tensor inputs (x_t, t, then the conditioning named
+    `names`), for tracing: the family's own call, so an exported denoiser sees its inputs as sampling does."""
+
+    def __init__(self, network: nn.Module, call: Callable[..., torch.Tensor], names: Sequence[str]) -> None:
+        super().__init__()
+        self.network = network
+        self.call = call
+        self.names = list(names)
+
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor, *conditioning: torch.Tensor) -> torch.Tensor:
+        return self.call(self.network, x_t, t, **dict(zip(self.names, conditioning, strict=True)))
 
 
 def sampling_window_size(value: int | Sequence[int] | None) -> tuple[int, int, int] | None:
@@ -287,6 +301,45 @@ class DiffusionModule(MedvolModule, ABC):
 
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         return self._evaluate(batch, batch_idx, self.test_metrics)
+
+    # ---- export (export.py) -------------------------------------------------------------
+
+    def denoised_grid(self, size: Sequence[int]) -> tuple[int, list[int], list[int]]:
+        """(channels, training size, the multiple every size must be) of x_t; families override what differs."""
+        levels = len(getattr(self.sampling_network, "block_out_channels", ())) or 1
+        return int(getattr(self, "image_channels", 1)), [int(s) for s in size], [2 ** (levels - 1)] * 3
+
+    def conditioning_examples(
+        self, x_t: torch.Tensor, larger: torch.Tensor
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor, dict[int, str]]]:
+        """The conditioning inputs `network_output` takes besides x_t and t, each as (example beside `x_t`, example
+        beside `larger`, its dynamic axes); none by default."""
+        return {}
+
+    def exported_networks(self, size: Sequence[int]) -> list[ExportedNetwork]:
+        """The denoiser (the EMA weights sampling uses) as one call of the sampler's loop: x_t, the step t and the
+        family's conditioning in, the prediction (`prediction_type`) out. The loop itself stays with the server."""
+        channels, grid, multiple = self.denoised_grid(size)
+        x_t, larger = spatial_examples(channels, grid, multiple)
+        steps = self.train_timesteps.long()
+        extras = self.conditioning_examples(x_t, larger)
+        inputs = {"x_t": x_t, "t": steps[-1:], **{name: value[0] for name, value in extras.items()}}
+        seconds = {"x_t": larger, "t": steps[:2], **{name: value[1] for name, value in extras.items()}}
+        dynamic = {"x_t": DYNAMIC_AXES, "t": {0: "batch"}, "prediction": DYNAMIC_AXES,
+                   **{name: value[2] for name, value in extras.items()}}
+        about = {
+            "prediction_type": self.prediction_type, "num_train_timesteps": self.schedule.num_train_timesteps,
+            "sampling_timesteps": [int(t) for t in self.sampling_timesteps], "sampler": self.sampler, "eta": self.eta,
+            "size_multiple": multiple,
+        }
+        call = DenoiserCall(self.sampling_network, self.network_output, list(extras)).eval()
+        return [ExportedNetwork("denoiser", call, inputs, "prediction", dynamic, seconds, about)]
+
+    def not_exportable(self) -> str:
+        return (
+            "its outputs come from a sampler loop of many network calls, which a bundle's sliding window cannot run; "
+            "format=onnx or format=torchscript exports the denoiser, for a server that runs the loop (docs/export.md)"
+        )
 
     # ---- optimization and EMA ------------------------------------------------------------
 

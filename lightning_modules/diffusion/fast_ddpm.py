@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
 
+from lightning_modules.base import DYNAMIC_AXES
 from lightning_modules.diffusion.checkpointing import checkpoint_blocks, unet_blocks
 from lightning_modules.diffusion.diffusion_module import Conditioning, DiffusionModule
 from lightning_modules.diffusion.generation_metrics import (
@@ -151,6 +152,17 @@ class ConditionalDiffusion(DiffusionModule):
         self, network: nn.Module, x_t: torch.Tensor, t: torch.Tensor, cond: torch.Tensor | None = None
     ) -> torch.Tensor:
         return network(self.network_input(x_t, cond), t)
+
+    def conditioning_examples(
+        self, x_t: torch.Tensor, larger: torch.Tensor
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor, dict[int, str]]]:
+        """The condition volume on x_t's grid (concatenated first inside the call), where the task has one."""
+        if not self.cond_channels:
+            return {}
+        generator = torch.Generator().manual_seed(1)
+        shapes = [(x.shape[0], self.cond_channels, *x.shape[2:]) for x in (x_t, larger)]
+        first, second = (torch.randn(shape, generator=generator) for shape in shapes)
+        return {"cond": (first, second, DYNAMIC_AXES)}
 
     def denoiser(self, network: nn.Module, cond: torch.Tensor | None) -> Denoise:
         """`denoise(x_t, t) -> (x0, eps)` for the samplers, on the whole volume."""

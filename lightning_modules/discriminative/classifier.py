@@ -121,6 +121,9 @@ class ClassifierModel(OutcomeModule):
     def on_validation_epoch_end(self) -> None:
         self._log_epoch("val")
 
+    def export_about(self) -> dict[str, Any]:
+        return {"output": f"logits of the {self.num_classes} classes (their softmax: predict.py's p0, p1, ...)"}
+
     def prediction_rows(self, batch: dict[str, Any], split: str) -> list[dict[str, Any]]:
         """Per subject the predicted class and the class probabilities, with its label where the batch has one."""
         probabilities = self(batch).float().softmax(dim=1)

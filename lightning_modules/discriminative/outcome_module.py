@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from pytorch_lightning.utilities import move_data_to_device
 
-from lightning_modules.base import MedvolModule
+from lightning_modules.base import DYNAMIC_AXES, ExportedNetwork, MedvolModule, spatial_examples
 from lightning_modules.discriminative.fusion_net import ImageCovariateNet
 from medvol.core.errors import MedvolError
 from medvol.volumes.sliding_window import SlidingWindow
@@ -152,6 +152,30 @@ class OutcomeModule(MedvolModule, ABC):
     ) -> dict[str, Any]:
         """The rows of `predictions.csv` for whole volumes (`predict.py`): the network sees the whole volume."""
         return {"rows": self.prediction_rows(move_data_to_device(batch, self.device), "predict")}
+
+    def exported_networks(self, size: Sequence[int]) -> list[ExportedNetwork]:
+        """The network on a whole volume (adaptive pooling: any size of at least the network's 32x halving) and,
+        where it was trained with them, the raw covariates (standardised inside, with the training split's
+        statistics)."""
+        image, larger = spatial_examples(self.net.backbone.conv1.in_channels, size, [32, 32, 32])
+        inputs, seconds, dynamic = {"image": image}, {"image": larger}, {"image": DYNAMIC_AXES, "output": {0: "batch"}}
+        if self.net.covariates is not None:
+            count = self.net.covariates.mean.numel()
+            generator = torch.Generator().manual_seed(1)
+            inputs["covariates"] = torch.randn(1, count, generator=generator)
+            seconds["covariates"] = torch.randn(2, count, generator=generator)
+            dynamic["covariates"] = {0: "batch"}
+        return [ExportedNetwork("network", self.net.eval(), inputs, "output", dynamic, seconds, self.export_about())]
+
+    def not_exportable(self) -> str:
+        return (
+            "predict.py gives it one row per subject (predictions.csv) from the whole volume, not a volume a bundle's "
+            "sliding window writes; format=onnx or format=torchscript exports the network (docs/export.md)"
+        )
+
+    def export_about(self) -> dict[str, Any]:
+        """What the network's output means (the families say)."""
+        return {}
 
     def add_prediction_rows(self, rows: Sequence[dict[str, Any]]) -> None:
         self._rows.extend(rows)

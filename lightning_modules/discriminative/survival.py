@@ -109,6 +109,9 @@ class SurvivalModel(OutcomeModule):
         log_risk = self._evaluate(batch, self.test_metrics)
         self.add_prediction_rows(self.rows(batch, log_risk, "test"))
 
+    def export_about(self) -> dict[str, Any]:
+        return {"output": "log risk (higher: an earlier event), predict.py's `risk` column"}
+
     def prediction_rows(self, batch: dict[str, Any], split: str) -> list[dict[str, Any]]:
         """Per subject the log risk, its covariates, its time and event where the batch has them, and its survival
         probability at each horizon where a baseline hazard is known."""

@@ -27,6 +27,7 @@ from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 
+from lightning_modules.base import DYNAMIC_AXES, ExportedNetwork
 from lightning_modules.diffusion.diffusion_module import Conditioning, DiffusionModule
 from lightning_modules.diffusion.generation_metrics import (
     VolumeSetMMD,
@@ -39,6 +40,7 @@ from lightning_modules.diffusion.subject_noise import SubjectNoise, subject_name
 from lightning_modules.ldm.first_stage import EncodeLatent, FirstStage, read_first_stage, weights_digest
 from lightning_modules.ldm.positions import latent_coordinates
 from lightning_modules.ldm.spacing_embedding import with_spacing_embedding
+from lightning_modules.vqgan.codebook import snapped_to_codes
 from medvol.core.errors import MedvolError
 
 
@@ -49,6 +51,25 @@ def voxel_spacings(affine: torch.Tensor) -> torch.Tensor:
 
 # Coordinate channels of `position_channels` (z, y, x).
 COORDINATES = 3
+# A voxel spacing (x, y, z) in mm, as `spacing_conditioning` takes it.
+SPACING_DIMS = 3
+
+
+class LatentCodec(nn.Module):
+    """The first stage as a latent model uses it, for export: `encoder` image -> latent * scale, `decoder` latent /
+    scale -> (snapped to the codes with `quantized`) -> image clamped to [-1, 1]."""
+
+    def __init__(self, first_stage: FirstStage, scale: float, part: str, quantized: bool) -> None:
+        super().__init__()
+        self.first_stage, self.scale, self.part, self.quantized = first_stage, float(scale), part, quantized
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.part == "encoder":
+            return self.first_stage.encoder(x) * self.scale
+        z = x / self.scale
+        if self.quantized:
+            z = snapped_to_codes(z, self.first_stage.codebook.embeddings)
+        return self.first_stage.decoder(z).clamp(-1.0, 1.0)
 
 
 class LatentDiffusion(DiffusionModule):
@@ -290,6 +311,63 @@ class LatentDiffusion(DiffusionModule):
         if spacing is None:
             return network(inputs, t)
         return network(inputs, t, class_labels=spacing.float())
+
+    # ---- export (export.py) -------------------------------------------------------------------
+
+    def denoised_grid(self, size: Sequence[int]) -> tuple[int, list[int], list[int]]:
+        """Latents: the first stage's channels on the training latent grid (the image `size` over `downsample`)."""
+        recorded = [int(s) for s in self.training_latent_size]
+        grid = recorded if all(recorded) else [int(s) // d for s, d in zip(size, self.first_stage.downsample,
+                                                                              strict=True)]
+        return self.first_stage.embedding_dim, grid, super().denoised_grid(size)[2]
+
+    def conditioning_examples(
+        self, x_t: torch.Tensor, larger: torch.Tensor
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor, dict[int, str]]]:
+        """The condition's scaled latent on x_t's grid, the voxel spacing (B, 3) in mm and the latent voxels'
+        coordinates in the whole volume (B, 3, D, H, W), where the model has them."""
+        generator = torch.Generator().manual_seed(1)
+        examples: dict[str, tuple[torch.Tensor, torch.Tensor, dict[int, str]]] = {}
+        if self.cond_channels:
+            first, second = (torch.randn(x.shape, generator=generator) for x in (x_t, larger))
+            examples["cond"] = (first, second, DYNAMIC_AXES)
+        if self.hparams.spacing_conditioning:
+            first, second = (torch.rand(x.shape[0], SPACING_DIMS, generator=generator) + 0.5 for x in (x_t, larger))
+            examples["spacing"] = (first, second, {0: "batch"})
+        if self.hparams.position_channels:
+            first, second = (torch.rand(x.shape[0], COORDINATES, *x.shape[2:], generator=generator) * 2 - 1
+                             for x in (x_t, larger))
+            examples["coordinates"] = (first, second, DYNAMIC_AXES)
+        return examples
+
+    def exported_networks(self, size: Sequence[int]) -> list[ExportedNetwork]:
+        """The denoiser over scaled latents, and the first stage's halves as this model uses them: `encoder` (image
+        -> scaled latent, what a condition goes through) and `decoder` (scaled latent -> image in [-1, 1], snapped
+        to the codes first with `decode_quantized`)."""
+        denoiser = super().exported_networks(size)
+        latent = denoiser[0].inputs["x_t"]
+        larger_latent = denoiser[0].larger["x_t"]
+        image, larger = (torch.randn(x.shape[0], self.first_stage.in_channels,
+                                     *[int(n) * d for n, d in zip(x.shape[2:], self.first_stage.downsample,
+                                                                  strict=True)]) for x in (latent, larger_latent))
+        scale = {"scale_factor": self.scale, "size_multiple": list(self.first_stage.downsample)}
+        return [
+            ExportedNetwork(
+                "denoiser", denoiser[0].network, denoiser[0].inputs, denoiser[0].output, denoiser[0].dynamic,
+                denoiser[0].larger, {**denoiser[0].about, **scale},
+            ),
+            ExportedNetwork(
+                "encoder", LatentCodec(self.first_stage, self.scale, "encoder", False).eval(), {"image": image},
+                "latent", {"image": DYNAMIC_AXES, "latent": DYNAMIC_AXES}, {"image": larger},
+                {**scale, "output": "the image's continuous latent times scale_factor"},
+            ),
+            ExportedNetwork(
+                "decoder",
+                LatentCodec(self.first_stage, self.scale, "decoder", bool(self.hparams.decode_quantized)).eval(),
+                {"latent": latent}, "image", {"latent": DYNAMIC_AXES, "image": DYNAMIC_AXES}, {"latent": larger_latent},
+                {**scale, "output": "image in model units, clamped to [-1, 1]"},
+            ),
+        ]
 
     # ---- Lightning steps --------------------------------------------------------------------
 

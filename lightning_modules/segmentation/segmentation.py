@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from torchmetrics import MeanMetric
 
-from lightning_modules.base import MedvolModule
+from lightning_modules.base import DYNAMIC_AXES, ExportedNetwork, MedvolModule, spatial_examples
 from lightning_modules.segmentation.label_scheme import LabelScheme
 from lightning_modules.segmentation.losses import build_loss
-from lightning_modules.segmentation.networks import build_network, check_size, supervised_heads
+from lightning_modules.segmentation.networks import build_network, check_size, size_multiple, supervised_heads
 from lightning_modules.segmentation.patch_sampling import SAMPLINGS, cut_patches, patch_origins
 from lightning_modules.segmentation.postprocessing import Postprocessing, candidates
 from lightning_modules.segmentation.subject_scores import SubjectScores, subject_scores
@@ -381,6 +381,43 @@ class Segmenter(MedvolModule):
         where the batch has a label."""
         image = batch[self.hparams.image_key]
         return self.outputs_of(batch, self.probabilities(image, window, self.tta), extras)
+
+    def exported_networks(self, size: Sequence[int]) -> list[ExportedNetwork]:
+        """The network (`network`: logits) and what predict.py blends per window (`window`: probabilities, mirrored
+        as `tta` says). Spatial sizes vary in multiples of the network's halvings (SwinUNETR's window attention
+        fixes them at the training patch)."""
+        patch = self.patch_size or [int(s) for s in size]
+        multiple = size_multiple(self.hparams.net, self.features, self.hparams.strides)
+        image, larger = spatial_examples(int(self.hparams.in_channels), patch, multiple)
+        fixed = self.hparams.net == "swinunetr"
+        axes = {0: "batch"} if fixed else DYNAMIC_AXES
+        seconds = {"image": image.repeat(2, 1, 1, 1, 1)} if fixed else {"image": larger}
+        about = {"input": "image after the plan's preprocessing (z units)", "size_multiple": multiple,
+                 "classes" if not self.scheme.is_regions else "regions": self.scheme.names}
+        return [
+            ExportedNetwork("network", self.net.eval(), {"image": image}, "logits", {"image": axes, "logits": axes},
+                            seconds, {**about, "output": "logits, one channel per class or region"}),
+            ExportedNetwork("window", self.bundle_network(), {"image": image}, "probabilities",
+                            {"image": axes, "probabilities": axes}, seconds,
+                            {**about, "output": "probabilities (softmax or sigmoid), averaged over the mirrored copies",
+                             "mirrored_along": ["depth", "height", "width"] if self.tta else []}),
+        ]
+
+    def bundle_network(self) -> torch.nn.Module:
+        return WindowProbabilities(self.net, self.scheme.activation, SPATIAL_AXES if self.tta else ()).eval()
+
+
+class WindowProbabilities(torch.nn.Module):
+    """A window -> its class or region probabilities as predict.py blends them: the network's softmax or sigmoid,
+    averaged over the mirrored copies along `axes` (none: one call); a module export.py traces."""
+
+    def __init__(self, net: torch.nn.Module, activation: Callable[[torch.Tensor], torch.Tensor], axes: Sequence[int]):
+        super().__init__()
+        self.net = net
+        self.mirrored = MirrorAveraged(net, activation, tuple(axes))
+
+    def forward(self, window: torch.Tensor) -> torch.Tensor:
+        return self.mirrored(window)
 
 
 def on_source_grid(batch: dict[str, Any]) -> bool:

@@ -17,6 +17,23 @@ class Quantized(NamedTuple):
     perplexity: torch.Tensor
 
 
+def nearest_codes(flat: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest of `embeddings` (n_codes, dim) for each row of `flat` (N, dim), from one (N x n_codes)
+    matrix: `EMACodebook.nearest` calls it chunk by chunk, an exported network (export.py) on every row at once."""
+    # |x|^2 - 2 x.e + |e|^2 in place (one matrix-sized buffer): x + (-2 m) is exactly x - 2 m, so every row's
+    # distances, and their argmin, are those of any other chunking.
+    distances = (flat @ embeddings.t()).mul_(-2).add_(flat.pow(2).sum(1, keepdim=True))
+    return distances.add_(embeddings.pow(2).sum(1).unsqueeze(0)).argmin(1)
+
+
+def snapped_to_codes(z: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+    """A (B, dim, D, H, W) latent with every voxel replaced by its nearest code (the quantizer's forward without
+    its statistics), in explicit permutes that an ONNX export keeps (export.py)."""
+    channels_last = z.permute(0, 2, 3, 4, 1)
+    codes = nearest_codes(channels_last.reshape(-1, channels_last.shape[-1]), embeddings)
+    return F.embedding(codes, embeddings).reshape(channels_last.shape).permute(0, 4, 1, 2, 3)
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -98,15 +115,8 @@ class EMACodebook(nn.Module):
     @torch.no_grad()
     def nearest(self, flat: torch.Tensor) -> torch.Tensor:
         """Index of the nearest code for each row of `flat` (N, embedding_dim), in chunks of rows."""
-        squared_codes = self.embeddings.pow(2).sum(1).unsqueeze(0)
         rows = max(1, self.chunk_elements // self.n_codes)
-        indices = []
-        for chunk in flat.split(rows):
-            # |x|^2 - 2 x.e + |e|^2 in place (one chunk-sized buffer): x + (-2 m) is exactly x - 2 m,
-            # so every row's distances, and their argmin, equal those of one full (N x n_codes) matrix.
-            distances = (chunk @ self.embeddings.t()).mul_(-2).add_(chunk.pow(2).sum(1, keepdim=True))
-            indices.append(distances.add_(squared_codes).argmin(1))
-        return torch.cat(indices)
+        return torch.cat([nearest_codes(chunk, self.embeddings) for chunk in flat.split(rows)])
 
     @torch.no_grad()
     def _ema_update(self, flat: torch.Tensor, indices: torch.Tensor, counts: torch.Tensor) -> None:

@@ -15,14 +15,15 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from monai.networks.nets import PatchDiscriminator
+from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 
-from lightning_modules.base import MedvolModule
+from lightning_modules.base import DYNAMIC_AXES, ExportedNetwork, MedvolModule, spatial_examples
 from lightning_modules.perceptual import SlicePerceptualLoss
 from lightning_modules.vqgan.adversarial import AdversarialLoss
-from lightning_modules.vqgan.codebook import EMACodebook, Quantized
+from lightning_modules.vqgan.codebook import EMACodebook, Quantized, snapped_to_codes
 from lightning_modules.vqgan.vq_autoencoder import Decoder3d, Encoder3d
 from medvol.core.errors import MedvolError
 from medvol.volumes.sliding_window import SlidingWindow
@@ -65,6 +66,26 @@ def evaluation_metrics(ssim_kernel_size: int) -> MetricCollection:
             "perplexity": MeanMetric(),
         }
     )
+
+
+class Reconstruction(nn.Module):
+    """image -> the reconstruction predict.py blends (encoder, nearest codes, decoder, clamped to [-1, 1]), or with
+    `part` one half: `encoder` (image -> the continuous latent) or `decoder` (latent -> image, snapped to the codes
+    first), as plain modules export.py traces."""
+
+    def __init__(self, encoder: Encoder3d, codebook: EMACodebook, decoder: Decoder3d, part: str = "whole") -> None:
+        super().__init__()
+        self.encoder, self.codebook, self.decoder, self.part = encoder, codebook, decoder, part
+
+    def quantized(self, z: torch.Tensor) -> torch.Tensor:
+        return snapped_to_codes(z, self.codebook.embeddings)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.part == "encoder":
+            return self.encoder(x)
+        if self.part == "decoder":
+            return self.decoder(self.quantized(x))
+        return self.decoder(self.quantized(self.encoder(x))).clamp(-1.0, 1.0)
 
 
 class GANStep(NamedTuple):
@@ -424,3 +445,35 @@ class VQGAN(MedvolModule):
         if "codes" in extras:
             outputs["arrays"] = {"codes": self.encode(x.to(window.device)).encodings.cpu()}
         return outputs
+
+    def exported_networks(self, size: Sequence[int]) -> list[ExportedNetwork]:
+        """The autoencoder as predict.py runs it on a window (`reconstruction`), and its `encoder` (image -> continuous
+        latent) and `decoder` (latent -> image, snapped to the nearest codes first) apart; spatial sizes are
+        multiples of `downsample`."""
+        channels = int(self.hparams.in_channels)
+        image, larger = spatial_examples(channels, size, self.downsample)
+        latent_size = [int(s) // d for s, d in zip(size, self.downsample, strict=True)]
+        latent, larger_latent = spatial_examples(int(self.hparams.embedding_dim), latent_size, [1, 1, 1])
+        units = {"input": "image in model units [-1, 1] (the run's intensity scaling)",
+                 "size_multiple": list(self.downsample)}
+        return [
+            ExportedNetwork(
+                "reconstruction", self.bundle_network(), {"image": image}, "reconstruction",
+                {"image": DYNAMIC_AXES, "reconstruction": DYNAMIC_AXES}, {"image": larger},
+                {**units, "output": "reconstruction in model units, clamped to [-1, 1]"},
+            ),
+            ExportedNetwork(
+                "encoder", Reconstruction(self.encoder, self.codebook, self.decoder, "encoder").eval(),
+                {"image": image}, "latent", {"image": DYNAMIC_AXES, "latent": DYNAMIC_AXES}, {"image": larger},
+                {**units, "output": "continuous latent (before quantisation), embedding_dim channels"},
+            ),
+            ExportedNetwork(
+                "decoder", Reconstruction(self.encoder, self.codebook, self.decoder, "decoder").eval(),
+                {"latent": latent}, "image", {"latent": DYNAMIC_AXES, "image": DYNAMIC_AXES},
+                {"latent": larger_latent},
+                {"input": "latent, snapped to the nearest code inside", "output": "image in model units (unclamped)"},
+            ),
+        ]
+
+    def bundle_network(self) -> nn.Module:
+        return Reconstruction(self.encoder, self.codebook, self.decoder).eval()

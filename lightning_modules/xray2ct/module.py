@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
 
+from lightning_modules.base import DYNAMIC_AXES
 from lightning_modules.diffusion.diffusion_module import Conditioning, DiffusionModule, SamplingPlan
 from lightning_modules.diffusion.prediction import check_prediction_type
 from lightning_modules.diffusion.samplers import SAMPLERS
@@ -281,6 +282,26 @@ class XrayToCT(DiffusionModule):
         previous: torch.Tensor | None = None, coordinates: torch.Tensor | None = None,
     ) -> torch.Tensor:
         return network(x_t.to(views.dtype), t, views, previous, coordinates)
+
+    def denoised_grid(self, size: Sequence[int]) -> tuple[int, list[int], list[int]]:
+        """One CT channel on the stage's training crop (its whole grid at stage 1)."""
+        return 1, [int(s) for s in self.crop], [int(self.sampling_network.downsampling)] * 3
+
+    def conditioning_examples(
+        self, x_t: torch.Tensor, larger: torch.Tensor
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor, dict[int, str]]]:
+        """The radiographs (B, views, H, W) in model units; from stage 2 on the upsampled previous stage and the
+        three global-coordinate channels, on x_t's grid."""
+        generator = torch.Generator().manual_seed(1)
+        height, width = (int(s) for s in self.hparams.xray_size)
+        views = [torch.randn(x.shape[0], len(self.hparams.views), height, width, generator=generator)
+                 for x in (x_t, larger)]
+        examples = {"views": (views[0], views[1], {0: "batch"})}
+        if self.hparams.stage > 1:
+            for name, channels in (("previous", 1), ("coordinates", 3)):
+                pair = [torch.randn(x.shape[0], channels, *x.shape[2:], generator=generator) for x in (x_t, larger)]
+                examples[name] = (pair[0], pair[1], DYNAMIC_AXES)
+        return examples
 
     def training_volumes(self, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """A stage >= 2's training target, its base (the degraded ground truth: what a perfect previous stage
