@@ -244,7 +244,7 @@ def sampled(ckpt: Path, count: int, window: list[int] | None) -> tuple[torch.Ten
     """`count` whole 48^3 samples (model units) of an LDM checkpoint, by latent windows or the whole latent at once,
     and the seconds per sample."""
     from medvol.run.predict_config import run_config
-    from medvol.run.predicting import load_module
+    from medvol.run.trained_model import load_module
 
     module = load_module(run_config(str(ckpt)), str(ckpt), torch.device("cpu"))
     module.hparams.sample_size = [ANATOMY_GRID] * 3
