@@ -79,7 +79,9 @@ def model_unit_sets(data: Path, split_file: Path):
     from hydra import compose, initialize_config_dir
 
     from medvol.core.build import build
+    from medvol.run.resolvers import register_resolvers
 
+    register_resolvers()  # the config's `${cwd:}` and others, as train.py has them
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="train"):
         cfg = compose("train", overrides=["experiment=ldm_cpu", "dataset=brats", f"dataset.root={data}",
                                           "dataset.image_modalities=[t1]", "dataset.label=false",

@@ -261,7 +261,9 @@ def anatomy_sets(out: Path, common: list[str]) -> list[torch.Tensor]:
     from hydra import compose, initialize_config_dir
 
     from medvol.core.build import build
+    from medvol.run.resolvers import register_resolvers
 
+    register_resolvers()  # the config's `${cwd:}` and others, as train.py has them
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="train"):
         cfg = compose("train", overrides=["dataset=nifti", *common, "dataset.cache=none", "dataset.num_workers=0",
                                           "paths.output_dir=/tmp"])
