@@ -2,7 +2,7 @@
 the latent diffusion model and Fast-DDPM trained on the MNI152 BraTS-layout brains as a user types them.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/generation_quality.py --out DIR [--subjects 60] [--spacing 4 4 4]
-        [--runs table ldm ddpm]
+        [--runs table ldm ddpm] [--ddpm-epochs N]
 
 The data: `datamodules.sources.brain_lesions.write_brain_lesions` (the MNI152 brain with lesions, BraTS-2021
 case folders, issue 28's real anatomy), written once under `DIR/data-<n>s-<spacing>mm`.
@@ -15,7 +15,8 @@ case folders, issue 28's real anatomy), written once under `DIR/data-<n>s-<spaci
 - `ldm`: `python train.py experiment=ldm_cpu dataset=brats dataset.root=DATA dataset.image_modalities=[t1]
   dataset.label=false` (VQ-GAN, then the LDM; test on the held-out subjects).
 - `ddpm`: `python train.py model=ddpm dataset=brats ... image t2, cond t1` at the same grid (Fast-DDPM's CPU
-  default, T1 -> T2 translation), test=true.
+  default, T1 -> T2 translation), test=true; `--ddpm-epochs N` sets its `trainer.max_epochs` (default: the
+  trainer's 16).
 
 Each run's test metrics (samples of the test subjects against the real test volumes) come from its summary.json.
 """
@@ -78,7 +79,9 @@ def model_unit_sets(data: Path, split_file: Path):
     from hydra import compose, initialize_config_dir
 
     from medvol.core.build import build
+    from medvol.run.resolvers import register_resolvers
 
+    register_resolvers()  # the config's `${cwd:}` and others, as train.py has them
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="train"):
         cfg = compose("train", overrides=["experiment=ldm_cpu", "dataset=brats", f"dataset.root={data}",
                                           "dataset.image_modalities=[t1]", "dataset.label=false",
@@ -136,6 +139,7 @@ def main() -> None:
     parser.add_argument("--spacing", type=float, nargs=3, default=[4.0, 4.0, 4.0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs", nargs="+", default=["ldm", "ddpm", "table"], choices=["ldm", "ddpm", "table"])
+    parser.add_argument("--ddpm-epochs", type=int, help="the Fast-DDPM run's trainer.max_epochs (default 16)")
     args = parser.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -152,9 +156,10 @@ def main() -> None:
                       f"reconstruction MMD {metrics.get('test/recon_mmd', float('nan')):.3f}, "
                       f"two draws' MS-SSIM {metrics.get('test/diversity_msssim', float('nan')):.3f}")
     if "ddpm" in args.runs:
+        epochs = [] if args.ddpm_epochs is None else [f"trainer.max_epochs={args.ddpm_epochs}"]
         metrics, wall = train(out, "fast_ddpm", ["model=ddpm", *brats, "dataset.image_modalities=[t2]",
                                                  "dataset.cond_modalities=[t1]", "dataset.batch_size=2", "test=true",
-                                                 *GRID])
+                                                 *GRID, *epochs])
         lines.append(run_row("Fast-DDPM T1 -> T2 samples, model=ddpm", metrics, wall))
         others.append(f"fast_ddpm: test PSNR {metrics.get('test/psnr', float('nan')):.2f} dB, "
                       f"SSIM {metrics.get('test/ssim', float('nan')):.3f}")

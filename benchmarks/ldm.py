@@ -36,6 +36,7 @@ against the test subjects.
     OMP_NUM_THREADS=1 python benchmarks/ldm.py --snapping <run>/stage2/best.ckpt
     OMP_NUM_THREADS=1 python benchmarks/ldm.py --denoise --preset ctpa      # whole-latent memory, CPU
     OMP_NUM_THREADS=1 python benchmarks/ldm.py --anatomy DIR                # whole anatomy, CPU (about an hour)
+    OMP_NUM_THREADS=1 python benchmarks/ldm.py --anatomy DIR --epochs 10 16 --crop-epochs 3 --val-every 16 --samples 8
     python benchmarks/ldm.py --device cuda --preset ctpa                    # GPU rows (one 80 GB GPU)
     python benchmarks/ldm.py --device cuda --preset ctpa --rows train generate --samplers fast_ddpm_10 --json l.json
 
@@ -244,7 +245,7 @@ def sampled(ckpt: Path, count: int, window: list[int] | None) -> tuple[torch.Ten
     """`count` whole 48^3 samples (model units) of an LDM checkpoint, by latent windows or the whole latent at once,
     and the seconds per sample."""
     from medvol.run.predict_config import run_config
-    from medvol.run.predicting import load_module
+    from medvol.run.trained_model import load_module
 
     module = load_module(run_config(str(ckpt)), str(ckpt), torch.device("cpu"))
     module.hparams.sample_size = [ANATOMY_GRID] * 3
@@ -261,7 +262,9 @@ def anatomy_sets(out: Path, common: list[str]) -> list[torch.Tensor]:
     from hydra import compose, initialize_config_dir
 
     from medvol.core.build import build
+    from medvol.run.resolvers import register_resolvers
 
+    register_resolvers()  # the config's `${cwd:}` and others, as train.py has them
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="train"):
         cfg = compose("train", overrides=["dataset=nifti", *common, "dataset.cache=none", "dataset.num_workers=0",
                                           "paths.output_dir=/tmp"])
@@ -289,8 +292,12 @@ def anatomy_row(name: str, volumes: torch.Tensor, training: torch.Tensor, test: 
     return f"| {name} | {len(volumes)} | " + " | ".join(f"{v:.3f}" for v in values) + f" | {seconds:.2f} |"
 
 
-def whole_anatomy(out: Path, subjects: int, samples: int, epochs: list[int]) -> None:
-    """The arms of `--anatomy`, trained as a user types them, then the table."""
+def whole_anatomy(out: Path, subjects: int, samples: int, epochs: list[int], crop_epochs: int | None = None,
+                  val_every: int = 1, only: str | None = None) -> None:
+    """The arms of `--anatomy`, trained as a user types them, then the table. `crop_epochs`: the crop-trained arms'
+    epochs (default the whole arm's: an epoch of crops is 4 crops a training volume at batch 1, one of whole latents
+    a volume at batch 4); `val_every`: validate the latent models every so many epochs; `only`: train that arm
+    alone and stop (to train two arms in two processes)."""
     from datamodules.sources.brain_lesions import write_brain_lesions
 
     torch.set_num_threads(1)
@@ -313,14 +320,24 @@ def whole_anatomy(out: Path, subjects: int, samples: int, epochs: list[int]) -> 
     ldm = ["model=ldm", f"model.first_stage_ckpt={vqgan}", *run, "model.network.channels=[32,64]",
            "model.network.attention_levels=[false,true]", "model.network.norm_num_groups=8",
            "model.network.num_head_channels=8", "model.ssim_kernel_size=5", "model.optimizer.lr=1e-3",
-           f"trainer.max_epochs={epochs[1]}", "optimized_metric=val/loss", "optimized_mode=min"]
+           "optimized_metric=val/loss", "optimized_mode=min"]
+
+    def lasting(count: int) -> list[str]:  # validated at least at the last epoch, so each arm has a best checkpoint
+        return [f"trainer.max_epochs={count}", f"trainer.check_val_every_n_epoch={min(val_every, count)}"]
+
+    whole_epochs = lasting(epochs[1])
+    crop_epochs_ = lasting(epochs[1] if crop_epochs is None else crop_epochs)
     crops = ["dataset=patches", *common, f"dataset.patch_size=[{ANATOMY_CROP},{ANATOMY_CROP},{ANATOMY_CROP}]",
              "dataset.sampling=random", "dataset.patches_per_volume=4", "dataset.batch_size=1"]
     window = [ANATOMY_CROP // DOWNSAMPLE] * 3
-    whole = train_run(out, "ldm-whole", [*ldm, "dataset=nifti", *common, "dataset.batch_size=4"])
-    crop = train_run(out, "ldm-crops", [*ldm, *crops, f"model.sampling_window=[{','.join(map(str, window))}]"])
-    positioned = train_run(out, "ldm-crops-positions", [*ldm, *crops, "model.position_channels=true",
-                                                        f"model.sampling_window=[{','.join(map(str, window))}]"])
+    windowed = f"model.sampling_window=[{','.join(map(str, window))}]"
+    arms = {"ldm-whole": [*ldm, *whole_epochs, "dataset=nifti", *common, "dataset.batch_size=4"],
+            "ldm-crops": [*ldm, *crop_epochs_, *crops, windowed],
+            "ldm-crops-positions": [*ldm, *crop_epochs_, *crops, "model.position_channels=true", windowed]}
+    if only is not None:
+        train_run(out, only, arms[only])
+        return
+    whole, crop, positioned = (train_run(out, name, overrides) for name, overrides in arms.items())
     training, validation, test = anatomy_sets(out, common)
     lines = ["| set | volumes | profile error (mean of axes) | worst axis | MMD vs test | MS-SSIM | "
              "nearest-training r | closer than real | s per sample |", "|---|---|---|---|---|---|---|---|---|",
@@ -370,13 +387,18 @@ def main() -> None:
     parser.add_argument("--subjects", type=int, default=60, help="--anatomy: brains written")
     parser.add_argument("--samples", type=int, default=12, help="--anatomy: samples per arm")
     parser.add_argument("--epochs", type=int, nargs=2, default=[12, 40], help="--anatomy: VQ-GAN and LDM epochs")
+    parser.add_argument("--crop-epochs", type=int, help="--anatomy: the crop-trained LDMs' epochs (default the LDM's)")
+    parser.add_argument("--val-every", type=int, default=1, help="--anatomy: validate the LDMs every N epochs")
+    parser.add_argument("--only", choices=["ldm-whole", "ldm-crops", "ldm-crops-positions"],
+                        help="--anatomy: train this arm alone and stop")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.snapping:
         snapping(args.snapping)
         return
     if args.anatomy:
-        whole_anatomy(args.anatomy.resolve(), args.subjects, args.samples, args.epochs)
+        whole_anatomy(args.anatomy.resolve(), args.subjects, args.samples, args.epochs, args.crop_epochs,
+                      args.val_every, args.only)
         return
     if args.denoise is not None:
         for edge in args.denoise or [16, 24, 32]:
