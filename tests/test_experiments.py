@@ -207,7 +207,8 @@ def test_ctpa_ldm_trains_on_scans_at_their_own_spacing_and_samples_from_noise_at
     sample = nib.load(str(out / "sample_0.nii.gz"))
     assert sample.shape == (16, 16, 16)
     np.testing.assert_allclose(sample.header.get_zooms()[:3], [median] * 3, rtol=1e-6)
-    assert OmegaConf.load(run_dir / "stage2" / "config.yaml").model.spacing_conditioning
+    stage2 = OmegaConf.load(run_dir / "stage2" / "config.yaml").model
+    assert stage2.spacing_conditioning and stage2.position_channels
 
 
 @pytest.mark.slow
