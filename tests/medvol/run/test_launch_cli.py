@@ -43,7 +43,8 @@ def test_multirun_sweep_runs_each_job_on_two_ranks_in_one_sweep_dir(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="no torchrun")
-@pytest.mark.parametrize("flags", ["single-node", "multi-node"])
+# multi-node's rendezvous flags run in the slow suite (the fast suite's 10 minutes on 2 cores); single-node here.
+@pytest.mark.parametrize("flags", ["single-node", pytest.param("multi-node", marks=pytest.mark.slow)])
 def test_torchrun_ranks_share_one_run_dir(tmp_path, flags):
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node=2"]
     if flags == "single-node":
@@ -98,6 +99,7 @@ def test_lr_scaling_rejects_unknown_rules(tiny_cfg):
         scale_learning_rates(tiny_cfg().model, "cubic", world_size=2)
 
 
+@pytest.mark.slow  # 40 s of two-rank trials; the plain multirun sweep on two ranks stays in the fast suite
 def test_optuna_sweep_runs_each_trial_on_two_ranks(tmp_path):
     sweep = tmp_path / "optuna"
     result = train_cli(
