@@ -167,6 +167,7 @@ def test_smart_cache_lifecycle_runs_inside_training(volumes, tmp_path, monkeypat
     assert calls == ["on_train_epoch_start", "on_train_epoch_end"] * 2 + ["teardown"]
 
 
+@pytest.mark.slow  # train.py on two ranks, ~27 s; the partition itself is tested on two gloo ranks in the fast suite
 def test_train_py_with_two_ddp_ranks_and_a_partitioned_cache(volumes, tmp_path):
     command = [
         sys.executable, str(ROOT / "train.py"), *TINY_MODEL, "strategy=ddp", "trainer.devices=2", "dataset=nifti",

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.ddp_support import explain, train_cli
 
 
+@pytest.mark.slow  # two gloo ranks and restarts, ~27 s
 def test_both_ranks_hold_the_same_codebook_after_data_initialisation_and_restarts(tmp_path):
     records = tmp_path / "codebooks"
     result = train_cli(

@@ -132,6 +132,7 @@ def test_checkpoints_written_once_by_rank_zero_and_logs_printed_once(vqgan_runs)
     assert log.count("= effective batch 4") == 1
 
 
+@pytest.mark.slow  # two gloo ranks, ~30 s; the VQ-GAN runs above keep two-rank correctness in the fast suite
 def test_automatic_optimization_with_accumulation_and_sync_batchnorm(tmp_path):
     result = train_cli([*TINY_DATA, *DATA, *REGRESSOR, *DDP, f"hydra.run.dir={tmp_path / 'ddp'}"], cwd=tmp_path,
                        tiny=False)

@@ -43,8 +43,9 @@ def test_multirun_sweep_runs_each_job_on_two_ranks_in_one_sweep_dir(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="no torchrun")
-# multi-node's rendezvous flags run in the slow suite (the fast suite's 10 minutes on 2 cores); single-node here.
-@pytest.mark.parametrize("flags", ["single-node", pytest.param("multi-node", marks=pytest.mark.slow)])
+# torchrun's two ranks (~23 s each) run in the slow suite: the fast suite's 10 minutes on 2 cores.
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", ["single-node", "multi-node"])
 def test_torchrun_ranks_share_one_run_dir(tmp_path, flags):
     torchrun = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node=2"]
     if flags == "single-node":

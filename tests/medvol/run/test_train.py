@@ -216,6 +216,7 @@ def test_command_line_trains_writes_the_run_directory_and_resumes_in_it(tmp_path
     assert len(error_lines) == 1 and "nowhere.ckpt" in error_lines[0]
 
 
+@pytest.mark.slow  # several train.py processes, ~25 s
 def test_help_and_cfg_job_work_as_hydra_users_expect(tmp_path):
     shown = _cli(["--help"], tmp_path)
     assert shown.returncode == 0 and "== Configuration groups ==" in shown.stdout
