@@ -161,17 +161,20 @@ def train_steps(module, optimizer, image, target, steps: int) -> None:  # noqa: 
 
 def network_settings(net: str, size: int) -> dict[str, Any]:
     """The Segmenter settings of `net` for size^3 patches: UNet and SwinUNETR as the BraTS seed sizes them, DynUNet
-    as the plan of `experiment=brats_segmentation` builds it on 1 mm volumes (`medvol.volumes.plan.topology`)."""
+    as the plan of `experiment=brats_segmentation` builds it on 1 mm volumes (nnU-Net's pooling and kernel rules,
+    `medvol.volumes.network_topology.pool_and_conv_props`)."""
     if net != "dynunet":
         return {"net": net, "features": [32, 64, 128, 256, 320], "feature_size": 48}
     from hydra import compose, initialize_config_dir
 
     import medvol.run.resolvers  # noqa: F401 - resolvers the configs use
-    from medvol.volumes.plan import topology
+    from medvol.volumes.network_topology import pool_and_conv_props
 
     with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="segmentation_bench"):
         cfg = compose("train", overrides=["experiment=brats_segmentation", "dataset.root=/unused"])
-    _, strides, kernels = topology([size] * 3, [1.0, 1.0, 1.0])
+    found = pool_and_conv_props([1.0, 1.0, 1.0], [size] * 3)
+    strides = [[int(s) for s in step] for step in found.strides]
+    kernels = [[int(k) for k in kernel] for kernel in found.kernels]
     levels = min(len(cfg.model.plan.features), len(strides))
     return {"net": "dynunet", "features": list(cfg.model.plan.features)[:levels], "strides": strides[:levels],
             "kernels": kernels[:levels], "deep_supervision": levels >= 3}

@@ -363,7 +363,8 @@ def readme(metadata: Mapping[str, Any], segmentation: bool) -> str:
     output = "<scan>_seg.nii.gz (label map)" if segmentation else "<scan>_reconstruction.nii.gz"
     return (
         f"# {metadata['name']}\n\n{metadata['description']}.\n\n"
-        "Needs MONAI, PyTorch, numpy and nibabel (not medvol):\n\n"
+        "Needs MONAI, PyTorch, numpy and nibabel (not medvol), and fire for MONAI's command line "
+        "(`pip install monai nibabel fire`):\n\n"
         "```bash\npython -m monai.bundle run --config_file configs/inference.json --bundle_root . "
         "--dataset_dir scans/ --output_dir out/\n```\n\n"
         f"Every `.nii`/`.nii.gz` file in `scans/` (one subject per file; a 4D file's last axis holds the channels) "

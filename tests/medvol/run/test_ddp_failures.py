@@ -28,8 +28,9 @@ def alive(pid: int) -> bool:
     return status.is_file() and "zombie" not in status.read_text()
 
 
-# Rank 0 raising stays in the fast suite; rank 1's case (the same teardown seen from the other side) is slow.
-@pytest.mark.parametrize("failing_rank", [pytest.param(1, marks=pytest.mark.slow), 0])
+# Two ranks started and torn down (~25 s each): the slow suite, which CI runs after the fast one.
+@pytest.mark.slow
+@pytest.mark.parametrize("failing_rank", [1, 0])
 def test_a_raising_rank_stops_all_ranks(tmp_path, failing_rank):
     ranks = tmp_path / "ranks"
     result = train_cli(

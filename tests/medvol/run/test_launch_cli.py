@@ -21,6 +21,7 @@ from tests.ddp_support import explain, train_cli
 SMALL = ["dataset.batch_size=1", "dataset.val_fraction=0.25", "callbacks.volume_slices=null"]
 
 
+@pytest.mark.slow
 def test_multirun_sweep_runs_each_job_on_two_ranks_in_one_sweep_dir(tmp_path):
     result = train_cli(
         ["-m", *SMALL, "strategy=ddp", "trainer.devices=2", "trainer.accelerator=cpu", "model.optimizer.lr=1e-3,3e-4"],

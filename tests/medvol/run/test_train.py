@@ -185,6 +185,8 @@ def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+# ~40 s of two train.py processes: the slow suite (CI runs it); the in-process resume tests below stay fast.
+@pytest.mark.slow
 def test_command_line_trains_writes_the_run_directory_and_resumes_in_it(tmp_path):
     tiny = [o for o in TINY if not o.startswith("callbacks.progress_bar")]
     first = _cli([*tiny, "trainer.max_epochs=1"], tmp_path)
