@@ -22,6 +22,7 @@ from lightning_modules.discriminative.survival_metrics import (
 )
 from medvol.core.errors import MedvolError
 from medvol.core.step import logging_step
+from medvol.volumes.mirroring import SPATIAL_AXES, mirror_combinations
 
 # Checkpoint key of the Breslow baseline hazard (plain lists) of the validation set under the checkpoint's weights.
 BASELINE_KEY = "medvol_survival_baseline"
@@ -54,18 +55,22 @@ class SurvivalModel(OutcomeModule):
         ties: `efron` or `breslow` handling of tied event times.
         horizons: follow-up times of the time-dependent AUC (`val/auc@h`) and of the survival columns, in the
             table's unit.
+        tta: in validation, test and predict.py, each subject's log-risk is the mean over its volume's copies
+            mirrored along every spatial axis (8 network calls), as the plan's training flips saw them: the risk
+            of a lesion does not depend on its side, and the mean of the copies varies less than one call.
         **kwargs: network, optimizer and output settings of `OutcomeModule`.
     """
 
     prediction_file = "risks.csv"
 
-    def __init__(self, ties: str = "efron", horizons: Sequence[float] = (), **kwargs: Any) -> None:
+    def __init__(self, ties: str = "efron", horizons: Sequence[float] = (), tta: bool = True, **kwargs: Any) -> None:
         super().__init__(outputs=1, **kwargs)
         if ties not in TIES:
             raise MedvolError(f"`model.ties` is {ties!r}; expected one of {list(TIES)}")
         self.save_hyperparameters(logger=False)
         self.ties = ties
         self.horizons = [float(h) for h in horizons]
+        self.tta = bool(tta)
         self.val_metrics = SurvivalMetrics(horizons)
         self.test_metrics = SurvivalMetrics(horizons)
         # Breslow's (event times, cumulative baseline hazard) of the last validation epoch, or of the loaded checkpoint.
@@ -97,8 +102,19 @@ class SurvivalModel(OutcomeModule):
                  reduce_fx="sum", batch_size=size)
         return loss
 
+    def log_risk(self, batch: dict[str, Any]) -> torch.Tensor:
+        """(B,) log-risks of a held-out batch: with `tta` the mean over the image's mirrored copies (the covariates
+        as they are)."""
+        if not self.tta:
+            return self(batch).squeeze(1).float()
+        combos = mirror_combinations(SPATIAL_AXES)
+        image = batch[self.image_key]
+        total = sum(self({**batch, self.image_key: torch.flip(image, [2 + a for a in combo])}).squeeze(1).float()
+                    for combo in combos)
+        return total / len(combos)
+
     def _evaluate(self, batch: dict[str, Any], metrics: SurvivalMetrics) -> torch.Tensor:
-        log_risk = self(batch).squeeze(1).float()
+        log_risk = self.log_risk(batch)
         metrics.update(log_risk, batch["time"], batch["event"])
         return log_risk
 
@@ -110,12 +126,16 @@ class SurvivalModel(OutcomeModule):
         self.add_prediction_rows(self.rows(batch, log_risk, "test"))
 
     def export_about(self) -> dict[str, Any]:
-        return {"output": "log risk (higher: an earlier event), predict.py's `risk` column"}
+        about = {"output": "log risk (higher: an earlier event), predict.py's `risk` column"}
+        if self.tta:
+            about["mirroring"] = ("predict.py's risk is the mean of this output over the volume's 8 copies mirrored "
+                                  "along every spatial axis; the exported network is one call")
+        return about
 
     def prediction_rows(self, batch: dict[str, Any], split: str) -> list[dict[str, Any]]:
         """Per subject the log risk, its covariates, its time and event where the batch has them, and its survival
         probability at each horizon where a baseline hazard is known."""
-        return self.rows(batch, self(batch).squeeze(1).float(), split)
+        return self.rows(batch, self.log_risk(batch), split)
 
     def rows(self, batch: dict[str, Any], log_risk: torch.Tensor, split: str) -> list[dict[str, Any]]:
         survival = None

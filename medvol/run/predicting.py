@@ -140,15 +140,16 @@ def segmentation_predictor(
 ) -> Any:
     """The model that predicts: `module`, or for several checkpoints their ensemble; for segmentation with the
     command's `tta` and the post-processing of the run (or of the sweep, for its folds)."""
+    if cfg.get("tta") is not None and hasattr(module, "tta"):
+        module.tta = bool(cfg.tta)
     if not hasattr(module, "probabilities"):
-        if len(checkpoints) > 1 or cfg.get("tta") is not None or cfg.get("save_probabilities"):
+        if len(checkpoints) > 1 or (cfg.get("tta") is not None and not hasattr(module, "tta")) or cfg.get(
+                "save_probabilities"):
             raise MedvolError(
                 "several checkpoints (`ckpt_path=[...]`, `run_dir`), `tta` and `save_probabilities` apply to "
-                f"segmentation; {checkpoints[0]} is a {type(module).__name__}"
+                f"segmentation (`tta` also to survival); {checkpoints[0]} is a {type(module).__name__}"
             )
         return module
-    if cfg.get("tta") is not None:
-        module.tta = bool(cfg.tta)
     if decided_in is None:
         decided_in = run_dir_of_checkpoint(checkpoints[0])
     if decided_in is not None:

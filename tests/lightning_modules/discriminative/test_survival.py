@@ -6,6 +6,7 @@ expected values can be worked out by hand or taken from lifelines on the same nu
 
 from __future__ import annotations
 
+import itertools
 import math
 from types import SimpleNamespace
 from typing import Any
@@ -30,7 +31,8 @@ class LogRiskNet(torch.nn.Module):
 
 def survival_model(ties: str = "breslow") -> tuple[SurvivalModel, dict[str, Any]]:
     """The model under a one-process stand-in trainer, and the values it logs."""
-    module = SurvivalModel(ties=ties, backbone="resnet10", widen_factor=0.125)
+    # One value per subject has no axes to mirror: test-time mirroring is tested below on volumes.
+    module = SurvivalModel(ties=ties, backbone="resnet10", widen_factor=0.125, tta=False)
     module.net = LogRiskNet()
     module._trainer = SimpleNamespace(world_size=1, is_global_zero=True, datamodule=None, sanity_checking=False)
     logged: dict[str, Any] = {}
@@ -95,3 +97,40 @@ def test_a_training_split_without_events_and_unknown_ties_are_refused():
     module.check_training_split({"event": torch.tensor([0.0, 1.0, 0.0]), "source": "t.csv"})
     with pytest.raises(MedvolError, match="`model.ties` is 'exact'; expected one of"):
         SurvivalModel(ties="exact", backbone="resnet10", widen_factor=0.125)
+
+
+class LinearRiskNet(torch.nn.Module):
+    """A log-risk that depends on where each voxel is: the sum of the volume times a fixed weight volume."""
+
+    covariates = None
+
+    def __init__(self, weight: np.ndarray) -> None:
+        super().__init__()
+        self.weight = torch.tensor(weight, dtype=torch.float32)
+
+    def forward(self, image: torch.Tensor, covariates: torch.Tensor | None) -> torch.Tensor:
+        return (image[:, 0] * self.weight).sum(dim=(1, 2, 3)).view(-1, 1)
+
+
+def test_mirroring_averages_the_log_risk_over_the_eight_mirrored_copies_and_is_off_with_tta_false():
+    rng = np.random.default_rng(2)
+    weight, volumes = rng.normal(size=(2, 3, 4)), rng.normal(size=(2, 1, 2, 3, 4))
+    # By hand: the mean of w . flip(x) over every subset of the three axes is (the mean of flip(w)) . x.
+    flips = [axes for size in range(4) for axes in itertools.combinations((0, 1, 2), size)]
+    assert len(flips) == 8
+    mean_weight = np.mean([np.flip(weight, axes) for axes in flips], axis=0)
+    expected = (volumes[:, 0] * mean_weight).sum(axis=(1, 2, 3))
+    module, _ = survival_model()
+    module.net = LinearRiskNet(weight)
+    image = torch.tensor(volumes, dtype=torch.float32)
+    module.tta = False
+    plain = module.prediction_rows({"image": image, "subject": ["a", "b"]}, "predict")
+    assert [r["risk"] for r in plain] == pytest.approx((volumes[:, 0] * weight).sum(axis=(1, 2, 3)), abs=1e-5)
+    module.tta = True
+    for axes in flips:  # the mirrored mean is the same for every mirrored copy of the input
+        flipped = torch.flip(image, [2 + a for a in axes])
+        rows = module.prediction_rows({"image": flipped, "subject": ["a", "b"]}, "predict")
+        assert [r["risk"] for r in rows] == pytest.approx(expected, abs=1e-5)
+    module.on_test_epoch_start()
+    module.test_step({**batch([0.0, 0.0], [4.0, 2.0], [1.0, 0.0], ["a", "b"]), "image": image}, 0)
+    assert [r["risk"] for r in module._rows] == pytest.approx(expected, abs=1e-5)
