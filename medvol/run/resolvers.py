@@ -148,6 +148,11 @@ def field_of_view(size: Any, spacing: Any) -> list[float] | None:
     return [float(n) * float(d) for n, d in zip(sizes, steps, strict=True)]
 
 
+def positive(value: Any) -> bool:
+    """Whether `value` is a number above 0 (null: no)."""
+    return value is not None and float(value) > 0
+
+
 def register_resolvers() -> None:
     """Register medvol's resolvers once; safe to call repeatedly."""
     for name, fn in {
@@ -164,6 +169,7 @@ def register_resolvers() -> None:
         "background_value": background_value,
         "field_of_view": field_of_view,
         "nnunet_channels": nnunet_channels,
+        "positive": positive,
     }.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)

@@ -93,6 +93,8 @@ def test_the_plan_is_made_from_the_training_subjects_printed_and_applied(surviva
     applied = with_survival_plan(compose_cfg(run_dir, overrides(table), tiny=False), plan)
     assert applied.dataset.batch_size == plan["batch_size"] and applied.dataset.transforms.intensity == "zscore"
     assert applied.dataset.transforms.crop_foreground is True and applied.dataset.transforms.flip_prob == 0.5
+    # The plan flips the training volumes, so held-out risks are the mean of the mirrored copies.
+    assert applied.model.tta is True
     # No scheduler in the model config: a cosine decay to 0 over the run's 2 epochs.
     assert applied.model.scheduler == {"_target_": "torch.optim.lr_scheduler.CosineAnnealingLR", "_partial_": True,
                                        "T_max": 2}
@@ -107,6 +109,8 @@ def test_model_plan_values_are_used_instead_and_use_false_keeps_the_config(tmp_p
     plan = read_plan(tmp_path / "a" / "plan.json")
     assert (plan["batch_size"], plan["spacing"], plan["flip_prob"]) == (3, [4.0, 4.0, 4.0], 0.0)
     assert plan["overridden"] == ["batch_size", "flip_prob", "spacing"]
+    # No training flips, no test-time mirroring.
+    assert with_survival_plan(cfg, plan).model.tta is False
     run(compose_cfg(tmp_path / "b", overrides(table, "model.plan.use=false", "train=false", "test=false"), tiny=False))
     assert not (tmp_path / "b" / "plan.json").exists()
 
@@ -171,6 +175,10 @@ def test_predict_gives_new_scans_the_test_risk_with_the_covariates_beside_them(s
     for row in tested:
         assert float(predicted[row["subject"]]["risk"]) == pytest.approx(float(row["risk"]), abs=1e-5)
         assert predicted[row["subject"]]["age"] == row["age"]
+    # Test and predict.py both mirrored (equal above); one call per scan gives other risks.
+    predict(predict_cfg(ckpt, f"input={scans}", f"output_dir={tmp_path / 'once'}", "tta=false"))
+    once = {r["subject"]: float(r["risk"]) for r in rows(tmp_path / "once" / "predictions.csv")}
+    assert max(abs(once[s] - float(r["risk"])) for s, r in predicted.items()) > 1e-5
     # Other covariates, another risk: the table beside the scans is what the model read.
     older = tmp_path / "older.csv"
     older.write_text("subject,age,sex\n" + "".join(f"{r['subject']},{float(r['age']) + 40},{r['sex']}\n"
