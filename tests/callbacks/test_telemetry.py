@@ -76,6 +76,8 @@ def _train(
     return summary["telemetry"], warnings
 
 
+# A deliberately slow loader (~8 s; its share bound is sensitive to a loaded machine): the slow suite.
+@pytest.mark.slow
 def test_data_wait_is_near_one_for_a_slow_loader_and_warns_with_the_remedies(tiny_cfg, caplog, tmp_path):
     telemetry, warnings = _train(tiny_cfg, "SlowPhantoms", 8, caplog)
     assert telemetry["data_wait_fraction"] > 0.75

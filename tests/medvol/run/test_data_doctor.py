@@ -126,6 +126,8 @@ def test_missing_columns_and_folders_are_one_clear_error(tmp_path):
         BratsDataModule(root=str(tmp_path))
 
 
+# check.py as a subprocess (~11 s): the slow suite; the checks themselves are tested in-process above.
+@pytest.mark.slow
 def test_check_command_line(tmp_path, capsys):
     clean = write_brats(tmp_path / "clean", 2, 2021, 12)
     command = [sys.executable, str(ROOT / "check_data.py"), "dataset=brats", f"dataset.root={clean}"]

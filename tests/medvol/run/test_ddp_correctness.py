@@ -97,6 +97,7 @@ def vqgan_runs(tmp_path_factory):
     return {"base": base, "ddp": ddp, "single_dir": single_dir, "single_metrics": metrics, "saves": saves}
 
 
+@pytest.mark.slow
 def test_vqgan_manual_optimization_matches_single_process(vqgan_runs):
     # Both optimizers stepped (discriminator from batch 1), accumulation 2 over 3 batches, synced batch norm.
     ddp = weights(vqgan_runs["base"] / "ddp" / "checkpoints" / "last.ckpt")
@@ -108,6 +109,7 @@ def test_vqgan_manual_optimization_matches_single_process(vqgan_runs):
     assert any(ddp[k].abs().sum() > 0 for k in means), "batch-norm statistics never updated"
 
 
+@pytest.mark.slow
 def test_validation_and_test_metrics_identical_on_ranks_and_single_process(vqgan_runs):
     ranks = [json.loads((vqgan_runs["base"] / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1)]
     single = json.loads((vqgan_runs["single_dir"] / "ranks" / "rank0.json").read_text())
@@ -118,6 +120,7 @@ def test_validation_and_test_metrics_identical_on_ranks_and_single_process(vqgan
             assert ranks[0][stage][name] == pytest.approx(single[stage][name], rel=1e-4), name
 
 
+@pytest.mark.slow
 def test_checkpoints_written_once_by_rank_zero_and_logs_printed_once(vqgan_runs):
     records = [line.split() for line in vqgan_runs["saves"].read_text().splitlines()]
     assert records and {r for r, _ in records} == {"0"}
@@ -132,7 +135,7 @@ def test_checkpoints_written_once_by_rank_zero_and_logs_printed_once(vqgan_runs)
     assert log.count("= effective batch 4") == 1
 
 
-@pytest.mark.slow  # two gloo ranks, ~30 s; the VQ-GAN runs above keep two-rank correctness in the fast suite
+@pytest.mark.slow  # two gloo ranks, ~30 s
 def test_automatic_optimization_with_accumulation_and_sync_batchnorm(tmp_path):
     result = train_cli([*TINY_DATA, *DATA, *REGRESSOR, *DDP, f"hydra.run.dir={tmp_path / 'ddp'}"], cwd=tmp_path,
                        tiny=False)

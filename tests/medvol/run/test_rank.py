@@ -41,6 +41,8 @@ def test_a_medvol_error_is_one_stderr_line_and_exit_code_two(saved_config, monke
     assert captured.out == ""
 
 
+# A real orphaned rank process (~10 s): the slow suite.
+@pytest.mark.slow
 def test_a_rank_whose_parent_is_gone_stops_with_one_line():
     # The child is told its rank 0 has a pid that is not its parent's, as after rank 0 died.
     gone = os.getpid() + 1_000_000
