@@ -8,7 +8,8 @@
     .venv/bin/python benchmarks/segmentation.py profile --run <a trained segmentation run> [--repeats 10]
     .venv/bin/python benchmarks/segmentation.py step-time --run <run> --nnunet-plans <nnUNetPlans.json>
     .venv/bin/python benchmarks/segmentation.py real [--datasets brats,thick,ct] [--subjects 48] [--epochs 60]
-        [--iterations 8] [--arms medvol,medvol-noaug,medvol-adam,nnunet,monai] [--nnunet-venv /work/nnunet-venv]
+        [--iterations 8] [--arms medvol,medvol-noaug,medvol-nods,medvol-base32,medvol-adam,nnunet,monai]
+        [--nnunet-venv /work/nnunet-venv]
 
 `dice` trains `python train.py model=segmentation` on the synthetic phantoms (lesion and core
 regions, FLAIR + T1ce) in a temporary folder and prints the val Dice/HD95 of every epoch.
@@ -25,8 +26,9 @@ abdomen-like CT in HU with an organ and a lesion in it) it writes the files once
 (1) medvol as a user types it: `python train.py model=segmentation dataset=...` (the plan with nnU-Net's
 augmentation, SGD and `--iterations` batches an epoch, the plan's 250 by default; the validation after training)
 and `python predict.py ckpt_path=<best> split=test` (mirroring); `medvol-noaug` the same with
-`model.plan.augmentation=false`, `medvol-adam` with Adam 1e-3 instead of nnU-Net's SGD; (2) nnU-Net v2 through its
-own CLI from `--nnunet-venv`: `nnUNetv2_plan_and_preprocess` at medvol's target spacing, `nnUNetv2_train`
+`model.plan.augmentation=false`, `medvol-nods` without deep supervision, `medvol-base32` with nnU-Net's GPU
+width (32 base filters, not the CPU plan's 16), `medvol-adam` with Adam 1e-3 instead of nnU-Net's SGD; (2) nnU-Net
+v2 through its own CLI from `--nnunet-venv`: `nnUNetv2_plan_and_preprocess` at medvol's target spacing, `nnUNetv2_train`
 fold 0 (= the same train/val split) on `-device cpu` with nnU-Net's default trainer cut to medvol's optimizer
 steps (epochs x iterations, `nnUNetTrainer_medvolBudget` through `nnUNet_extTrainer`), `nnUNetv2_predict`
 with its mirroring; (3) on the BraTS layouts, the plain MONAI script of issue 28 (UNet 16-32-64-128, z-score
@@ -393,10 +395,12 @@ def timed(
     return wall, float(peak[-1].split()[1]) / 1024 if peak else float("nan")
 
 
-# medvol's arms: the planned default and the two departures measured against it (overrides of the default).
+# medvol's arms: the planned default and the departures measured against it (overrides of the default).
 MEDVOL_ARMS = {
     "medvol": [],
     "medvol-noaug": ["model.plan.augmentation=false"],
+    "medvol-nods": ["model.plan.deep_supervision=false"],
+    "medvol-base32": ["model.plan.base_features=32"],
     "medvol-adam": [
         "model.optimizer._target_=torch.optim.Adam", "~model.optimizer.momentum", "~model.optimizer.nesterov",
         "model.optimizer.lr=1e-3",
@@ -1011,7 +1015,7 @@ def main() -> None:
     side.add_argument("--epochs", type=int, default=60)
     side.add_argument("--iterations", type=int, default=None, help="medvol's batches an epoch (null: the plan's 250)")
     side.add_argument("--arms", type=comma_list, default=["medvol", "nnunet", "monai"],
-                      help="medvol,medvol-noaug,medvol-adam,nnunet,monai")
+                      help="medvol,medvol-noaug,medvol-nods,medvol-base32,medvol-adam,nnunet,monai")
     side.add_argument("--nnunet-venv", default="/work/nnunet-venv", help="the venv holding nnunetv2 (its CLI)")
     side.add_argument("--seed", type=int, default=0)
     side.add_argument("--out", default="outputs/benchmarks/segmentation-real")

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torchmetrics import MeanMetric
 
 from lightning_modules.base import DYNAMIC_AXES, ExportedNetwork, MedvolModule, spatial_examples
@@ -197,13 +198,28 @@ class Segmenter(MedvolModule):
         return loss
 
     def training_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The loss of the full-resolution output, plus with deep supervision the weighted losses of the coarser heads
-        (DynUNet stacks them on dim 1, already upsampled to the patch)."""
+        """The loss of the full-resolution output, plus with deep supervision the weighted losses of the coarser heads,
+        as nnU-Net scores them: each head at its own resolution against the target downsampled to it
+        (`nearest-exact`, batchgeneratorsv2's `DownsampleSegForDSTransform`), heads of weight 0 skipped.
+
+        DynUNet returns its heads nearest-upsampled to the patch (stacked on dim 1), where a head of 1/8 the
+        resolution is scored on blocks of 8^3 voxels against the full-resolution target; nnU-Net scores it on its own
+        grid. The heads at their own resolution are in `net.heads`. (Measured on BraTS-layout brains, 320 steps:
+        either way the nested regions were not learned with deep supervision on; docs/BENCHMARKS.md.)"""
         if self.supervision_weights is None or output.dim() == target.dim():
             return self.loss(output, target)
-        return sum(  # type: ignore[return-value]
-            w * self.loss(output[:, i], target) for i, w in enumerate(self.supervision_weights)
-        )
+        heads = [output[:, 0], *getattr(self.net, "heads", [])]
+        if len(heads) != len(self.supervision_weights):
+            raise RuntimeError(f"{len(heads)} outputs for {len(self.supervision_weights)} deep-supervision weights")
+        total = output.new_zeros(())
+        for weight, head in zip(self.supervision_weights, heads, strict=True):
+            if weight == 0.0:
+                continue
+            scaled = target
+            if tuple(head.shape[2:]) != tuple(target.shape[2:]):
+                scaled = F.interpolate(target.float(), size=head.shape[2:], mode="nearest-exact").to(target.dtype)
+            total = total + weight * self.loss(head, scaled)
+        return total
 
     def window(self, image: torch.Tensor) -> SlidingWindow:
         """Windows of the training patch (or the whole volume), overlap, Gaussian blending; windows past a small

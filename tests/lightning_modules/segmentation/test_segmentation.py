@@ -65,6 +65,36 @@ def test_deep_supervision_weights_are_nnunets(stages):
     assert supervision_weights(stages) == pytest.approx((weights / weights.sum()).tolist())
 
 
+def test_deep_supervision_scores_each_head_at_its_own_resolution_against_the_downsampled_target():
+    """nnU-Net's deep supervision: head i (1/2^i of the patch) against the target taken every 2^i voxels at the
+    centre of each block (`nearest-exact`: index 2^i * j + 2^(i-1)), weighted 1/2^i, the lowest head left out;
+    worked here with numpy slices and MONAI's Dice + BCE on the raw heads, not with the module's loss."""
+    torch.manual_seed(0)
+    regions = {"WT": [1, 2, 3], "TC": [1, 3], "ET": [3]}
+    module = Segmenter(in_channels=2, net="dynunet", regions=regions, features=[4, 8, 16, 32],
+                       strides=[[1, 1, 1], [2, 2, 2], [2, 2, 2], [2, 2, 2]], kernels=[[3, 3, 3]] * 4,
+                       deep_supervision=True, patch_size=[16, 16, 16]).train()
+    image = torch.randn(2, 2, 16, 16, 16)
+    label = torch.randint(0, 4, (2, 1, 16, 16, 16))
+    target = module.scheme.target(label)
+    output = module(image)
+    heads = [output[:, 0], *[h for h in module.net.heads]]
+    assert [tuple(h.shape[2:]) for h in heads] == [(16,) * 3, (8,) * 3, (4,) * 3]
+    weights = np.array([1.0, 0.5, 0.0]) / 1.5
+    by_hand = 0.0
+    for level, (head, weight) in enumerate(zip(heads, weights, strict=True)):
+        step = 2**level
+        start = step // 2
+        scaled = target[:, :, start::step, start::step, start::step].float()
+        by_hand += weight * (DiceLoss(sigmoid=True)(head, scaled) + F.binary_cross_entropy_with_logits(head, scaled))
+    assert torch.allclose(module.training_loss(output, target), by_hand, atol=1e-6)
+    # Scoring the upsampled heads against the full-resolution target is another number.
+    upsampled = sum(w * (DiceLoss(sigmoid=True)(output[:, i], target.float())
+                         + F.binary_cross_entropy_with_logits(output[:, i], target.float()))
+                    for i, w in enumerate(weights))
+    assert not torch.allclose(by_hand, upsampled, atol=1e-4)
+
+
 def test_class_loss_is_dice_without_background_plus_cross_entropy_over_every_class():
     """nnU-Net's DC_and_CE_loss: soft Dice (smooth 1e-5) over the foreground channels, cross-entropy over all."""
     torch.manual_seed(0)
