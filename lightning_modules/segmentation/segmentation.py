@@ -208,9 +208,7 @@ class Segmenter(MedvolModule):
         either way the nested regions were not learned with deep supervision on; docs/BENCHMARKS.md.)"""
         if self.supervision_weights is None or output.dim() == target.dim():
             return self.loss(output, target)
-        heads = [output[:, 0], *getattr(self.net, "heads", [])]
-        if len(heads) != len(self.supervision_weights):
-            raise RuntimeError(f"{len(heads)} outputs for {len(self.supervision_weights)} deep-supervision weights")
+        heads = [output[:, 0], *self.net.heads]  # one per weight: zip(strict=True) below checks it
         total = output.new_zeros(())
         for weight, head in zip(self.supervision_weights, heads, strict=True):
             if weight == 0.0:
