@@ -2,6 +2,7 @@
 
     /work/nnunet-venv/bin/python benchmarks/nnunet_plans.py reference [--out tests/data/nnunet_plans.json]
     .venv/bin/python benchmarks/nnunet_plans.py compare [--out outputs/benchmarks/nnunet-plans]
+    /work/nnunet-venv/bin/python benchmarks/nnunet_plans.py step [--out tests/data/nnunet_step.pt]
 
 `reference` runs in a venv of its own that has nnunetv2 2.8.1 (`pip install nnunetv2==2.8.1`: it brings a CUDA
 torch, which must never enter the project's .venv; everything here runs on the CPU). It records what nnU-Net
@@ -20,6 +21,12 @@ itself answers, as the test data `tests/medvol/volumes/test_nnunet_rules.py` com
 
 Regenerate after an nnU-Net upgrade with the first command line above; the file says which nnunetv2 made it.
 
+`step` (nnU-Net's venv) records nnU-Net's own training step as the reference for medvol's
+(`tests/lightning_modules/segmentation/test_nnunet_step.py`): a PlainConvUNet of 4 stages at 2-16 filters with its
+He initialisation, its deep-supervision loss for 3 regions (targets pooled by batchgeneratorsv2), clip_grad_norm_(12)
+and SGD, three steps on one fixed batch; weights and image rounded to float16 so the file holds them exactly. With
+`--plans`, a real plan's network, batch and patch (`benchmarks/segmentation.py same-step` uses it).
+
 `compare` (project venv; calls the nnU-Net venv for nnU-Net's side) writes four datasets as files (BraTS layout on
 the MNI152 brain at 4 mm and 2 mm, the same brains at 0.9x0.9x4 mm thick slices, and CT phantoms at 0.7x0.7x2.5
 mm with one lesion-free subject), runs nnU-Net's fingerprint extraction and planner on them
@@ -32,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -278,6 +286,168 @@ def reference(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}")
 
 
+# ---- step: nnU-Net's training step as the reference for medvol's -------------------------------------------------
+
+# The test's network: nnU-Net's PlainConvUNet of 4 stages as its planner writes it, at 2-16 filters so that its
+# weights are a small file; 2 channels, the 3 BraTS regions, batch 2 of 16^3.
+TINY_ARCHITECTURE: dict[str, Any] = {
+    "network_class_name": "dynamic_network_architectures.architectures.unet.PlainConvUNet",
+    "arch_kwargs": {
+        "n_stages": 4, "features_per_stage": [2, 4, 8, 16], "conv_op": "torch.nn.modules.conv.Conv3d",
+        "kernel_sizes": [[3, 3, 3]] * 4, "strides": [[1, 1, 1], [2, 2, 2], [2, 2, 2], [2, 2, 2]],
+        "n_conv_per_stage": [2, 2, 2, 2], "n_conv_per_stage_decoder": [2, 2, 2], "conv_bias": True,
+        "norm_op": "torch.nn.modules.instancenorm.InstanceNorm3d", "norm_op_kwargs": {"eps": 1e-05, "affine": True},
+        "dropout_op": None, "dropout_op_kwargs": None, "nonlin": "torch.nn.LeakyReLU",
+        "nonlin_kwargs": {"inplace": True},
+    },
+    "_kw_requires_import": ["conv_op", "norm_op", "dropout_op", "nonlin"],
+}
+TINY_BATCH = {"channels": 2, "batch": 2, "patch": [16, 16, 16], "batch_dice": False}
+
+
+def nested_regions(batch: int, patch: list[int]) -> Any:
+    """(batch, 3, *patch) WT/TC/ET region channels of nested balls at per-sample centres, uint8; the last sample has
+    a WT without core or enhancing voxels (the Dice's empty-target branch)."""
+    import numpy as np
+
+    grid = np.stack(np.meshgrid(*[np.arange(n) for n in patch], indexing="ij"), -1).astype(np.float32)
+    out = np.zeros((batch, 3, *patch), np.uint8)
+    size = min(patch)
+    for b in range(batch):
+        centre = np.asarray(patch, np.float32) * (0.35 + 0.3 * b / max(1, batch - 1)) + 0.3
+        distance = np.sqrt(((grid - centre) ** 2).sum(-1))
+        out[b, 0] = distance < 0.3 * size
+        if b < batch - 1:
+            out[b, 1] = distance < 0.17 * size
+            out[b, 2] = (distance < 0.17 * size) & (distance >= 0.08 * size)
+    return out
+
+
+def dynunet_parameter(name: str, stages: int) -> str | None:
+    """The parameter of MONAI's DynUNet (res_block=False, deep supervision) that holds nnU-Net PlainConvUNet's `name`
+    (`stages` stages); None for the convolutions' biases, which DynUNet leaves out (zero at nnU-Net's initialisation,
+    and removed by the instance norm after each convolution)."""
+    encoder = re.fullmatch(r"encoder\.stages\.(\d+)\.0\.convs\.(\d+)\.(conv|norm)\.(weight|bias)", name)
+    decoder = re.fullmatch(r"decoder\.stages\.(\d+)\.convs\.(\d+)\.(conv|norm)\.(weight|bias)", name)
+    for match, is_encoder in ((encoder, True), (decoder, False)):
+        if match:
+            stage, conv, kind, field = int(match[1]), int(match[2]) + 1, match[3], match[4]
+            if kind == "conv" and field == "bias":
+                return None
+            encoder_blocks = ["input_block", *[f"downsamples.{i}" for i in range(stages - 2)], "bottleneck"]
+            block = encoder_blocks[stage] if is_encoder else f"upsamples.{stage}.conv_block"
+            return f"{block}.conv{conv}.conv.weight" if kind == "conv" else f"{block}.norm{conv}.{field}"
+    transposed = re.fullmatch(r"decoder\.transpconvs\.(\d+)\.(weight|bias)", name)
+    if transposed:
+        return f"upsamples.{transposed[1]}.transp_conv.conv.weight" if transposed[2] == "weight" else None
+    head = re.fullmatch(r"decoder\.seg_layers\.(\d+)\.(weight|bias)", name)
+    if head:
+        # nnU-Net's seg_layers run from the coarsest decoder stage (0) to the full resolution (stages - 2).
+        level = stages - 2 - int(head[1])
+        return f"{'output_block' if level == 0 else f'deep_supervision_heads.{level - 1}'}.conv.conv.{head[2]}"
+    raise ValueError(f"no DynUNet parameter for nnU-Net's {name}")
+
+
+def load_nnunet_weights(net: Any, record: dict[str, Any]) -> None:
+    """Load a `step_record`'s initial PlainConvUNet weights into MONAI's DynUNet `net` (every parameter of `net` must
+    get one; nnU-Net's convolution biases must be zero)."""
+    import torch
+
+    values = record["initial"].float().split([torch.Size(s).numel() for s in record["shapes"]])
+    mapped = {}
+    for name, shape, value in zip(record["names"], record["shapes"], values, strict=True):
+        ours = dynunet_parameter(name, record["stages"])
+        if ours is None:
+            if value.any():
+                raise ValueError(f"nnU-Net's {name} is not zero: DynUNet has no such bias")
+        else:
+            mapped[ours] = value.reshape(shape)
+    missing = set(dict(net.named_parameters())) - set(mapped)
+    if missing:
+        raise ValueError(f"DynUNet parameters without an nnU-Net counterpart: {sorted(missing)}")
+    net.load_state_dict(mapped, strict=False)
+
+
+def step_record(architecture: dict[str, Any], channels: int, batch: int, patch: list[int], batch_dice: bool,
+                steps: int) -> dict[str, Any]:
+    """nnU-Net's own training step, `steps` times on one fixed batch (random image, `nested_regions` targets):
+    `get_network_from_plans` (its He initialisation, deep supervision), the loss of `nnUNetTrainer._build_loss` for
+    regions (DeepSupervisionWrapper over DC_and_BCE_loss with MemoryEfficientSoftDiceLoss, weights 1/2^i with the
+    lowest 0), the targets pooled by batchgeneratorsv2's DownsampleSegForDSTransform, SGD (Nesterov 0.99, 1e-2, weight
+    decay 3e-5) after clip_grad_norm_(12) as `train_step`. Weights and image are rounded to float16 first, so that the
+    file stores them exactly. Returns the initial weights (flat, with names and shapes), the image, each step's loss,
+    the first step's loss per head and the norm of every gradient."""
+    import numpy as np
+    import torch
+    from batchgeneratorsv2.transforms.utils.deep_supervision_downsampling import DownsampleSegForDSTransform
+    from nnunetv2.training.loss.compound_losses import DC_and_BCE_loss
+    from nnunetv2.training.loss.deep_supervision import DeepSupervisionWrapper
+    from nnunetv2.training.loss.dice import MemoryEfficientSoftDiceLoss
+    from nnunetv2.utilities.get_network_from_plans import get_network_from_plans
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = get_network_from_plans(architecture["network_class_name"], architecture["arch_kwargs"],
+                                 architecture["_kw_requires_import"], channels, 3, deep_supervision=True)
+    with torch.no_grad():
+        for parameter in net.parameters():
+            parameter.copy_(parameter.half().float())
+    scales = [list(i) for i in 1 / np.cumprod(np.vstack(architecture["arch_kwargs"]["strides"]), axis=0)][:-1]
+    weights = np.array([1 / (2**i) for i in range(len(scales))])
+    weights[-1] = 0
+    loss = DeepSupervisionWrapper(DC_and_BCE_loss({}, {"batch_dice": batch_dice, "do_bg": True, "smooth": 1e-5,
+                                                       "ddp": False}, dice_class=MemoryEfficientSoftDiceLoss),
+                                  weights / weights.sum())
+    image = torch.randn(batch, channels, *patch).half()
+    regions = torch.from_numpy(nested_regions(batch, patch))
+    pooling = DownsampleSegForDSTransform(scales)
+    per_sample = [pooling._apply_to_segmentation(regions[b]) for b in range(batch)]
+    targets = [torch.stack([sample[k] for sample in per_sample]) for k in range(len(scales))]
+    named = list(net.named_parameters())
+    record: dict[str, Any] = {
+        # One flat float16 tensor (a file of one storage), with each parameter's name and shape.
+        "initial": torch.cat([p.detach().half().flatten() for _, p in named]),
+        "names": [name for name, _ in named], "shapes": [list(p.shape) for _, p in named], "image": image,
+        "stages": len(architecture["arch_kwargs"]["features_per_stage"]), "losses": [],
+    }
+    optimizer = torch.optim.SGD(net.parameters(), 1e-2, momentum=0.99, nesterov=True, weight_decay=3e-5)
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        outputs = net(image.float())
+        value = loss(outputs, targets)
+        value.backward()
+        if step == 0:
+            record["head_losses"] = [float(loss.loss(o, t).detach()) for o, t in zip(outputs, targets, strict=True)]
+            record["output_norms"] = [float(o.detach().double().norm()) for o in outputs]
+            # The coarsest head (weight 0) takes no gradient.
+            record["grad_norms"] = {name: float(p.grad.double().norm()) for name, p in net.named_parameters()
+                                    if p.grad is not None}
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 12)
+        optimizer.step()
+        record["losses"].append(float(value.detach()))
+    return record
+
+
+def step(args: argparse.Namespace) -> None:
+    import nnunetv2
+    import torch
+
+    if args.plans:
+        configuration = json.loads(Path(args.plans).read_text())["configurations"]["3d_fullres"]
+        architecture, setting = configuration["architecture"], {
+            "channels": args.channels, "batch": int(configuration["batch_size"]),
+            "patch": [int(p) for p in configuration["patch_size"]], "batch_dice": configuration["batch_dice"],
+        }
+    else:
+        architecture, setting = TINY_ARCHITECTURE, TINY_BATCH
+    record = step_record(architecture, steps=args.steps, **setting)
+    record["made_by"] = f"nnunetv2 {getattr(nnunetv2, '__version__', '2.8.1')}, torch {torch.__version__}"
+    record["setting"] = setting
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(record, args.out)
+    print(f"wrote {args.out}")
+
+
 # ---- compare: both planners on the same files (item 7) --------------------------------------------------------------
 
 COMPARED = {
@@ -442,6 +612,11 @@ def main() -> None:
     ref.add_argument("--out", default=str(ROOT / "tests" / "data" / "nnunet_plans.json"))
     both = sub.add_parser("compare")
     both.add_argument("--out", default="outputs/benchmarks/nnunet-plans")
+    one = sub.add_parser("step")
+    one.add_argument("--plans", help="an nnUNetPlans.json (its 3d_fullres network, batch and patch); none: the test's")
+    one.add_argument("--channels", type=int, default=4, help="image channels with --plans")
+    one.add_argument("--steps", type=int, default=3)
+    one.add_argument("--out", default=str(ROOT / "tests" / "data" / "nnunet_step.pt"))
     raw = sub.add_parser("plan-raw")
     raw.add_argument("--raw", required=True)
     raw.add_argument("--preprocessed", required=True)
@@ -449,6 +624,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.task == "reference":
         reference(args)
+    elif args.task == "step":
+        step(args)
     elif args.task == "compare":
         compare(args)
     else:

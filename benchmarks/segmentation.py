@@ -7,8 +7,9 @@
     .venv/bin/python benchmarks/segmentation.py mirroring [--subjects 24] [--epochs 20]
     .venv/bin/python benchmarks/segmentation.py profile --run <a trained segmentation run> [--repeats 10]
     .venv/bin/python benchmarks/segmentation.py step-time --run <run> --nnunet-plans <nnUNetPlans.json>
+    .venv/bin/python benchmarks/segmentation.py same-step --run <run at base 32> --nnunet-plans <nnUNetPlans.json>
     .venv/bin/python benchmarks/segmentation.py real [--datasets brats,thick,ct] [--subjects 48] [--epochs 60]
-        [--iterations 8] [--arms medvol,medvol-noaug,medvol-nods,medvol-base32,medvol-adam,nnunet,monai]
+        [--iterations 8] [--arms medvol,medvol-noaug,medvol-nods,medvol-base32,medvol-adam,medvol-seed<N>,nnunet,monai]
         [--nnunet-venv /work/nnunet-venv]
 
 `dice` trains `python train.py model=segmentation` on the synthetic phantoms (lesion and core
@@ -26,7 +27,8 @@ abdomen-like CT in HU with an organ and a lesion in it) it writes the files once
 (1) medvol as a user types it: `python train.py model=segmentation dataset=...` (the plan with nnU-Net's
 augmentation, SGD and `--iterations` batches an epoch, the plan's 250 by default; the validation after training)
 and `python predict.py ckpt_path=<best> split=test` (mirroring); `medvol-noaug` the same with
-`model.plan.augmentation=false`, `medvol-nods` without deep supervision, `medvol-base32` with nnU-Net's GPU
+`model.plan.augmentation=false`, `medvol-seed<N>` with the training seed N (conf/train.yaml: 42),
+`medvol-nods` without deep supervision, `medvol-base32` with nnU-Net's GPU
 width (32 base filters, not the CPU plan's 16), `medvol-adam` with Adam 1e-3 instead of nnU-Net's SGD; (2) nnU-Net
 v2 through its own CLI from `--nnunet-venv`: `nnUNetv2_plan_and_preprocess` at medvol's target spacing, `nnUNetv2_train`
 fold 0 (= the same train/val split) on `-device cpu` with nnU-Net's default trainer cut to medvol's optimizer
@@ -37,6 +39,10 @@ Every arm's test masks are scored against the label files (Dice and HD95 per reg
 (optimizer steps and batch, training and prediction wall time, peak resident memory of the largest process,
 GNU time; for medvol the share of a training step spent waiting for data, `summary.json`'s telemetry) goes to
 `<out>/results.md` and the figures to `<out>/results-<dataset>-...json`.
+`same-step` runs nnU-Net's own training step (`benchmarks/nnunet_plans.py step --plans`, in nnU-Net's venv: its
+network, deep-supervision loss, target pooling, clipping and SGD on one fixed batch) and medvol's planned step from
+a run's config with nnU-Net's initial weights, and prints the outputs, gradients and losses of both side by side
+(the test `tests/lightning_modules/segmentation/test_nnunet_step.py` does the same at a small size).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import csv
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -406,6 +413,19 @@ MEDVOL_ARMS = {
         "model.optimizer.lr=1e-3",
     ],
 }
+
+
+def medvol_arms(names: Sequence[str]) -> dict[str, list[str]]:
+    """The medvol arms among `names` with their overrides: MEDVOL_ARMS's, and `medvol-seed<N>`, the default with the
+    training seed N (conf/train.yaml's 42 otherwise): how much of one run's result is the seed."""
+    arms = {}
+    for name in names:
+        seeded = re.fullmatch(r"medvol-seed(\d+)", name)
+        if seeded:
+            arms[name] = [f"seed={seeded.group(1)}"]
+        elif name in MEDVOL_ARMS:
+            arms[name] = MEDVOL_ARMS[name]
+    return arms
 
 
 def medvol_arm(
@@ -859,6 +879,62 @@ def medvol_step(run_dir: Path, deep_supervision: bool, repeats: int) -> dict:
     return {"seconds": sorted(times[1:])[len(times[1:]) // 2], "parameters_m": parameters,
             "features": module.features, "batch": batch, "patch": patch}
 
+def same_step(args: argparse.Namespace) -> None:
+    """nnU-Net's training step against medvol's on the same weights and batch, at a real plan's size: nnU-Net's
+    side in its venv (`benchmarks/nnunet_plans.py step --plans`: its network, loss, target pooling, clipping and
+    SGD); here medvol's planned Segmenter from a run's config (DynUNet without residual blocks, deep supervision,
+    `training_loss`) with nnU-Net's initial weights, its optimizer and the run's gradient clip. Prints the output
+    norm per head, the gradients' largest relative difference, and the losses step by step."""
+    import torch
+    from omegaconf import OmegaConf, open_dict
+
+    from benchmarks.nnunet_plans import dynunet_parameter, load_nnunet_weights, nested_regions
+    from medvol.core.build import build_model
+    from medvol.run.predict_config import recovered_run
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as folder:
+        record_file = Path(folder) / "nnunet.pt"
+        subprocess.run([str(Path(args.nnunet_venv) / "bin" / "python"), str(ROOT / "benchmarks" / "nnunet_plans.py"),
+                        "step", "--plans", args.nnunet_plans, "--steps", str(args.steps), "--out", str(record_file)],
+                       check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        theirs = torch.load(record_file, weights_only=True)
+    best = json.loads((Path(args.run).resolve() / "summary.json").read_text())["best_checkpoint"]
+    run = recovered_run(OmegaConf.create({"ckpt_path": best, "model": {}}))
+    with open_dict(run):
+        run.model.deep_supervision = True
+    module = build_model(run.model).train()
+    load_nnunet_weights(module.net, theirs)
+    optimizer = module.configure_optimizers()
+    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+    setting = theirs["setting"]
+    image, regions = theirs["image"].float(), torch.from_numpy(nested_regions(setting["batch"], setting["patch"]))
+    losses = []
+    for step in range(args.steps):
+        optimizer.zero_grad(set_to_none=True)
+        output = module(image)
+        value = module.training_loss(output, regions)
+        value.backward()
+        if step == 0:
+            norms = [float(h.detach().double().norm()) for h in [output[:, 0], *module.net.heads]]
+            ours = {n: p.grad.double().norm() for n, p in module.net.named_parameters()}
+            worst = max(
+                (abs(float(ours[dynunet_parameter(n, theirs["stages"])]) - g) / max(g, 1e-12), n)
+                for n, g in theirs["grad_norms"].items() if dynunet_parameter(n, theirs["stages"]) is not None
+            )
+        torch.nn.utils.clip_grad_norm_(module.net.parameters(), float(run.trainer.gradient_clip_val))
+        optimizer.step()
+        losses.append(float(value.detach()))
+    print(f"one fixed batch {tuple(image.shape)} of 3 regions, nnU-Net's initial weights in both "
+          f"({theirs['made_by']}), {args.steps} SGD steps")
+    print("| compared | nnU-Net | medvol |\n|---|---|---|")
+    for level, (a, b) in enumerate(zip(theirs["output_norms"], norms, strict=True)):
+        print(f"| output norm at 1/{2**level} | {a:.6f} | {b:.6f} |")
+    print(f"| largest relative difference of a gradient's norm ({worst[1]}) | | {worst[0]:.1e} |")
+    for step, (a, b) in enumerate(zip(theirs["losses"], losses, strict=True)):
+        print(f"| loss, step {step} (medvol's minus 1: MONAI's Dice loss is 1 - Dice, nnU-Net's -Dice) | {a:.6f} "
+              f"| {b - 1:.6f} |")
+
 
 def step_times(args: argparse.Namespace) -> None:
     """One training step on the same batch x patch: medvol's planned DynUNet with and without deep supervision and
@@ -915,8 +991,7 @@ def real(args: argparse.Namespace) -> None:
         save_split(split_file, split, args.seed)
         results: dict[str, dict[str, Any]] = {}
         iterations = [f"model.plan.iterations_per_epoch={args.iterations}"] if args.iterations else []
-        for arm, extra in MEDVOL_ARMS.items():
-            if arm in args.arms:
+        for arm, extra in medvol_arms(args.arms).items():
                 arm_dir = out / f"{arm}-{tag}-{args.epochs}ep"
                 results[arm] = finished(arm_dir, partial(
                     medvol_arm, kind, root, split_file, arm_dir, args.epochs, split["test"], [*iterations, *extra]
@@ -1015,7 +1090,7 @@ def main() -> None:
     side.add_argument("--epochs", type=int, default=60)
     side.add_argument("--iterations", type=int, default=None, help="medvol's batches an epoch (null: the plan's 250)")
     side.add_argument("--arms", type=comma_list, default=["medvol", "nnunet", "monai"],
-                      help="medvol,medvol-noaug,medvol-nods,medvol-base32,medvol-adam,nnunet,monai")
+                      help="medvol,medvol-noaug,medvol-nods,medvol-base32,medvol-adam,medvol-seed<N>,nnunet,monai")
     side.add_argument("--nnunet-venv", default="/work/nnunet-venv", help="the venv holding nnunetv2 (its CLI)")
     side.add_argument("--seed", type=int, default=0)
     side.add_argument("--out", default="outputs/benchmarks/segmentation-real")
@@ -1036,8 +1111,15 @@ def main() -> None:
     steps.add_argument("--nnunet-venv", default="/work/nnunet-venv")
     steps.add_argument("--repeats", type=int, default=3)
     steps.add_argument("--rounds", type=int, default=2)
+    same = sub.add_parser("same-step")
+    same.add_argument("--run", required=True, help="a trained medvol segmentation run at nnU-Net's width (base 32)")
+    same.add_argument("--nnunet-plans", required=True, help="nnUNetPlans.json of the same data (the real arm's)")
+    same.add_argument("--nnunet-venv", default="/work/nnunet-venv")
+    same.add_argument("--steps", type=int, default=5)
     args, overrides = parser.parse_known_args()
-    if args.task == "step-time":
+    if args.task == "same-step":
+        same_step(args)
+    elif args.task == "step-time":
         step_times(args)
     elif args.task == "profile":
         profile(args)
