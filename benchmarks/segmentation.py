@@ -27,9 +27,9 @@ abdomen-like CT in HU with an organ and a lesion in it) it writes the files once
 (1) medvol as a user types it: `python train.py model=segmentation dataset=...` (the plan with nnU-Net's
 augmentation, SGD and `--iterations` batches an epoch, the plan's 250 by default; the validation after training)
 and `python predict.py ckpt_path=<best> split=test` (mirroring); `medvol-noaug` the same with
-`model.plan.augmentation=false`, `medvol-seed<N>` with the training seed N (conf/train.yaml: 42),
-`medvol-nods` without deep supervision, `medvol-base32` with nnU-Net's GPU
-width (32 base filters, not the CPU plan's 16), `medvol-adam` with Adam 1e-3 instead of nnU-Net's SGD; (2) nnU-Net
+`model.plan.augmentation=false`, `medvol-nods` without deep supervision, `medvol-base32` with nnU-Net's GPU
+width (32 base filters, not the CPU plan's 16), `medvol-adam` with Adam 1e-3 instead of nnU-Net's SGD, and any of
+these with `-seed<N>` (`medvol-seed3`, `medvol-nods-seed3`) with the training seed N (conf/train.yaml: 42); (2) nnU-Net
 v2 through its own CLI from `--nnunet-venv`: `nnUNetv2_plan_and_preprocess` at medvol's target spacing, `nnUNetv2_train`
 fold 0 (= the same train/val split) on `-device cpu` with nnU-Net's default trainer cut to medvol's optimizer
 steps (epochs x iterations, `nnUNetTrainer_medvolBudget` through `nnUNet_extTrainer`), `nnUNetv2_predict`
@@ -416,15 +416,15 @@ MEDVOL_ARMS = {
 
 
 def medvol_arms(names: Sequence[str]) -> dict[str, list[str]]:
-    """The medvol arms among `names` with their overrides: MEDVOL_ARMS's, and `medvol-seed<N>`, the default with the
-    training seed N (conf/train.yaml's 42 otherwise): how much of one run's result is the seed."""
+    """The medvol arms among `names` with their overrides: MEDVOL_ARMS's, and any of them followed by `-seed<N>`
+    (`medvol-seed3`, `medvol-nods-seed3`) with the training seed N (conf/train.yaml's 42 otherwise): how much of one
+    run's result is the seed."""
     arms = {}
     for name in names:
-        seeded = re.fullmatch(r"medvol-seed(\d+)", name)
-        if seeded:
-            arms[name] = [f"seed={seeded.group(1)}"]
-        elif name in MEDVOL_ARMS:
-            arms[name] = MEDVOL_ARMS[name]
+        seeded = re.fullmatch(r"(medvol.*)-seed(\d+)", name)
+        base, seed = (seeded.group(1), [f"seed={seeded.group(2)}"]) if seeded else (name, [])
+        if base in MEDVOL_ARMS:
+            arms[name] = [*MEDVOL_ARMS[base], *seed]
     return arms
 
 
@@ -1090,7 +1090,8 @@ def main() -> None:
     side.add_argument("--epochs", type=int, default=60)
     side.add_argument("--iterations", type=int, default=None, help="medvol's batches an epoch (null: the plan's 250)")
     side.add_argument("--arms", type=comma_list, default=["medvol", "nnunet", "monai"],
-                      help="medvol,medvol-noaug,medvol-nods,medvol-base32,medvol-adam,medvol-seed<N>,nnunet,monai")
+                      help="medvol,medvol-noaug,medvol-nods,medvol-base32,medvol-adam (each also <arm>-seed<N>),"
+                           "nnunet,monai")
     side.add_argument("--nnunet-venv", default="/work/nnunet-venv", help="the venv holding nnunetv2 (its CLI)")
     side.add_argument("--seed", type=int, default=0)
     side.add_argument("--out", default="outputs/benchmarks/segmentation-real")
