@@ -368,36 +368,46 @@ def load_nnunet_weights(net: Any, record: dict[str, Any]) -> None:
     net.load_state_dict(mapped, strict=False)
 
 
-def step_record(architecture: dict[str, Any], channels: int, batch: int, patch: list[int], batch_dice: bool,
-                steps: int) -> dict[str, Any]:
-    """nnU-Net's own training step, `steps` times on one fixed batch (random image, `nested_regions` targets):
-    `get_network_from_plans` (its He initialisation, deep supervision), the loss of `nnUNetTrainer._build_loss` for
-    regions (DeepSupervisionWrapper over DC_and_BCE_loss with MemoryEfficientSoftDiceLoss, weights 1/2^i with the
-    lowest 0), the targets pooled by batchgeneratorsv2's DownsampleSegForDSTransform, SGD (Nesterov 0.99, 1e-2, weight
-    decay 3e-5) after clip_grad_norm_(12) as `train_step`. Weights and image are rounded to float16 first, so that the
-    file stores them exactly. Returns the initial weights (flat, with names and shapes), the image, each step's loss,
-    the first step's loss per head and the norm of every gradient."""
+def nnunet_network_and_loss(
+    architecture: dict[str, Any], channels: int, batch_dice: bool, regions: int = 3
+) -> tuple[Any, Any, list]:
+    """In nnU-Net's venv: its network for a plan's `architecture` (`get_network_from_plans`: its He initialisation,
+    deep supervision, `regions` outputs), the loss of `nnUNetTrainer._build_loss` for regions
+    (DeepSupervisionWrapper over DC_and_BCE_loss with MemoryEfficientSoftDiceLoss, weights 1/2^i with the lowest 0,
+    normalised) and the heads' scales (`_get_deep_supervision_scales`)."""
     import numpy as np
-    import torch
-    from batchgeneratorsv2.transforms.utils.deep_supervision_downsampling import DownsampleSegForDSTransform
     from nnunetv2.training.loss.compound_losses import DC_and_BCE_loss
     from nnunetv2.training.loss.deep_supervision import DeepSupervisionWrapper
     from nnunetv2.training.loss.dice import MemoryEfficientSoftDiceLoss
     from nnunetv2.utilities.get_network_from_plans import get_network_from_plans
 
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
     net = get_network_from_plans(architecture["network_class_name"], architecture["arch_kwargs"],
-                                 architecture["_kw_requires_import"], channels, 3, deep_supervision=True)
-    with torch.no_grad():
-        for parameter in net.parameters():
-            parameter.copy_(parameter.half().float())
+                                 architecture["_kw_requires_import"], channels, regions, deep_supervision=True)
     scales = [list(i) for i in 1 / np.cumprod(np.vstack(architecture["arch_kwargs"]["strides"]), axis=0)][:-1]
     weights = np.array([1 / (2**i) for i in range(len(scales))])
     weights[-1] = 0
     loss = DeepSupervisionWrapper(DC_and_BCE_loss({}, {"batch_dice": batch_dice, "do_bg": True, "smooth": 1e-5,
                                                        "ddp": False}, dice_class=MemoryEfficientSoftDiceLoss),
                                   weights / weights.sum())
+    return net, loss, scales
+
+
+def step_record(architecture: dict[str, Any], channels: int, batch: int, patch: list[int], batch_dice: bool,
+                steps: int) -> dict[str, Any]:
+    """nnU-Net's own training step, `steps` times on one fixed batch (random image, `nested_regions` targets):
+    `nnunet_network_and_loss`, the targets pooled by batchgeneratorsv2's DownsampleSegForDSTransform, SGD (Nesterov
+    0.99, 1e-2, weight decay 3e-5) after clip_grad_norm_(12) as `train_step`. Weights and image are rounded to
+    float16 first, so that the file stores them exactly. Returns the initial weights (flat, with names and shapes),
+    the image, each step's loss, and the first step's output norm per head and gradient norm per parameter."""
+    import torch
+    from batchgeneratorsv2.transforms.utils.deep_supervision_downsampling import DownsampleSegForDSTransform
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net, loss, scales = nnunet_network_and_loss(architecture, channels, batch_dice)
+    with torch.no_grad():
+        for parameter in net.parameters():
+            parameter.copy_(parameter.half().float())
     image = torch.randn(batch, channels, *patch).half()
     regions = torch.from_numpy(nested_regions(batch, patch))
     pooling = DownsampleSegForDSTransform(scales)
@@ -417,7 +427,6 @@ def step_record(architecture: dict[str, Any], channels: int, batch: int, patch: 
         value = loss(outputs, targets)
         value.backward()
         if step == 0:
-            record["head_losses"] = [float(loss.loss(o, t).detach()) for o, t in zip(outputs, targets, strict=True)]
             record["output_norms"] = [float(o.detach().double().norm()) for o in outputs]
             # The coarsest head (weight 0) takes no gradient.
             record["grad_norms"] = {name: float(p.grad.double().norm()) for name, p in net.named_parameters()

@@ -810,25 +810,14 @@ def nnunet_step(plans_file: str, channels: int, regions: int, patch: list[int], 
     """In nnU-Net's venv: seconds of one training step of nnU-Net's own network (from its plans, deep supervision)
     and loss (Dice + BCE per region, targets pooled to each head, its weights) with its SGD, on random data of
     `batch` x `patch` (median of `repeats` after one warm-up)."""
-    import numpy as np
     import torch
-    from nnunetv2.training.loss.compound_losses import DC_and_BCE_loss
-    from nnunetv2.training.loss.deep_supervision import DeepSupervisionWrapper
-    from nnunetv2.training.loss.dice import MemoryEfficientSoftDiceLoss
-    from nnunetv2.utilities.get_network_from_plans import get_network_from_plans
+
+    from benchmarks.nnunet_plans import nnunet_network_and_loss
 
     torch.set_num_threads(1)
     configuration = json.loads(Path(plans_file).read_text())["configurations"]["3d_fullres"]
     architecture = configuration["architecture"]
-    net = get_network_from_plans(architecture["network_class_name"], architecture["arch_kwargs"],
-                                 architecture["_kw_requires_import"], channels, regions, deep_supervision=True)
-    pools = architecture["arch_kwargs"]["strides"]
-    scales = [list(i) for i in 1 / np.cumprod(np.vstack(pools), axis=0)][:-1]
-    weights = np.array([1 / (2**i) for i in range(len(scales))])
-    weights[-1] = 0
-    loss = DeepSupervisionWrapper(DC_and_BCE_loss({}, {"batch_dice": False, "do_bg": True, "smooth": 1e-5,
-                                                       "ddp": False}, dice_class=MemoryEfficientSoftDiceLoss),
-                                  weights / weights.sum())
+    net, loss, scales = nnunet_network_and_loss(architecture, channels, configuration["batch_dice"], regions)
     optimizer = torch.optim.SGD(net.parameters(), 1e-2, momentum=0.99, nesterov=True, weight_decay=3e-5)
     image = torch.randn(batch, channels, *patch)
     full = (torch.rand(batch, regions, *patch) > 0.9).float()
@@ -878,6 +867,7 @@ def medvol_step(run_dir: Path, deep_supervision: bool, repeats: int) -> dict:
     parameters = sum(p.numel() for p in module.net.parameters()) / 1e6
     return {"seconds": sorted(times[1:])[len(times[1:]) // 2], "parameters_m": parameters,
             "features": module.features, "batch": batch, "patch": patch}
+
 
 def same_step(args: argparse.Namespace) -> None:
     """nnU-Net's training step against medvol's on the same weights and batch, at a real plan's size: nnU-Net's
@@ -992,10 +982,10 @@ def real(args: argparse.Namespace) -> None:
         results: dict[str, dict[str, Any]] = {}
         iterations = [f"model.plan.iterations_per_epoch={args.iterations}"] if args.iterations else []
         for arm, extra in medvol_arms(args.arms).items():
-                arm_dir = out / f"{arm}-{tag}-{args.epochs}ep"
-                results[arm] = finished(arm_dir, partial(
-                    medvol_arm, kind, root, split_file, arm_dir, args.epochs, split["test"], [*iterations, *extra]
-                ))
+            arm_dir = out / f"{arm}-{tag}-{args.epochs}ep"
+            results[arm] = finished(arm_dir, partial(
+                medvol_arm, kind, root, split_file, arm_dir, args.epochs, split["test"], [*iterations, *extra]
+            ))
         if "nnunet" in args.arms:
             if "medvol" not in results:
                 raise SystemExit("the nnunet arm takes its budget (optimizer steps, spacing) from the medvol arm")
