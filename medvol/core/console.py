@@ -3,7 +3,7 @@
 Lightning gives its loggers a handler of their own when imported before Hydra configures
 logging, so their lines never reached `train.log`; here they go through Hydra's handlers like
 medvol's. The console then drops third-party chatter (tips to install other products, hardware
-lines, library warnings from site-packages) that `train.log` still records.
+lines, library warnings from site-packages, other libraries' INFO lines) that `train.log` still records.
 """
 
 from __future__ import annotations
@@ -30,16 +30,27 @@ QUIET_ON_CONSOLE = (
     "Trainer already configured with model summary callbacks",
     "LOCAL_RANK:",
 )
+# Library warnings that say nothing about the run: MONAI's DICOM reader notes, at every construction, that an optional
+# GPU decoder is absent.
+QUIET_WARNINGS_ON_CONSOLE = ("nvImageCodec is not available",)
+# The loggers whose INFO lines the console shows: medvol's, Hydra's and Lightning's (less `QUIET_ON_CONSOLE`). Every
+# other library's INFO lines (highdicom's nine per DICOM-SEG written, pydicom's plugin notes, ...) go to the log only.
+CONSOLE_INFO_LOGGERS = ("medvol", "hydra", "root", "__main__", *LIBRARY_LOGGERS)
 
 
 class ConsoleFilter(logging.Filter):
-    """Drops third-party chatter from a console handler: library tips and hardware lines, library warnings."""
+    """Drops third-party chatter from a console handler: library tips and hardware lines, library warnings, the INFO
+    lines of libraries other than medvol's, Hydra's and Lightning's."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         if record.name == "py.warnings":
             return "site-packages" not in message
-        return not (record.levelno < logging.WARNING and any(text in message for text in QUIET_ON_CONSOLE))
+        if record.levelno >= logging.WARNING:
+            return not any(text in message for text in QUIET_WARNINGS_ON_CONSOLE)
+        if not any(record.name == name or record.name.startswith(f"{name}.") for name in CONSOLE_INFO_LOGGERS):
+            return False
+        return not any(text in message for text in QUIET_ON_CONSOLE)
 
 
 def quiet_console() -> None:
