@@ -91,6 +91,9 @@ class BratsDataModule(NiftiDataModule):
         **kwargs: transforms, split, loader and cache settings of `NiftiDataModule`.
     """
 
+    # The modality names BraTS folders hold, whatever the year: a model trained under these names reads them here.
+    modality_names = MODALITIES
+
     def __init__(
         self,
         root: str,
