@@ -137,10 +137,13 @@ def decathlon(path: Path) -> None:
     }))
 
 
-def dicom_series(folder: Path, seed: int, description: str = "t1", uid: str | None = None) -> None:
-    from tests.medvol.run.test_predict_dicom import write_phantom_series
+def dicom_series(folder: Path, seed: int, description: str = "t1") -> None:
+    """A T1-like phantom of 30 x 30 x 24 voxels of 3.2 x 3.2 x 4 mm (a head's extent) as an axial MR series."""
+    from tests.dicom_series import write_series
 
-    write_phantom_series(folder, seed, uid=uid, description=description)
+    values = np.rint(make_phantom(0, seed, (30, 30, 24)).channels["t1"] * 1000).astype(np.int16)
+    write_series(folder, values.transpose(1, 0, 2), spacing=(3.2, 3.2), step=4.0, origin=(-48.0, -48.0, -48.0),
+                 description=description, seed=seed, modality="MR")
 
 
 def dicom_one(path: Path) -> None:
@@ -170,13 +173,19 @@ def brats_dicom(path: Path) -> None:
 
     write_brats(path, 4, 2023, 24)
     for scan in sorted(path.glob("*/*.nii.gz")):
+        image = nib.load(str(scan))
+        # The series runs along LPS: the RAS phantom's x and y the other way, and the segmentation is stored so too
+        # (on the series' voxel grid, as an export beside the series would be).
+        values = np.asarray(image.dataobj)[::-1, ::-1]
         if scan.name.endswith("-seg.nii.gz"):
+            lps = np.diag([-1.0, -1.0, 1.0, 1.0])
+            lps[:3, 3] = [11.5, 11.5, -11.5]
+            nib.save(nib.Nifti1Image(np.ascontiguousarray(values), lps), str(scan))
             continue
-        values = np.rint(np.asarray(nib.load(str(scan)).dataobj)).astype(np.int16)
-        # medvol reads series in LPS: the RAS phantom's x and y run the other way.
-        write_series(scan.parent / scan.name.removesuffix(".nii.gz"), values[::-1, ::-1].transpose(1, 0, 2),
-                     spacing=(1.0, 1.0), step=1.0, origin=(11.5, 11.5, -11.5), modality="MR",
-                     seed=hash(scan.name) % 1000)
+        stored = np.rint(values).astype(np.int16).transpose(1, 0, 2)
+        write_series(scan.parent / scan.name.removesuffix(".nii.gz"), stored,
+                     spacing=(1.0, 1.0), step=1.0, origin=(-11.5, -11.5, -11.5), modality="MR",
+                     seed=len(scan.name))
         scan.unlink()
 
 

@@ -18,15 +18,16 @@ from tests.doc_world import DATA, TOKENS, WORLDS, Sandbox, composed
 
 BLOCKS = all_blocks()
 SHELL = [b for b in BLOCKS if b.is_shell()]
-# Blocks that fail on this branch because of an item of issue 49 someone else is fixing: they must pass once it
-# lands (strict). Keyed by guide and the block's first command.
+# Commands that fail on this branch because of an item of issue 49 someone else is fixing: they must pass once it
+# lands (strict). Keyed by guide and the command's start.
 OWNED_ELSEWHERE = {
     ("docs/reliability.md", "python train.py ckpt_path=outputs/train/runs/<stamp>/checkpoints/last.ckpt"):
         "issue 49 item 6 (resume from ckpt_path alone), owned by the lead",
-    ("docs/predict.md", "python train.py model=segmentation test=true"):
-        "issue 49 item 6 (a test-only run from ckpt_path alone), owned by the lead",
+    ("docs/predict.md", "python train.py ckpt_path=<run>/checkpoints/last.ckpt train=false test=true"):
+        "issue 49 item 6 (a test-only command from ckpt_path alone), owned by the lead",
+    ("docs/ddpm.md", "python train.py model=ddpm ckpt_path=<run>/checkpoints/last.ckpt train=false test=true"):
+        "issue 49 item 6 (a test-only command from ckpt_path and the family alone), owned by the lead",
 }
-
 
 def guide(block: Block) -> str:
     return str(block.path.relative_to(ROOT))
@@ -36,12 +37,9 @@ def runnable(block: Block) -> list:
     return [c for c in block.commands() if block.skipped(c) is None]
 
 
-def owned_elsewhere(block: Block) -> str | None:
-    commands = block.commands()
-    first = commands[0].text if commands else ""
+def owned_elsewhere(block: Block, command) -> str | None:
     return next((why for (path, start), why in OWNED_ELSEWHERE.items()
-                 if path == guide(block) and first.startswith(start)), None)
-
+                 if path == guide(block) and command.text.startswith(start)), None)
 
 def test_every_code_block_is_a_shell_block_or_holds_no_command():
     """A command in a block the test would not run (an untagged or `text` fence, a block mixing commands and
@@ -135,42 +133,38 @@ def sandbox_of(block: Block, cache: Path) -> Sandbox:
     return SANDBOXES[name]
 
 
-def run_block(block: Block, cache: Path) -> list[str]:
-    """Run the block's commands (after the guide's earlier blocks, as a reader would); the failures."""
+def run_command(block: Block, command, cache: Path) -> str | None:
+    """Run one command of a guide, after the guide's earlier commands (as a reader would); its failure, if any."""
     sandbox = sandbox_of(block, cache)
-    for earlier in [b for b in SHELL if b.path == block.path and b.line < block.line and runnable(b)]:
-        if earlier.name not in sandbox.ran:
-            sandbox.ran.add(earlier.name)
-            run_commands(earlier, sandbox)
-    sandbox.ran.add(block.name)
-    return run_commands(block, sandbox)
+    for earlier_block in [b for b in SHELL if b.path == block.path and b.line <= block.line]:
+        for earlier in runnable(earlier_block):
+            if earlier_block is block and earlier.line >= command.line:
+                break
+            key = f"{earlier_block.name}:{earlier.line}"
+            if key not in sandbox.ran:
+                sandbox.ran.add(key)
+                sandbox.run(earlier)
+    sandbox.ran.add(f"{block.name}:{command.line}")
+    done = sandbox.run(command)
+    if done.returncode == 0:
+        return None
+    return f"{block.name}:{command.line}: `{command.text}` exit {done.returncode}\n{done.stdout[-2500:]}\n" \
+        f"{done.stderr[-2500:]}"
 
 
-def run_commands(block: Block, sandbox: Sandbox) -> list[str]:
-    failures = []
-    for command in runnable(block):
-        done = sandbox.run(command)
-        if done.returncode != 0:
-            failures.append(f"{block.name}:{command.line}: `{command.text}` exit {done.returncode}\n"
-                            f"{done.stdout[-2500:]}\n{done.stderr[-2500:]}")
-    return failures
-
-
-def block_params() -> list:
+def command_params() -> list:
     params = []
     for block in SHELL:
-        if not runnable(block):
-            continue
-        marks = [pytest.mark.slow]
-        why = owned_elsewhere(block)
-        if why:
-            marks.append(pytest.mark.xfail(strict=True, reason=why))
-        params.append(pytest.param(block, id=block.name, marks=marks))
+        for command in runnable(block):
+            marks = [pytest.mark.slow]
+            why = owned_elsewhere(block, command)
+            if why:
+                marks.append(pytest.mark.xfail(strict=True, reason=why))
+            params.append(pytest.param(block, command, id=f"{guide(block)}:{command.line}", marks=marks))
     return params
 
 
-@pytest.mark.parametrize("block", block_params())
-def test_the_documented_commands_run_as_typed(block: Block, doc_cache: Path):
-    failures = run_block(block, doc_cache)
-    assert not failures, "\n\n".join(failures)
-
+@pytest.mark.parametrize(("block", "command"), command_params())
+def test_the_documented_commands_run_as_typed(block: Block, command, doc_cache: Path):
+    failure = run_command(block, command, doc_cache)
+    assert failure is None, failure
