@@ -344,6 +344,9 @@ def toy_overrides(overrides: list[str]) -> list[str]:
         ]
         if cfg.dataset.get("transforms") is not None and cfg.dataset.transforms.get("spatial_size") is not None:
             candidates.append("dataset.transforms.spatial_size=[16,16,16]")
+        if (cfg.model.get("plan") or {}).get("patch_size") is not None:
+            # A preset's fixed patch (experiment=brats_segmentation: 128^3, sized for a GPU).
+            candidates.append("model.plan.patch_size=[16,16,16]")
         for stage, node in (cfg.get("cascade") or {}).items():
             if not str(stage).startswith("stage") or not isinstance(node, DictConfig):
                 continue

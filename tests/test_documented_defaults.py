@@ -214,3 +214,34 @@ def test_every_default_a_guide_states_is_the_configs():
 ])
 def test_a_stated_value_is_compared_as_a_number_a_flag_or_text(stated, actual, agrees):
     assert same(stated, actual) is agrees
+
+
+def documented_run_folders() -> list[tuple[str, str]]:
+    """(where, folder pattern) of the guides' general statements of where runs and sweeps go: the run trees' first
+    line, and `Sweeps write ...` / `writes one sweep directory, ...`."""
+    found = []
+    for name in ("README.md", "docs/monitoring.md", "docs/multi_gpu.md"):
+        text = (ROOT / name).read_text()
+        found += [(f"{name} run tree", m.group(1)) for m in re.finditer(r"```\n(outputs/\S+/)\n", text)]
+        found += [(f"{name}: {m.group(0)[:40]}", m.group(1)) for m in re.finditer(
+            r"(?:[Ss]weeps(?: \([^)]*\))? write|writes one sweep directory,)\s+`(outputs/[^`]+)`", text)]
+    return found
+
+
+def test_the_run_and_sweep_folders_the_guides_give_are_where_every_preset_writes(tmp_path, monkeypatch):
+    """Issue 49 item 10: README.md and monitoring.md gave `outputs/train/runs` for every run; a preset writes
+    under its own `task_name` (`outputs/ldm_cpu/runs/...`)."""
+    monkeypatch.chdir(tmp_path)
+    folders = documented_run_folders()
+    assert len(folders) >= 5, folders
+    stamp = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d"
+    experiments = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
+    for overrides in [(), ("debug=fast",), *((f"experiment={e}",) for e in experiments)]:
+        cfg = config("train", overrides)
+        for where, pattern in folders:
+            kind = "multiruns" if "multiruns" in pattern else "runs"
+            made = Path(str(cfg.hydra.run.dir if kind == "runs" else cfg.hydra.sweep.dir)).relative_to(tmp_path)
+            documented = re.escape(pattern.rstrip("/")).replace(re.escape("<task>"), cfg.task_name)
+            documented = re.sub(r"\\<[^>]*\\>|<[^>]*>", lambda _: stamp, documented)
+            documented = documented.split(stamp)[0] + stamp
+            assert re.fullmatch(documented, str(made)), f"{where} says {pattern}; {overrides or 'train'} writes {made}"
