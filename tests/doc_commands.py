@@ -153,8 +153,6 @@ def collect(path: Path) -> list[Block]:
     """The code blocks of one Markdown file with the markers above them (and the file's `skip-file` markers)."""
     lines = path.read_text().splitlines()
     blocks: list[Block] = []
-    file_markers = [Marker(m.group(1), None, m.group(3), k + 1) for k, line in enumerate(lines)
-                    for m in [MARKER.search(line)] if m and m.group(1) == "skip-file"]
     k = 0
     while k < len(lines):
         line = lines[k]
@@ -181,6 +179,10 @@ def collect(path: Path) -> list[Block]:
             k = end
             continue
         k += 1
+    # A marker shown as an example inside a code block marks nothing.
+    inside = {block.line + j for block in blocks for j in range(-1, len(block.lines) + 1)}
+    file_markers = [Marker(m.group(1), None, m.group(3), k + 1) for k, line in enumerate(lines)
+                    for m in [MARKER.search(line)] if m and m.group(1) == "skip-file" and k + 1 not in inside]
     for block in blocks:
         block.markers.extend(file_markers)
     return blocks
