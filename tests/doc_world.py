@@ -337,13 +337,19 @@ def toy_overrides(overrides: list[str]) -> list[str]:
     if not resumed:
         # A resumed or re-tested run keeps its own size (its checkpoint's networks).
         family = families.get(str(cfg.model.get("_target_")))
+        # The radiographs a guide writes for predict.py are example_data's 32x32: the model keeps its preset's size.
         candidates += [
-            *TINY_MODEL.get(family, []), "dataset.num_subjects=8", "dataset.size=16",
+            *(o for o in TINY_MODEL.get(family, []) if not o.startswith("dataset.xray_size")),
+            # 16 phantoms: two validation subjects, one for each of two DDP ranks.
+            "dataset.num_subjects=16", "dataset.size=16",
             "dataset.patch_size=[16,16,16]", "dataset.stride=[16,16,16]", "dataset.patches_per_volume=2",
             "model.plan.iterations_per_epoch=2", "model.plan.base_features=4", "hydra.sweeper.n_trials=2",
         ]
         if cfg.dataset.get("transforms") is not None and cfg.dataset.transforms.get("spatial_size") is not None:
             candidates.append("dataset.transforms.spatial_size=[16,16,16]")
+        if int(cfg.dataset.get("batch_size") or 1) > 2:
+            # A preset's batch for hundreds of subjects (experiment=survival_synthetic: 16).
+            candidates.append("dataset.batch_size=2")
         if (cfg.model.get("plan") or {}).get("patch_size") is not None:
             # A preset's fixed patch (experiment=brats_segmentation: 128^3, sized for a GPU).
             candidates.append("model.plan.patch_size=[16,16,16]")
