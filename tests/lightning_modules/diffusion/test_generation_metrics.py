@@ -14,7 +14,6 @@ import torch
 from monai.metrics import MultiScaleSSIMMetric
 from scipy import linalg
 from scipy.spatial.distance import pdist
-from sklearn.metrics.pairwise import rbf_kernel
 from torch import nn
 
 from datamodules.sources.phantom import make_phantom
@@ -45,6 +44,7 @@ def _block_means(volumes: torch.Tensor, block: int) -> np.ndarray:
 def gaussian_mmd_by_hand(real: np.ndarray, generated: np.ndarray) -> float:
     """Gretton et al.'s unbiased MMD^2, the kernel scikit-learn's RBF with the median heuristic's bandwidth s:
     gamma = 1 / (2 s^2), s the median distance between distinct points of the two sets together."""
+    rbf_kernel = pytest.importorskip("sklearn.metrics.pairwise").rbf_kernel
     bandwidth = np.median(pdist(np.concatenate([real, generated])))
     gamma = 1.0 / (2.0 * bandwidth**2)
 
