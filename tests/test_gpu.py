@@ -2,7 +2,8 @@
 on the manual-optimization path, transforms on the device. Skipped where no CUDA GPU is visible.
 
 What of a GPU run the CPU can check runs everywhere: tests/test_device_placement.py takes every family through a
-test epoch (also under bf16 autocast) and predict.py with its tensors on a played accelerator (numpy refuses them until `.cpu()`).
+test epoch (also under bf16 autocast) and predict.py with its tensors on a played accelerator (numpy refuses them
+until `.cpu()`).
 """
 
 from __future__ import annotations
