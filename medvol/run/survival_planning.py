@@ -64,12 +64,15 @@ def voxel_budget(cfg: DictConfig, accelerator: str) -> int:
     return VOXEL_BUDGET["gpu" if accelerator == "gpu" else "cpu"]
 
 
-def survival_planned(cfg: DictConfig, datamodule: pl.LightningDataModule, path: Path, accelerator: str
-                     ) -> tuple[DictConfig, list[str]]:
+def survival_planned(cfg: DictConfig, datamodule: pl.LightningDataModule, path: Path, accelerator: str,
+                     recorded: bool = False) -> tuple[DictConfig, list[str]]:
     """`cfg` with the run's survival plan applied (`path` where the run has one, else made and written there by
-    rank 0), and the plan's lines to print."""
-    if path.is_file():
+    rank 0), and the plan's lines to print; a config that is the run's record (`recorded`) holds it already."""
+    found = path.is_file()
+    if found:
         plan = read_plan(path)
+        if recorded:
+            return cfg, [*describe_survival_plan(plan), f"plan: as recorded in {path} (the run's record holds it)"]
     else:
         if not hasattr(datamodule, "plan_fingerprint") or not hasattr(datamodule, "split_outcomes"):
             raise MedvolError(
@@ -89,7 +92,8 @@ def survival_planned(cfg: DictConfig, datamodule: pl.LightningDataModule, path: 
     decay = []
     if cfg.model.get("scheduler") is None:
         decay = [f"plan: learning rate: cosine decay to 0 over {applied.model.scheduler.T_max} epochs"]
-    return applied, [*describe_survival_plan(plan), *decay, *replaced_values(cfg, plan), f"plan: written to {path}"]
+    where = f"plan: read from {path}" if found else f"plan: written to {path}"
+    return applied, [*describe_survival_plan(plan), *decay, *replaced_values(cfg, plan), where]
 
 
 def with_survival_plan(cfg: DictConfig, plan: dict[str, Any]) -> DictConfig:
