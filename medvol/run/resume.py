@@ -43,20 +43,21 @@ def _key(override: str) -> str:
     return OverridesParser.create().parse_override(override).key_or_group
 
 
-def _composed(overrides: list[str], paths: dict[str, Any]) -> dict[str, Any]:
-    def resolved(cfg: DictConfig) -> dict[str, Any]:
+def _composed(overrides: list[str], paths: dict[str, Any]) -> DictConfig:
+    """medvol's `train` config composed with `overrides` (checked ones: a recorded override passed
+    `medvol.run.run_record.check_override`), without Hydra's node, `paths` this command's."""
+
+    def placed(cfg: DictConfig) -> DictConfig:
         with open_dict(cfg):
             cfg.pop("hydra", None)
             cfg.paths = paths
-        tree = OmegaConf.to_container(cfg, resolve=True)
-        assert isinstance(tree, dict)
-        return tree
+        return cfg
 
     try:
         if GlobalHydra.instance().is_initialized():
-            return resolved(compose(config_name="train", overrides=overrides))
+            return placed(compose(config_name="train", overrides=overrides))
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR), job_name="train"):
-            return resolved(compose(config_name="train", overrides=overrides))
+            return placed(compose(config_name="train", overrides=overrides))
     except MedvolError:
         raise
     except Exception as err:  # noqa: BLE001 - Hydra's composition errors, each a reason the overrides do not compose
@@ -64,6 +65,12 @@ def _composed(overrides: list[str], paths: dict[str, Any]) -> dict[str, Any]:
         raise MedvolError(
             f"`ckpt_path`: the run's recorded overrides {overrides} do not compose here ({reason})"
         ) from None
+
+
+def _resolved(cfg: DictConfig) -> dict[str, Any]:
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(tree, dict)
+    return tree
 
 
 def _changes(after: Any, before: Any, key: list[str]) -> list[tuple[list[str], Any]]:
@@ -103,8 +110,13 @@ def resumed(cfg: DictConfig) -> tuple[DictConfig, Path | None]:
     own = command_overrides()
     typed = {_key(o) for o in own}
     kept = [o for o in record.overrides if _key(o) not in typed]
+    command = _composed([*kept, *own], paths)
+    if "cascade" in record.config:
+        # A cascade's stages take their settings by merging them into the job's config, through its interpolations
+        # (a stage's `dataset.size` gives its `model.size`): it resumes from its recorded overrides, composed.
+        return command, source
     changes = [
-        change for change in _changes(_composed([*kept, *own], paths), _composed(record.overrides, paths), [])
+        change for change in _changes(_resolved(command), _resolved(_composed(record.overrides, paths)), [])
         if change[0][0] not in UNCOMPARED
     ]
     settled = settings(record, {str(k): str(v) for k, v in paths.items()}, source)

@@ -16,7 +16,7 @@ from datamodules.pipeline.transforms import PlannedNormalized
 from datamodules.sources.nifti import NiftiDataModule
 from medvol.core.build import build_model
 from medvol.core.errors import MedvolError
-from medvol.run.planning import planned, with_run_plan
+from medvol.run.planning import planned
 from medvol.run.predict_config import input_geometry, run_config, window_size
 from medvol.run.predicting import predict
 from medvol.run.training import run
@@ -148,27 +148,32 @@ def tiny_planned_run(tmp_path: Path, data: Path, extra=()) -> list[str]:
     ]
 
 
-def test_a_plan_is_written_once_and_read_back_bit_for_bit_on_resume_and_by_predict(tmp_path):
+def test_a_plan_is_written_once_and_a_resume_and_predict_take_it_from_the_run(tmp_path):
     data = write_subjects(tmp_path / "data", SPACINGS)
     run_dir = tmp_path / "run"
     cfg = compose_cfg(run_dir, tiny_planned_run(tmp_path, data), tiny=False)
     saved_run(run_dir, cfg)
     plan_file = run_dir / "plan.json"
-    plan = json.loads(plan_file.read_text())
-    # A plan no fingerprint would give: a resume and predict must take it from the file, not make a new one.
-    plan["patch_size"], plan["foreground_ratio"] = [8, 8, 4], 0.6
-    text = json.dumps(plan, indent=2) + "\n"
-    plan_file.write_text(text)
+    text = plan_file.read_text()
+    plan = json.loads(text)
     last = run_dir / "checkpoints" / "last.ckpt"
+    # The resume and predict read the run's record, which holds the plan as training applied it; plan.json is kept.
     resumed = compose_cfg(run_dir, [*tiny_planned_run(tmp_path, data), f"ckpt_path={last}", "trainer.max_epochs=2"],
                           tiny=False)
     run(resumed)
     assert plan_file.read_text() == text
-    assert torch.load(last, weights_only=True)["hyper_parameters"]["patch_size"] == [8, 8, 4]
-    predicting = with_run_plan(run_config(str(last)))
-    assert window_size(predicting) == [8, 8, 4]
-    assert predicting.dataset.transforms.foreground_ratio == 0.6
-    assert list(predicting.dataset.transforms.spacing) == plan["spacing"]
+    assert torch.load(last, weights_only=True)["hyper_parameters"]["patch_size"] == plan["patch_size"]
+    recorded = run_config(str(last))
+    assert window_size(recorded) == plan["patch_size"]
+    assert list(recorded.dataset.transforms.spacing) == plan["spacing"]
+    # A run from before records: the plan of its plan.json is applied when its config is converted (a plan no
+    # fingerprint would give, so it must come from the file, not from a new plan).
+    (run_dir / "run.json").unlink()
+    plan["patch_size"], plan["foreground_ratio"] = [8, 8, 4], 0.6
+    plan_file.write_text(json.dumps(plan, indent=2) + "\n")
+    converted = run_config(str(last))
+    assert window_size(converted) == [8, 8, 4]
+    assert converted.dataset.transforms.foreground_ratio == 0.6
     # predict.py end to end: masks on each input's own grid, through the plan's spacing, crop and normalization.
     out = tmp_path / "out"
     predict(predict_cfg(f"ckpt_path={last}", f"input={data / 'sub-3' / 'image.nii.gz'}", f"output_dir={out}"))
