@@ -24,6 +24,7 @@ from medvol.core.errors import MedvolError
 from medvol.run.survival_planning import is_survival_plan, survival_planned, with_survival_plan
 from medvol.run.world import global_rank
 from medvol.volumes.plan import PLAN_FILE, background_values, describe, make_plan, read_plan, write_plan
+from medvol.volumes.survival_plan import describe_survival_plan
 
 log = logging.getLogger("medvol")
 
@@ -107,12 +108,17 @@ def planned(
     if not wants_plan(cfg):
         return (cfg if recorded else with_data_classes(cfg, datamodule)), []
     path = plan_path(cfg)
-    if cfg.model.plan.get("family") == "survival":
-        return survival_planned(cfg, datamodule, path, accelerator, recorded)
+    survival = cfg.model.plan.get("family") == "survival"
+    if recorded:
+        if not path.is_file():
+            return cfg, []
+        plan = read_plan(path)
+        shown = describe_survival_plan(plan) if survival else describe(plan)
+        return cfg, [*shown, f"plan: as recorded in {path} (the run's record holds it, applied)"]
+    if survival:
+        return survival_planned(cfg, datamodule, path, accelerator)
     if path.is_file():
         plan = read_plan(path)
-        if recorded:
-            return cfg, [*describe(plan), f"plan: as recorded in {path} (the run's record holds it)"]
         return with_plan(cfg, plan), [*describe(plan), f"plan: read from {path}"]
     if not hasattr(datamodule, "plan_fingerprint"):
         raise MedvolError(

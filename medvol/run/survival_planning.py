@@ -64,15 +64,13 @@ def voxel_budget(cfg: DictConfig, accelerator: str) -> int:
     return VOXEL_BUDGET["gpu" if accelerator == "gpu" else "cpu"]
 
 
-def survival_planned(cfg: DictConfig, datamodule: pl.LightningDataModule, path: Path, accelerator: str,
-                     recorded: bool = False) -> tuple[DictConfig, list[str]]:
+def survival_planned(cfg: DictConfig, datamodule: pl.LightningDataModule, path: Path, accelerator: str
+                     ) -> tuple[DictConfig, list[str]]:
     """`cfg` with the run's survival plan applied (`path` where the run has one, else made and written there by
-    rank 0), and the plan's lines to print; a config that is the run's record (`recorded`) holds it already."""
+    rank 0), and the plan's lines to print."""
     found = path.is_file()
     if found:
         plan = read_plan(path)
-        if recorded:
-            return cfg, [*describe_survival_plan(plan), f"plan: as recorded in {path} (the run's record holds it)"]
     else:
         if not hasattr(datamodule, "plan_fingerprint") or not hasattr(datamodule, "split_outcomes"):
             raise MedvolError(

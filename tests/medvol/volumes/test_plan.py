@@ -157,22 +157,26 @@ def test_a_plan_is_written_once_and_a_resume_and_predict_take_it_from_the_run(tm
     text = plan_file.read_text()
     plan = json.loads(text)
     last = run_dir / "checkpoints" / "last.ckpt"
-    # The resume and predict read the run's record, which holds the plan as training applied it; plan.json is kept.
-    resumed = compose_cfg(run_dir, [*tiny_planned_run(tmp_path, data), f"ckpt_path={last}", "trainer.max_epochs=2"],
-                          tiny=False)
-    run(resumed)
+    # The resume and predict read the run's record, which holds the plan as training applied it (a patch no
+    # fingerprint would give, so it must come from the record, not from a new plan); plan.json is kept as it was.
+    record = json.loads((run_dir / "run.json").read_text())
+    record["config"]["model"]["patch_size"] = [8, 8, 4]
+    record["config"]["dataset"]["transforms"]["augmentation"]["patch"] = [8, 8, 4]
+    (run_dir / "run.json").write_text(json.dumps(record))
+    # Only the checkpoint and the epochs: the run's own overrides come from its record.
+    run(compose_cfg(run_dir, [f"ckpt_path={last}", "trainer.max_epochs=2"], tiny=False))
     assert plan_file.read_text() == text
-    assert torch.load(last, weights_only=True)["hyper_parameters"]["patch_size"] == plan["patch_size"]
+    assert torch.load(last, weights_only=True)["hyper_parameters"]["patch_size"] == [8, 8, 4]
     recorded = run_config(str(last))
-    assert window_size(recorded) == plan["patch_size"]
+    assert window_size(recorded) == [8, 8, 4]
     assert list(recorded.dataset.transforms.spacing) == plan["spacing"]
     # A run from before records: the plan of its plan.json is applied when its config is converted (a plan no
     # fingerprint would give, so it must come from the file, not from a new plan).
     (run_dir / "run.json").unlink()
-    plan["patch_size"], plan["foreground_ratio"] = [8, 8, 4], 0.6
+    plan["patch_size"], plan["foreground_ratio"] = [8, 8, 8], 0.6
     plan_file.write_text(json.dumps(plan, indent=2) + "\n")
     converted = run_config(str(last))
-    assert window_size(converted) == [8, 8, 4]
+    assert window_size(converted) == [8, 8, 8]
     assert converted.dataset.transforms.foreground_ratio == 0.6
     # predict.py end to end: masks on each input's own grid, through the plan's spacing, crop and normalization.
     out = tmp_path / "out"
