@@ -269,6 +269,10 @@ def test_a_misspelt_key_or_option_is_one_line_naming_the_override():
     assert "vqgan" in option
     # Sweeps and flags are Hydra's to read.
     assert override_error(CONF_DIR, "train", ["-m", "model.optimizer.lr=1e-4,3e-4"]) is None
+    # Each entry point names its own command for listing its keys.
+    for entry in ("predict", "export"):
+        line = override_error(CONF_DIR, entry, ["ckpt_path=x.ckpt", "outptu_dir=out"])
+        assert line.startswith("`outptu_dir=out`: cannot set this key") and f"`python {entry}.py --cfg job`" in line
 
 
 @pytest.mark.slow

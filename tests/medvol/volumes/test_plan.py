@@ -148,7 +148,7 @@ def tiny_planned_run(tmp_path: Path, data: Path, extra=()) -> list[str]:
     ]
 
 
-def test_a_plan_is_written_once_and_a_resume_and_predict_take_it_from_the_run(tmp_path):
+def test_a_plan_is_written_once_and_a_resume_and_predict_take_it_from_the_run(tmp_path, caplog):
     data = write_subjects(tmp_path / "data", SPACINGS)
     run_dir = tmp_path / "run"
     cfg = compose_cfg(run_dir, tiny_planned_run(tmp_path, data), tiny=False)
@@ -164,7 +164,10 @@ def test_a_plan_is_written_once_and_a_resume_and_predict_take_it_from_the_run(tm
     record["config"]["dataset"]["transforms"]["augmentation"]["patch"] = [8, 8, 4]
     (run_dir / "run.json").write_text(json.dumps(record))
     # Only the checkpoint and the epochs: the run's own overrides come from its record.
-    run(compose_cfg(run_dir, [f"ckpt_path={last}", "trainer.max_epochs=2"], tiny=False))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="medvol"):
+        run(compose_cfg(run_dir, [f"ckpt_path={last}", "trainer.max_epochs=2"], tiny=False))
+    assert f"plan: as recorded in {plan_file}" in caplog.text and "plan: written to" not in caplog.text
     assert plan_file.read_text() == text
     assert torch.load(last, weights_only=True)["hyper_parameters"]["patch_size"] == [8, 8, 4]
     recorded = run_config(str(last))
