@@ -95,11 +95,31 @@ def target_problem(target: Any) -> str | None:
     return "is not a class medvol builds from that library"
 
 
+def _binders(node: Any, key: str = "") -> Iterator[str]:
+    """Keys of the nodes that would bind a built object into a callable: a `_partial_` node or an `_args_` list
+    holding a `_target_` (Hydra builds the inner one first and hands it to the outer)."""
+    if isinstance(node, dict):
+        holds = [name for name, value in node.items() if not str(name).startswith("_") or name == "_args_"]
+        if node.get("_partial_") or "_args_" in node:
+            if any(True for name in holds for _ in file_targets(node[name])):
+                yield key or "<root>"
+        for name, value in node.items():
+            yield from _binders(value, f"{key}.{name}" if key else str(name))
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _binders(value, f"{key}[{index}]")
+
+
 def check_file_targets(tree: Any, source: Path | str) -> None:
     """Raise `MedvolError` naming the first `_target_` of `tree` (plain and resolved, or a config node resolved
-    here; read from `source`) that may not be built."""
+    here; read from `source`) that may not be built, or the first node that would bind one into a callable."""
     if isinstance(tree, DictConfig):
         tree = OmegaConf.to_container(tree, resolve=True)
+    for key in _binders(tree):
+        raise MedvolError(
+            f"`{key}` in {source} is a partial (`_partial_`, `_args_`) holding another `_target_`; a config read from "
+            "a run folder binds no built object into a callable (write it on your own command line)"
+        )
     for key, target in file_targets(tree):
         problem = target_problem(target)
         if problem:
