@@ -208,6 +208,14 @@ def test_take_back_removes_only_a_directory_made_for_the_refused_command(tmp_pat
     assert (requeued / "checkpoints" / "last.ckpt").read_bytes() == b"weights"
     assert (requeued / "train.log").read_text() == "[INFO] first attempt\n"
 
+    # A run from before records, resumed and refused after its record was written: the record goes with the command;
+    # a run that held one keeps it.
+    (requeued / "run.json").write_text("{}")
+    assert before.take_back() and not (requeued / "run.json").exists()
+    (requeued / "run.json").write_text("{}")
+    kept = RunDirectoryBefore.record(str(requeued), ".hydra", str(requeued / "train.log"), resumed=True)
+    assert kept.take_back() and (requeued / "run.json").exists()
+
 
 def test_take_back_keeps_a_run_once_the_refused_command_has_saved_a_checkpoint(tmp_path):
     # A run that fails after its first checkpoint is a run: resumable, never removed.
