@@ -121,7 +121,8 @@ def test_an_old_config_with_an_escaped_interpolation_is_refused_once_resolved(at
 def test_an_old_config_of_a_billion_laughs_is_refused_before_it_is_copied(attack):
     run_dir, _, _, scan = attack
     (run_dir / RECORD_FILE).unlink()
-    lines = ["a0: &a0 [x, x]"] + [f"a{k}: &a{k} [*a{k - 1}, *a{k - 1}]" for k in range(1, 40)] + ["model: *a39"]
+    # 2^21 values here (the bound's work shows when it is removed); 40 levels would be 2^40 and never end.
+    lines = ["a0: &a0 [x, x]"] + [f"a{k}: &a{k} [*a{k - 1}, *a{k - 1}]" for k in range(1, 21)] + ["model: *a20"]
     (run_dir / ".hydra" / "config.yaml").write_text("\n".join(lines) + "\n")
     with pytest.raises(MedvolError, match=rf"holds more than {MAX_VALUES:,} values"):
         _predicts(run_dir, scan, run_dir.parent / "out")
@@ -177,14 +178,15 @@ def test_a_checkpoint_whose_class_names_create_a_target_is_refused_by_predict_an
     assert not marker.exists() and not (run_dir.parent / "out").exists() and not (run_dir.parent / "export").exists()
 
 
-def test_a_checkpoint_whose_hyper_parameters_share_one_list_two_to_the_forty_times_is_refused(attack):
+@pytest.mark.parametrize("levels", [21, 40])
+def test_a_checkpoint_whose_hyper_parameters_share_one_list_many_times_is_refused(attack, levels):
     # 40 levels of [x, x] pickle as 40 small lists through the memo; copied as a tree (OmegaConf.create) they are
-    # 2^40 values, and the copy never ends.
+    # 2^40 values, and the copy never ends. 21 levels (2^21 values) shows the bound's work where it is removed.
     run_dir, _, _, scan = attack
     last = run_dir / "checkpoints" / "last.ckpt"
     checkpoint = torch.load(last, weights_only=True)
     shared: list = [0]
-    for _ in range(40):
+    for _ in range(levels):
         shared = [shared, shared]
     checkpoint["hyper_parameters"]["class_names"] = shared
     torch.save(checkpoint, last)
