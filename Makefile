@@ -38,13 +38,15 @@ test-slow: setup  ## the slow tests (sweeps, DDP, SLURM, command-line runs)
 # pyproject.toml allows (pip's eager upgrade), torch pinned to the local CPU wheel, then the fast tests. What a new
 # release breaks shows here before a user meets it; the versions it ran with are printed first.
 NEWEST ?= $(VENV)-newest
+# Another Python: `make test-newest PYTHON=python3.10 TORCH=torch==2.14.1 NEWEST=.venv-310` (PyPI's build of torch).
+TORCH ?= torch==2.13.0
 
 test-newest:  ## the fast tests in a scratch venv (.venv-newest) with the newest versions pyproject.toml allows
 	rm -rf $(NEWEST)
 	$(PYTHON) -m venv $(NEWEST)
 	$(NEWEST)/bin/python -m pip install -q --upgrade pip
-	$(NEWEST)/bin/python -m pip install -q torch==2.13.0
-	$(NEWEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[dev,slurm,sweep,export]" torch==2.13.0
+	$(NEWEST)/bin/python -m pip install -q $(TORCH)
+	$(NEWEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[dev,slurm,sweep,export]" $(TORCH)
 	$(NEWEST)/bin/python -m pip freeze --exclude-editable | tee $(NEWEST)/versions.txt
 	$(TEST_THREADS) $(NEWEST)/bin/python -m pytest -q $(ARGS)
 
