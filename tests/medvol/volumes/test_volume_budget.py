@@ -43,7 +43,11 @@ def test_the_budget_is_a_quarter_of_the_memory_unless_set(monkeypatch):
 
 def test_a_header_of_10_to_the_12_voxels_is_refused_by_every_reader_before_anything_is_allocated(tmp_path):
     path = promising_header(tmp_path / "huge.nii", (10_000, 10_000, 10_000))
-    expected = r"huge\.nii: its header promises 10000x10000x10000 = 1e\+12 voxels \(3\.73e\+03 GiB as float32\)"
+    # Each voxel as read (int16: 2 bytes) and as float32 (4): 6e12 bytes.
+    expected = (
+        r"huge\.nii: its header promises 10000x10000x10000 = 1e\+12 voxels "
+        r"\(5\.59e\+03 GiB as int16 read and as float32\)"
+    )
     for read in (load_nifti, volume_grid, lambda p: LoadVolumed(["image"])({"image": str(p)})):
         with pytest.raises(MedvolError, match=expected) as refused:
             read(path)
