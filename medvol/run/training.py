@@ -143,6 +143,9 @@ def _run(cfg: DictConfig, world: World) -> dict[str, float]:
     cfg, plan_lines = planned(cfg, datamodule, world.accelerator)
     if plan_lines:
         datamodule = build(cfg.dataset)
+        # The plan's spacing (from the data, or a resumed run's plan.json) makes new grids: checked from the headers.
+        if hasattr(datamodule, "preflight"):
+            datamodule.preflight()
     if cfg.get("test") and cfg.get("output_format") == "dicom" and hasattr(datamodule, "subjects"):
         refuse_non_series_subjects(datamodule.subjects())
     model_cfg, lr_lines = scale_learning_rates(cfg.model, str(cfg.get("lr_scaling", "none")), world.size)
