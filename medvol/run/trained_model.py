@@ -25,8 +25,8 @@ def load_module(run: DictConfig, ckpt_path: str, device: torch.device) -> Medvol
     restored = family.restoring_settings(dict(checkpoint.get("hyper_parameters") or {}))
     # Hydra would build a `_target_` inside them: what a checkpoint restores is checked as a run's config is.
     check_file_targets(OmegaConf.create({"model": restored}), Path(ckpt_path))
+    check_checkpoint_shapes(ckpt_path, lambda: build_model(run.model, **restored), checkpoint)
     module: MedvolModule = build_model(run.model, **restored)
-    check_checkpoint_shapes(ckpt_path, module, checkpoint)
     module.on_load_checkpoint(checkpoint)
     module.load_state_dict(checkpoint["state_dict"])
     return module.to(device).eval()
