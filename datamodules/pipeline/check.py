@@ -22,7 +22,7 @@ import numpy as np
 
 from medvol.core.errors import MedvolError
 from medvol.volumes.dicom_io import SeriesGeometry, is_dicom_series, read_series, series_geometry
-from medvol.volumes.volume_budget import check_resampled_size, load_nifti
+from medvol.volumes.volume_budget import VolumeTooLarge, check_resampled_size, load_nifti
 
 LABEL_KEY = "label"
 
@@ -74,8 +74,10 @@ def _read_header(path: Path) -> tuple[_Header | None, str | None]:
     try:
         image = load_nifti(path)
         header = _Header(tuple(int(s) for s in image.shape), np.asarray(image.affine, dtype=np.float64), image)
-    except MedvolError as err:
+    except VolumeTooLarge as err:
         return None, f"too large: {str(err).removeprefix(f'{path}: ')}"
+    except MedvolError as err:
+        return None, f"unusable: {str(err).removeprefix(f'{path}: ')}"
     except Exception as err:  # noqa: BLE001 - every reader failure means the same thing to the user
         return None, f"unreadable: {type(err).__name__}: {str(err)[:100]}"
     expected = _expected_bytes(image)
@@ -194,7 +196,8 @@ def _resampled_too_large(
         try:
             check_resampled_size(path, header.shape, header.affine, spacing, orientation)
         except MedvolError as err:
-            refused[name] = Problem(subject, path, f"too large: {str(err).removeprefix(f'{path}: ')}")
+            kind = "too large" if isinstance(err, VolumeTooLarge) else "unusable"
+            refused[name] = Problem(subject, path, f"{kind}: {str(err).removeprefix(f'{path}: ')}")
     return refused
 
 

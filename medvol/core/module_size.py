@@ -32,12 +32,14 @@ class Mismatch:
 
 
 def on_meta(build: Callable[[], nn.Module], source: str) -> nn.Module:
-    """What `build` makes, built on the meta device; settings that build no network are refused naming `source`."""
+    """What `build` makes, built on the meta device; settings that build no network (or that it refuses) are refused
+    naming `source`."""
     try:
         with torch.device("meta"):
             return build()
-    except MedvolError:
-        raise
+    except MedvolError as err:
+        # A setting the file gave may be what is refused (a checkpoint's class count): the line names the file.
+        raise MedvolError(f"{source}: {err}") from None
     except Exception as err:  # noqa: BLE001 - a wrong type or value in a file's settings, whichever the layer raises
         reason = " ".join(str(err).split())[:120]
         raise MedvolError(f"{source}: its settings do not build the network ({type(err).__name__}: {reason})") from None

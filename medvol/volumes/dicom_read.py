@@ -32,7 +32,7 @@ from medvol.volumes.volume_budget import BUDGET_ENV, GIB, check_file_size, volum
 
 # What a header may inflate to before its pixel data: far beyond any scanner's (tens of kB, a few MB with private
 # sequences or icons), far below what a bomb asks for.
-HEADER_BYTES = 64 * 2**20
+HEADER_BYTES = 32 * 2**20
 # Compressed bytes read per step of the inflation.
 CHUNK_BYTES = 2**20
 # (7FE0,0010) Pixel Data and its float and double float forms: a header read stops at the first.

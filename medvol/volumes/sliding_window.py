@@ -43,6 +43,8 @@ class SlidingWindow:
         output_device: where the whole volume is blended and returned.
         pad_value: per channel of `volume` (or one for all), the value padding takes; None: 0. The extra
             `volumes` are padded with 0.
+        output_channels: the channels the network returns where the caller knows them (a segmentation's classes):
+            the blended output and its weights are held against the memory budget with the padded input.
     """
 
     roi: tuple[int, int, int]
@@ -52,6 +54,7 @@ class SlidingWindow:
     device: torch.device = torch.device("cpu")
     output_device: torch.device = torch.device("cpu")
     pad_value: tuple[float, ...] | None = None
+    output_channels: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in BLEND_MODES:
@@ -89,9 +92,10 @@ class SlidingWindow:
                 )
         short = [max(r - int(s), 0) for r, s in zip(self.roi, volume.shape[2:], strict=True)]
         padded = [int(s) + n for s, n in zip(volume.shape[2:], short, strict=True)]
-        channels = volume.shape[1] + sum(extra.shape[1] for extra in volumes.values())
-        check_volume_size("the sliding window", (volume.shape[0], channels, *padded), "pads the volume to",
-                          before="running it")
+        # The padded input, the blended output (its channels where known) and the blending weights.
+        channels = volume.shape[1] + sum(extra.shape[1] for extra in volumes.values()) + (self.output_channels or 0) + 1
+        check_volume_size("the sliding window", (volume.shape[0], channels, *padded),
+                          "the volume padded to its windows, with the output and its weights, is", before="running it")
         if self.pad_value is not None and any(short):
             return self._padded(short, network, volume, volumes, per_sample)
         if tuple(volume.shape[2:]) == self.roi:

@@ -40,6 +40,10 @@ MEMORY_SHARE = 4
 GIB = 1024**3
 
 
+class VolumeTooLarge(MedvolError):
+    """A volume, or what it becomes, larger than the memory budget (the data doctor lists it as such)."""
+
+
 def machine_memory_bytes() -> int:
     """The physical memory of this machine (16 GiB where the system does not say)."""
     try:
@@ -82,7 +86,7 @@ def _shape_text(shape: Sequence[int]) -> str:
 def _check_bytes(source: str | Path, what: str, voxels: int, per_voxel: int, held: str, before: str) -> None:
     budget = volume_budget_bytes()
     if voxels * per_voxel > budget:
-        raise MedvolError(
+        raise VolumeTooLarge(
             f"{source}: {what} = {voxels:.3g} voxels ({voxels * per_voxel / GIB:.3g} GiB {held}), more than one volume "
             f"may take here ({budget / GIB:.3g} GiB, a quarter of this machine's memory; {BUDGET_ENV} sets another); "
             f"refused before {before}"
