@@ -16,11 +16,12 @@ import pydicom
 import pytest
 import torch
 
+from datamodules.sources.nifti import NiftiDataModule
 from lightning_modules.base import MODEL_KEY
 from lightning_modules.ldm.first_stage import PIECES, VQGAN_CLASS
 from lightning_modules.vqgan.vqgan import VQGAN
 from lightning_modules.xray2ct.earlier_stages import read_stage
-from medvol.core.errors import MedvolError
+from medvol.core.errors import MedvolError, refusal_within
 from medvol.run.data_check import main as check_data
 from medvol.run.predicting import predict
 from medvol.run.trained_model import load_module
@@ -331,3 +332,31 @@ def test_each_attack_ends_in_one_line_and_exit_2_through_its_entry_point(phantom
     assert done.returncode == 2 and len(lines) == 1, lines[-20:]
     assert lines[0].startswith("medvol: error: ") and str(named) in lines[0]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("resampling", ["linear", "nnunet"])
+def test_a_dataset_refuses_a_grid_past_the_budget_before_monais_spacing_allocates_it(tmp_path, resampling):
+    # Past the header checks (a dataset built directly): the transforms themselves refuse before resampling.
+    coarse = scan(tmp_path / "data" / "d" / "image.nii.gz", (32, 32, 32), (120.0, 120.0, 120.0))
+    datamodule = NiftiDataModule(root=str(tmp_path / "data"), transforms={
+        "spacing": [1.0, 1.0, 1.0], "spatial_size": None, "resampling": resampling, "intensity": "none"})
+    dataset = datamodule.build_dataset(datamodule.subjects(), "test")
+    with pytest.raises(RuntimeError) as wrapped, at_most_more(HEADROOM_GIB):
+        dataset[0]
+    refusal = refusal_within(wrapped.value)
+    assert refusal is not None and str(refusal).startswith(f"{coarse}: resampled from 120x120x120 mm voxels to 1x1x1")
+
+
+def test_predict_passes_a_refusal_met_while_reading_pixels_as_its_one_line(phantom_run, tmp_path):
+    # A series whose headers are genuine and one slice's deflated pixel data inflates to 1 GiB: met when its pixels
+    # are read, inside MONAI's transforms, which wrap it in a RuntimeError.
+    folder = tmp_path / "series"
+    facts = write_series(folder, ramp(8, 6, 3))
+    victim = Path(facts["files"][1])
+    deflated_bomb(victim, pydicom.dcmread(victim), 1024**3, in_pixels=True)
+    out = tmp_path / "out"
+    line = one_line_refusal(predict, predict_cfg(f"ckpt_path={phantom_run}/checkpoints/last.ckpt", f"input={folder}",
+                                                 f"output_dir={out}"))
+    assert line.startswith(f"{victim}: its deflated data set") and "bytes of pixels it promises" in line
+    # Met in the loop, past the checks of headers: no output written (predict.log at most, beside them).
+    assert not any(out.rglob("*.nii.gz"))

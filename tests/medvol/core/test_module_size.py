@@ -11,9 +11,12 @@ import torch
 from torch import nn
 
 from lightning_modules.vqgan.vqgan import VQGAN
+from medvol.core.build import build_model
 from medvol.core.errors import MedvolError
 from medvol.core.module_size import Mismatch, check_module_bytes, first_mismatch, on_meta
 from medvol.volumes.volume_budget import BUDGET_ENV, GIB
+from tests.conftest import TINY_MODEL, compose_cfg
+from tests.lightning_modules.ldm.test_ldm import vqgan_ckpt  # noqa: F401 - a fixture
 
 
 def test_a_meta_build_has_every_shape_allocates_nothing_and_draws_no_random_number():
@@ -60,3 +63,25 @@ def test_settings_that_build_no_network_are_refused_naming_the_file():
     # A setting the network refuses itself: its line, naming the file the setting came from.
     with pytest.raises(MedvolError, match=r"^x\.ckpt: `model\.num_classes` is 10; at most 4$"):
         on_meta(refused, "x.ckpt")
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model=vqgan"],
+    ["model=segmentation", "model.num_classes=3", "model.net=dynunet", "model.features=[4,8,8]",
+     "model.kernels=[[3,3,3],[3,3,3],[3,3,1]]", "model.strides=[[1,1,1],[2,2,2],[2,2,1]]", "model.patch_size=[8,8,4]"],
+    ["model=segmentation", "model.regions={WT:[1,2,3],TC:[1,3],ET:[3]}", "model.num_classes=null"],
+    ["model=survival"], ["model=classifier"], ["model=ddpm"], ["model=xray2ct"],
+], ids=lambda overrides: "-".join(o.split("=", 1)[1] for o in overrides[:2]))
+def test_every_familys_genuine_network_builds_on_the_meta_device_with_the_real_builds_shapes(tmp_path, overrides):
+    model = compose_cfg(tmp_path, overrides).model
+    meta = on_meta(lambda: build_model(model), "genuine")
+    real = build_model(model)
+    assert {k: tuple(v.shape) for k, v in meta.state_dict().items()} == {
+        k: tuple(v.shape) for k, v in real.state_dict().items()}
+    assert first_mismatch(meta, real.state_dict()) is None
+
+
+def test_a_latent_models_network_builds_on_the_meta_device_from_its_first_stage(tmp_path, vqgan_ckpt):  # noqa: F811
+    model = compose_cfg(tmp_path, ["model=ldm", f"model.first_stage_ckpt={vqgan_ckpt}", *TINY_MODEL["ldm"]]).model
+    meta, real = on_meta(lambda: build_model(model), "genuine"), build_model(model)
+    assert first_mismatch(meta, real.state_dict()) is None
