@@ -35,6 +35,7 @@ from tests.conftest import ROOT, TINY_COMMON, TINY_MODEL, compose_cfg, subproces
 from tests.dicom_series import pydicom_file, ramp, write_series
 from tests.lightning_modules.ldm.test_ldm import TINY_VQGAN, tiny_ldm, vqgan_ckpt  # noqa: F401 - a fixture
 from tests.lightning_modules.xray2ct.test_earlier_stages import STAGE_ONE, _prefixed, _random_weights
+from tests.medvol.run.test_cross_validation import sweep  # noqa: F401 - a fixture
 from tests.medvol.run.test_predict import predict_cfg, saved_run
 from tests.memory_limit import at_most_more, limited
 from tests.payloads import deflated_bomb, streamed_nifti
@@ -364,3 +365,20 @@ def test_predict_passes_a_refusal_met_while_reading_pixels_as_its_one_line(phant
     assert line.startswith(f"{victim}: its deflated data set") and "bytes of pixels it promises" in line
     # Met in the loop, past the checks of headers: no output written (predict.log at most, beside them).
     assert not any(out.rglob("*.nii.gz"))
+
+
+@pytest.mark.slow
+def test_a_fold_of_a_sweep_whose_record_asks_for_a_billion_classes_is_refused_through_run_dir(
+    sweep, tmp_path  # noqa: F811
+):
+    # The sweep's model takes its classes from its regions' label values: one of a billion names a billion classes.
+    folds = copied_run(sweep, tmp_path / "sweep")
+    record = json.loads((folds / "1" / "run.json").read_text())
+    record["config"]["model"]["regions"]["core"] = [10**9]
+    (folds / "1" / "run.json").write_text(json.dumps(record))
+    out = tmp_path / "out"
+    line = one_line_refusal(predict, predict_cfg(f"run_dir={folds}", "split=test", f"output_dir={out}"))
+    assert line.startswith(f"`ckpt_path`: {folds}/1/checkpoints/")
+    assert line.endswith(": the largest region value + 1 is 1000000001; at most 65536 classes (DICOM-SEG numbers "
+                         "segments in 16 bits)")
+    assert not out.exists()
