@@ -88,12 +88,14 @@ def scan(path: Path, shape=(16, 16, 16), zooms=(6.0, 6.0, 6.0), dtype=np.int16) 
 def test_an_input_of_few_120_mm_voxels_is_refused_before_predict_resamples_it_to_the_training_spacing(
     phantom_run, tmp_path
 ):
-    # 32^3 voxels of 120 mm (under 50 kB) become 621^3 at the model's 6 mm: 14 GB for MONAI's Spacing.
-    coarse = scan(tmp_path / "scans" / "coarse.nii.gz", (32, 32, 32), (120.0, 120.0, 120.0))
+    # 32^3 voxels of 120 mm (under 50 kB) become 621^3 at the model's 6 mm: 14 GB for MONAI's Spacing. A genuine
+    # scan comes first in the folder: refused from the headers, before any subject is predicted.
+    scan(tmp_path / "scans" / "a_genuine.nii.gz")
+    coarse = scan(tmp_path / "scans" / "b_coarse.nii.gz", (32, 32, 32), (120.0, 120.0, 120.0))
     assert coarse.stat().st_size < 50_000
     out = tmp_path / "out"
-    line = one_line_refusal(predict, predict_cfg(f"ckpt_path={phantom_run}/checkpoints/last.ckpt", f"input={coarse}",
-                                                 f"output_dir={out}"))
+    line = one_line_refusal(predict, predict_cfg(f"ckpt_path={phantom_run}/checkpoints/last.ckpt",
+                                                 f"input={coarse.parent}", f"output_dir={out}"))
     assert line.startswith(f"{coarse}: resampled from 120x120x120 mm voxels to 6x6x6 mm it becomes 621x621x621 = ")
     assert f"({BUDGET_GIB} GiB, a quarter" in line and line.endswith("refused before resampling it")
     assert not out.exists()
