@@ -263,7 +263,7 @@ LEARNS_WT_DICE = 0.56
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_the_planned_default_learns_on_real_anatomy_where_the_old_default_did_not(tmp_path):
-    pytest.importorskip("nilearn")
+    pytest.importorskip("nilearn.datasets")
     from datamodules.sources.brain_lesions import write_brain_lesions
 
     root = write_brain_lesions(tmp_path / "data", 16, (4.0, 4.0, 4.0))
