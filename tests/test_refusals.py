@@ -247,7 +247,7 @@ def _saved(tmp_path: Path, name: str, drop: str = "", **changes) -> Path:
 
 def check_checkpoint(ckpt_path: str, model: torch.nn.Module) -> None:
     """Both checks, as a run makes them: the family before the model is built, then the shapes."""
-    check_checkpoint_shapes(ckpt_path, model, check_checkpoint_family(ckpt_path, class_path(model)))
+    check_checkpoint_shapes(ckpt_path, lambda: model, check_checkpoint_family(ckpt_path, class_path(model)))
 
 
 def test_each_checkpoint_that_cannot_resume_this_model_is_named(tmp_path):

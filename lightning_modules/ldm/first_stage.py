@@ -1,8 +1,9 @@
 """The frozen first stage of latent diffusion: a trained medvol VQ-GAN's encoder, codebook and decoder.
 
 Read from a VQ-GAN checkpoint through its public pieces (`encoder`, `codebook`, `decoder`), without the
-discriminators. The settings that shape the networks (`FIRST_STAGE_SETTINGS`) are kept beside the
-weights, so a latent model's checkpoint rebuilds its first stage without the VQ-GAN's file.
+discriminators; its settings are checked against its weights' shapes and the memory budget before the network
+is allocated (`medvol.core.module_size`). The settings that shape the networks (`FIRST_STAGE_SETTINGS`) are kept
+beside the weights, so a latent model's checkpoint rebuilds its first stage without the VQ-GAN's file.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from lightning_modules.vqgan.codebook import EMACodebook
 from lightning_modules.vqgan.vq_autoencoder import Decoder3d, Encoder3d
 from medvol.core.checkpoint_read import load_checkpoint
 from medvol.core.errors import MedvolError
+from medvol.core.module_size import check_module_bytes, first_mismatch, on_meta
 
 VQGAN_CLASS = "lightning_modules.vqgan.vqgan.VQGAN"
 FIRST_STAGE_SETTINGS = ("in_channels", "embedding_dim", "n_codes", "n_hiddens", "downsample")
@@ -47,10 +49,28 @@ def read_first_stage(path: str | None) -> tuple[dict[str, Any], dict[str, torch.
             f"`model.first_stage_ckpt`: {file} is a checkpoint of {saved or 'an unknown model'}, not of the VQ-GAN "
             f"({VQGAN_CLASS}); expected {EXPECTED}"
         )
-    hyper = checkpoint.get("hyper_parameters") or {}
+    hyper, state = checkpoint.get("hyper_parameters"), checkpoint.get("state_dict")
+    hyper, state = (hyper if isinstance(hyper, dict) else {}), (state if isinstance(state, dict) else {})
     settings = {key: _plain(hyper[key]) for key in FIRST_STAGE_SETTINGS if key in hyper}
-    weights = {k: v for k, v in checkpoint["state_dict"].items() if k.split(".")[0] in PIECES}
+    weights = {k: v for k, v in state.items() if str(k).split(".")[0] in PIECES}
+    check_first_stage(file, settings, weights)
     return settings, weights
+
+
+def check_first_stage(file: Path, settings: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
+    """Refuse, before any of it is allocated, a first stage whose settings build other shapes than its weights
+    have (`n_codes=2**28` beside a 512-code codebook) or more than the memory budget holds."""
+    source = f"`model.first_stage_ckpt`: {file}"
+    module = on_meta(lambda: FirstStage(**settings), source)
+    mismatch = first_mismatch(module, weights)
+    if mismatch is not None:
+        held = f"holds {mismatch.key} of shape {mismatch.saved}" if mismatch.saved is not None else (
+            f"lacks {mismatch.key}")
+        raise MedvolError(
+            f"{source} {held}, but its settings ({', '.join(f'{k}={v}' for k, v in settings.items())}) build "
+            f"{mismatch.key} of shape {mismatch.built}; expected {EXPECTED}"
+        )
+    check_module_bytes(module, source)
 
 
 class FirstStage(nn.Module):

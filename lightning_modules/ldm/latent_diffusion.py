@@ -42,6 +42,7 @@ from lightning_modules.ldm.positions import latent_coordinates
 from lightning_modules.ldm.spacing_embedding import with_spacing_embedding
 from lightning_modules.vqgan.codebook import snapped_to_codes
 from medvol.core.errors import MedvolError
+from medvol.volumes.volume_budget import check_volume_size
 
 
 def voxel_spacings(affine: torch.Tensor) -> torch.Tensor:
@@ -458,6 +459,10 @@ class LatentDiffusion(DiffusionModule):
                     f"`model.sample_size` {size} must be three multiples of {multiple} (the first stage's downsampling "
                     "times the denoiser's halvings)"
                 )
+            # The size may come from the checkpoint (its training volume's): a volume like any other.
+            where = "`model.sample_size`" if self.hparams.sample_size else "the training size the checkpoint records"
+            check_volume_size(where, [len(names), self.first_stage.in_channels, *size], "asks for samples of",
+                              before="generating them")
             latent = [s // d for s, d in zip(size, self.first_stage.downsample, strict=True)]
             shape = [self.first_stage.embedding_dim, *latent]
             conditioning = self.conditioning(None, spacing, self.positions({}, [len(names), *shape]))

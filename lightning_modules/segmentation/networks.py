@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -17,7 +18,7 @@ def size_multiple(name: str, features: Sequence[int], strides: Sequence[Sequence
     if name == "swinunetr":
         return [32] * 3
     if name == "dynunet" and strides:
-        return [int(torch.tensor([s[axis] for s in strides]).prod()) for axis in range(3)]
+        return [math.prod(int(s[axis]) for s in strides) for axis in range(3)]
     return [2 ** (len(features) - 1)] * 3
 
 

@@ -30,6 +30,9 @@ QUIET_ON_CONSOLE = (
     "Trainer already configured with model summary callbacks",
     "LOCAL_RANK:",
 )
+# Loggers whose warnings are chatter on medvol's console: MONAI's loader builds a GPU DICOM reader medvol never uses
+# and warns, at every loader, that its decoder is missing (a refused input's one line would come second).
+QUIET_LOGGERS = ("monai.data.nvimgcodec_pydicom_plugin",)
 
 
 class ConsoleFilter(logging.Filter):
@@ -39,6 +42,8 @@ class ConsoleFilter(logging.Filter):
         message = record.getMessage()
         if record.name == "py.warnings":
             return "site-packages" not in message
+        if record.name in QUIET_LOGGERS and record.levelno < logging.ERROR:
+            return False
         return not (record.levelno < logging.WARNING and any(text in message for text in QUIET_ON_CONSOLE))
 
 

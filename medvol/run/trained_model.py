@@ -26,8 +26,8 @@ def load_module(run: DictConfig, ckpt_path: str, device: torch.device) -> Medvol
     # Hydra would build a `_target_` inside them: what a checkpoint restores (plain data, `load_checkpoint` checked it)
     # is checked as a run's record is.
     check_file_targets({"model": restored}, Path(ckpt_path))
+    check_checkpoint_shapes(ckpt_path, lambda: build_model(run.model, **restored), checkpoint)
     module: MedvolModule = build_model(run.model, **restored)
-    check_checkpoint_shapes(ckpt_path, module, checkpoint)
     module.on_load_checkpoint(checkpoint)
     module.load_state_dict(checkpoint["state_dict"])
     return module.to(device).eval()

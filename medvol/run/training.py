@@ -149,11 +149,14 @@ def _run(cfg: DictConfig, world: World, recorded: bool = False) -> dict[str, flo
     cfg, plan_lines = planned(cfg, datamodule, world.accelerator, recorded)
     if plan_lines:
         datamodule = build(cfg.dataset)
+        # The plan's spacing (from the data, or a resumed run's plan.json) makes new grids: checked from the headers.
+        if hasattr(datamodule, "preflight"):
+            datamodule.preflight()
     if cfg.get("test") and cfg.get("output_format") == "dicom" and hasattr(datamodule, "subjects"):
         refuse_non_series_subjects(datamodule.subjects())
     model_cfg, lr_lines = scale_learning_rates(cfg.model, str(cfg.get("lr_scaling", "none")), world.size)
+    check_checkpoint_shapes(cfg.get("ckpt_path"), lambda: build_model(model_cfg))
     module: MedvolModule = build_model(model_cfg)
-    check_checkpoint_shapes(cfg.get("ckpt_path"), module)
     if hasattr(module, "cached_transform") and hasattr(datamodule, "add_cached_transform"):
         # A latent model's encoder runs once per subject inside the dataset's cache (docs/ldm.md).
         datamodule.add_cached_transform(*module.cached_transform())
