@@ -21,7 +21,7 @@ from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
 
 from lightning_modules.base import DYNAMIC_AXES
-from lightning_modules.diffusion.checkpointing import checkpoint_blocks, unet_blocks
+from lightning_modules.diffusion.checkpointing import checkpoint_unet
 from lightning_modules.diffusion.diffusion_module import Conditioning, DiffusionModule
 from lightning_modules.diffusion.generation_metrics import (
     generation_metrics,
@@ -44,7 +44,7 @@ class ConditionalDiffusion(DiffusionModule):
         image_channels: channels of the generated volume (`image`).
         cond_channels: channels of the batch's `cond` (0: the dataset gives none).
         task: `translation`, `denoising`, `super_resolution` or `unconditional`.
-        activation_checkpointing: recompute the UNet blocks' activations in the backward pass.
+        activation_checkpointing: recompute each residual and attention block's activations in the backward pass.
         noise_std: std of the Gaussian noise that makes a denoising condition from the image.
         downsample_factor: pooling factor that makes a super-resolution condition from the image.
         image_key: batch key of the target volume.
@@ -97,7 +97,7 @@ class ConditionalDiffusion(DiffusionModule):
             network(in_channels=self.cond_channels + self.image_channels, out_channels=self.image_channels)
         )
         if activation_checkpointing:
-            checkpoint_blocks(unet_blocks(self.network))
+            checkpoint_unet(self.network)
         generation = generation_metrics(mmd_size, diversity_size, ssim_kernel_size, fid_network, fid_network_2d)
         self.set_metrics(ssim_kernel_size, loss=MeanMetric(), **generation)
 
