@@ -52,6 +52,8 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
 
@@ -72,6 +74,7 @@ PRESETS = {
         "generate": [8, 8, 8],
         "decode": [32, 32, 32],
         "window": None,
+        "checkpointing": False,
     },
     "ctpa": {
         "network": {"channels": [128, 256, 512], "attention_levels": [False, False, True], "num_res_blocks": 2,
@@ -80,6 +83,7 @@ PRESETS = {
         "generate": [128, 128, 152],
         "decode": [128, 128, 152],
         "window": [64, 64, 64],
+        "checkpointing": True,
     },
 }
 SAMPLERS = {"fast_ddpm_10": {"sampler": "ddim", "timesteps": 10, "timestep_spacing": "non_uniform"},
@@ -88,9 +92,15 @@ SAMPLERS = {"fast_ddpm_10": {"sampler": "ddim", "timesteps": 10, "timestep_spaci
 SLAB_ELEMENTS = 2**26
 
 
-def build(preset: str, device: torch.device, **settings) -> LatentDiffusion:
-    network = partial(DiffusionModelUNet, spatial_dims=3, **PRESETS[preset]["network"])
-    module = LatentDiffusion(network, first_stage_settings=FIRST_STAGE, ema_decay=None, **settings).to(device)
+def build(preset: str, device: torch.device, fused: bool = True, checkpointing: bool | None = None,
+          **settings) -> LatentDiffusion:
+    """The preset's latent model with random weights: fused attention (MONAI's explicit attention matrix with
+    `fused=False`) and the preset's activation checkpointing unless `checkpointing` says otherwise."""
+    network = partial(DiffusionModelUNet, spatial_dims=3, use_flash_attention=fused, **PRESETS[preset]["network"])
+    if checkpointing is None:
+        checkpointing = PRESETS[preset]["checkpointing"]
+    module = LatentDiffusion(network, first_stage_settings=FIRST_STAGE, ema_decay=None,
+                             activation_checkpointing=checkpointing, **settings).to(device)
     module.scale_factor.fill_(1.0)
     return module
 
@@ -114,23 +124,31 @@ def autocast(device: torch.device) -> torch.autocast:
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-def train_row(preset: str, latent: list[int], device: torch.device, repeats: int) -> dict:
-    module = build(preset, device)
+def training_step(module: LatentDiffusion, optimizer: torch.optim.Optimizer, images: torch.Tensor,
+                  autocast: Callable[[], AbstractContextManager]) -> None:
+    """One training step as `LatentDiffusion.training_step` takes it (encode, the diffusion loss), then backward and
+    an Adam step; the forward under `autocast()`."""
+    with autocast():
+        z0 = module.latents(images)
+        t = module.draw_timesteps(1, images.device)
+        output, target, _ = module.training_prediction(module.network, z0, t, module.noise_like(z0),
+                                                       module.conditioning(None, None))
+        loss = module.regression_loss(output, target)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def train_row(preset: str, latent: list[int], device: torch.device, repeats: int, fused: bool = True,
+              checkpointing: bool | None = None) -> dict:
+    module = build(preset, device, fused, checkpointing)
     optimizer = torch.optim.Adam(module.network.parameters(), lr=1e-4)
     images = torch.randn(1, 1, *[4 * s for s in latent], device=device)
     start = peak_start(device)
     times = []
     for _ in range(repeats + 1):
         began = time.perf_counter()
-        with autocast(device):
-            z0 = module.latents(images)
-            t = module.draw_timesteps(1, device)
-            output, target, _ = module.training_prediction(module.network, z0, t, module.noise_like(z0),
-                                                           module.conditioning(None, None))
-            loss = module.regression_loss(output, target)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        training_step(module, optimizer, images, partial(autocast, device))
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - began)

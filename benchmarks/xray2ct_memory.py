@@ -48,7 +48,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +63,6 @@ from lightning_modules.xray2ct.crops import coordinate_channels  # noqa: E402
 from lightning_modules.xray2ct.denoiser import NETWORK_SETTINGS, ViewConditionedDenoiser  # noqa: E402
 from lightning_modules.xray2ct.module import XrayToCT, as_size  # noqa: E402
 from medvol.core.build import RUN_KEYS  # noqa: E402
-from medvol.core.plain_values import plain  # noqa: E402
 
 # Set here, not taken from the preset: the stage, the benchmark's sizes, the earlier stages, what the preset
 # leaves to the data or the cascade runner, and the run's keys that are no constructor argument (`RUN_KEYS`).
@@ -123,19 +124,33 @@ def crop_edge(stage: int) -> int:
     return volume_of(stage) if stage == 1 else min(as_size(settings["crop_size"])[0], volume_of(stage))
 
 
-def build(
-    stage: int, reduce: int, checkpointing: bool, steps: int, folder: Path, overlap: float | None = None
-) -> XrayToCT:
-    """Stage `stage` over the random-weight checkpoints of the stages before it in `folder` (written on first use)."""
-    previous = []
-    for earlier in range(1, stage):
-        path = folder / f"stage{earlier}.ckpt"
-        if not path.exists():
-            module = build(earlier, reduce, checkpointing, steps, folder, overlap)
-            torch.save({"hyper_parameters": plain(dict(module.hparams)), "state_dict": module.state_dict()}, path)
-        previous.append(str(path))
+def build(stage: int, reduce: int, checkpointing: bool, steps: int, overlap: float | None = None) -> XrayToCT:
+    """Stage `stage` with random weights, its earlier stages built in memory from their settings (as a stage restored
+    from its checkpoint rebuilds them: `previous_settings`), none written to disk and read back."""
+    earlier = [stage_settings(k, reduce, checkpointing, steps, overlap) for k in range(1, stage)]
     torch.manual_seed(stage)
-    return XrayToCT(**stage_settings(stage, reduce, checkpointing, steps, overlap), previous_stages=previous)
+    return XrayToCT(**stage_settings(stage, reduce, checkpointing, steps, overlap), previous_settings=earlier)
+
+
+def training_inputs(module: XrayToCT, stage: int, reduce: int, batch: int, device: torch.device) -> dict[str, Any]:
+    """A training batch of stage `stage`: random CTs of its (reduced) volume and random radiographs."""
+    size = volume_of(stage) // reduce
+    return {
+        "image": torch.rand(batch, 1, size, size, size, device=device) * 2 - 1,
+        "xray": torch.rand(batch, len(module.hparams.views), *module.hparams.xray_size, device=device) * 2 - 1,
+        "affine": torch.eye(4, device=device).expand(batch, 4, 4),
+    }
+
+
+def training_step(module: XrayToCT, optimizer: torch.optim.Optimizer, inputs: dict[str, Any],
+                  autocast: Callable[[], AbstractContextManager]) -> None:
+    """`XrayToCT.training_step` (the crop cut, the degraded condition, the diffusion loss) under `autocast()`, then
+    backward and an Adam step."""
+    with autocast():
+        loss = module.training_step(inputs, 0)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -149,28 +164,21 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_step(args: argparse.Namespace, device: torch.device, folder: Path) -> dict[str, Any]:
-    module = build(args.stage, args.reduce, args.checkpointing, args.steps, folder).to(device)
+def train_step(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    module = build(args.stage, args.reduce, args.checkpointing, args.steps).to(device)
     module.log = module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
     optimizer = torch.optim.Adam(module.network.parameters(), lr=1e-4)
-    size, crop = volume_of(args.stage), crop_edge(args.stage)
+    crop = crop_edge(args.stage)
     batch = args.batch or max(1, STAGES[args.stage - 1][1] // args.batch_divisor)
-    views = list(module.hparams.xray_size)
-    inputs = {
-        "image": torch.rand(batch, 1, *[size // args.reduce] * 3, device=device) * 2 - 1,
-        "xray": torch.rand(batch, len(module.hparams.views), *views, device=device) * 2 - 1,
-        "affine": torch.eye(4, device=device).expand(batch, 4, 4),
-    }
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    inputs = training_inputs(module, args.stage, args.reduce, batch, device)
+    autocast = partial(torch.autocast, "cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext
 
     def step() -> None:
-        with autocast:
-            loss = module.training_step(inputs, 0)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        training_step(module, optimizer, inputs, autocast)
 
     if device.type == "cuda":
+        # As hardware=gpu trains (trainer.benchmark): cuDNN picks its fastest kernels for the fixed crop.
+        torch.backends.cudnn.benchmark = True
         torch.cuda.reset_peak_memory_stats(device)
     before = peak_memory_mib(device)
     step()
