@@ -18,6 +18,7 @@ ranks), and kept in the checkpoint as a buffer.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -40,9 +41,12 @@ from lightning_modules.diffusion.generation_metrics import (
 from lightning_modules.diffusion.subject_noise import SubjectNoise, subject_names
 from lightning_modules.ldm.first_stage import EncodeLatent, FirstStage, read_first_stage, weights_digest
 from lightning_modules.ldm.positions import latent_coordinates
+from lightning_modules.ldm.slab_decoding import fits_on_device
 from lightning_modules.ldm.spacing_embedding import with_spacing_embedding
 from lightning_modules.vqgan.codebook import snapped_to_codes
 from medvol.core.errors import MedvolError
+
+log = logging.getLogger("medvol")
 
 
 def voxel_spacings(affine: torch.Tensor) -> torch.Tensor:
@@ -96,7 +100,9 @@ class LatentDiffusion(DiffusionModule):
         decode_slab_elements: decode layer by layer in depth slabs of at most this many values on the
             device (`slab_decoding`: exactly the whole-volume output, for volumes whose decoder
             activations do not fit at once); null decodes the whole volume in one call.
-        decode_offload: with slabs, keep each layer's whole activation on the CPU (only slabs on the GPU).
+        decode_offload: with slabs, keep each layer's whole activation in pinned host memory (only slabs on the GPU);
+            null: only on a CUDA device whose free memory is less than the whole activations need
+            (`slab_decoding.decoding_bytes`).
         sample_size: image size (D, H, W) of unconditional samples (null: the training volume's).
         mmd_size: volumes are pooled to at most this many voxels per axis for the MMD and the training-set
             metrics (`generation_metrics`).
@@ -122,7 +128,7 @@ class LatentDiffusion(DiffusionModule):
         activation_checkpointing: bool = False,
         decode_quantized: bool = True,
         decode_slab_elements: int | None = None,
-        decode_offload: bool = False,
+        decode_offload: bool | None = None,
         sample_size: Sequence[int] | None = None,
         mmd_size: int = 16,
         diversity_size: int = 32,
@@ -220,11 +226,33 @@ class LatentDiffusion(DiffusionModule):
     def images(self, latents: torch.Tensor) -> torch.Tensor:
         """Images decoded from scaled latents (snapped to the codebook with `decode_quantized`), in [-1, 1]."""
         slab = self.hparams.decode_slab_elements
+        slab = None if slab is None else int(slab)
+        offload = self.decode_offload(latents, slab)
+        report = None
+        if self.progress and slab is not None:
+            log.info("decoding a %s latent by depth slabs of %d values, whole activations %s",
+                     "x".join(map(str, latents.shape[2:])), slab, "in pinned host memory" if offload else
+                     f"on {latents.device}")
+
+            def report(part: str, slabs: int) -> None:
+                log.info("decoding: %s in %d slabs", part, slabs)
+
         decoded = self.first_stage.decode(
-            latents / self.scale, bool(self.hparams.decode_quantized), None if slab is None else int(slab),
-            bool(self.hparams.decode_offload),
+            latents / self.scale, bool(self.hparams.decode_quantized), slab, offload, report
         )
         return decoded.clamp(-1.0, 1.0)
+
+    def decode_offload(self, latents: torch.Tensor, slab: int | None) -> bool:
+        """Whether decoding keeps its whole activations in host memory: `decode_offload` where set, else only on a
+        CUDA device whose free memory (`torch.cuda.mem_get_info`, plus what PyTorch's allocator holds unused) is
+        less than they need (`slab_decoding.decoding_bytes`)."""
+        if self.hparams.decode_offload is not None:
+            return bool(self.hparams.decode_offload)
+        if slab is None or latents.device.type != "cuda":
+            return False
+        free, _ = torch.cuda.mem_get_info(latents.device)
+        free += torch.cuda.memory_reserved(latents.device) - torch.cuda.memory_allocated(latents.device)
+        return not fits_on_device(self.first_stage.decoder, latents.shape, slab, free)
 
     @torch.no_grad()
     def set_scale_factor(self, batches: Any) -> None:

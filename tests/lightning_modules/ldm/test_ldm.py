@@ -343,6 +343,13 @@ def test_predict_with_no_input_writes_n_samples_at_the_spacing_asked_in_hounsfie
         moved.rename(first_stage)
     written = sorted(p.name for p in out.glob("*.nii.gz"))
     assert written == ["sample_0.nii.gz", "sample_1.nii.gz"] and (out / "predict.log").is_file()
+    # Its progress: each draw's walk (every step of Fast-DDPM's ten, on the whole 4^3 latent), its decoding by slabs
+    # (the decoder's parts), and at the end the peak memory.
+    log = (out / "predict.log").read_text()
+    assert log.count("sampling 4x4x4: step 1/10, the whole volume") == 2 and log.count("step 10/10") == 2
+    assert log.count("decoding a 4x4x4 latent by depth slabs of 67108864 values, whole activations on cpu") == 2
+    assert "decoding: conv_in on 4x4x4 in 1 slabs" in log and "decoding: out on 16x16x16 in 1 slabs" in log
+    assert "peak host memory:" in log.splitlines()[-1]
     images = [nib.load(str(out / name)) for name in written]
     for image in images:
         assert image.shape == (16, 16, 16)
