@@ -449,7 +449,7 @@ class DiffusionModule(MedvolModule, ABC):
         if step not in (1, steps) and step % max(1, steps // 10):
             return
         grid = "x".join(map(str, shape[2:]))
-        calls = "the whole volume" if window is None else (
+        calls = "the whole volume" if window is None or tuple(shape[2:]) == window.roi else (
             f"{window.windows(shape)} windows of {'x'.join(map(str, window.roi))}, {window.batch_size} a call")
         log.info("sampling %s: step %d/%d, %s", grid, step, steps, calls)
 

@@ -159,9 +159,11 @@ def run_in_slabs(
     """`module(x)` computed layer by layer in depth slabs of at most `elements` values on `device`, each layer's
     whole activation kept where `x` is; `report(part, slabs)` hears of each of a decoder's parts as it starts."""
     if isinstance(module, Decoder3d):
-        for name, part in (("conv_in", module.conv_in), ("up", module.up), ("out", module.out)):
-            if report is not None:
-                report(f"{name} on {x.shape[2]}x{x.shape[3]}x{x.shape[4]}", -(-x.shape[2] // slab_rows(x, elements)))
+        parts = [("conv_in", module.conv_in), *(("upsampling", layer) for layer in module.up), ("out", module.out)]
+        for name, part in parts:
+            # Each part that starts a resolution: the input convolution, each upsampling, the output convolution.
+            if report is not None and (name != "upsampling" or isinstance(part, nn.ConvTranspose3d)):
+                report(f"{name} from {'x'.join(map(str, x.shape[2:]))}", -(-x.shape[2] // slab_rows(x, elements)))
             x = run_in_slabs(part, x, elements, device)
         return x
     if isinstance(module, nn.Sequential):
