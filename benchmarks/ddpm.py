@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/ddpm.py sampling [--size 64] [--channels 8 16]
     .venv/bin/python benchmarks/ddpm.py memory [--size 64] [--device cpu|cuda] [--precision 32|bf16-mixed]
-        [--checkpointing] [--repeats 5] [--json FILE]
+        [--checkpointing] [--low-precision-norm] [--repeats 5] [--json FILE]
     .venv/bin/python benchmarks/ddpm.py quality [--epochs 24] [--size 16] [hydra overrides ...]
 
 `sampling` times one volume through the DDIM update over Fast-DDPM's 10-step set and through
@@ -55,12 +55,14 @@ def network_factory(channels: list[int], attention: list[bool], groups: int, hea
 
 def build_module(args: argparse.Namespace, **kwargs) -> ConditionalDiffusion:
     """model=ddpm's module with the command's network: fused attention as model=ddpm has it (MONAI's explicit
-    attention with `--explicit-attention`), activation checkpointing with `--checkpointing`."""
+    attention with `--explicit-attention`), activation checkpointing with `--checkpointing`, GroupNorm in bf16 under
+    mixed precision with `--low-precision-norm` (both as experiment=fast_ddpm_brats sets them)."""
     attention = [False] * (len(args.channels) - 1) + [args.attention]
     network = network_factory(args.channels, attention, args.groups, args.head_channels,
                               not args.explicit_attention)
     return ConditionalDiffusion(
-        network, image_channels=1, cond_channels=1, activation_checkpointing=args.checkpointing, **kwargs
+        network, image_channels=1, cond_channels=1, activation_checkpointing=args.checkpointing,
+        low_precision_norm=args.low_precision_norm, **kwargs
     )
 
 
@@ -137,7 +139,8 @@ def memory(args: argparse.Namespace) -> None:
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     parameters = sum(p.numel() for p in build_module(args).network.parameters())
     print(f"one training step, batch {args.batch} at {args.size}^3, {args.device}, {args.precision}, "
-          f"checkpointing {args.checkpointing}, network channels {args.channels} ({parameters / 1e6:.2f} M parameters)")
+          f"checkpointing {args.checkpointing}, bf16 GroupNorm {args.low_precision_norm}, network channels "
+          f"{args.channels} ({parameters / 1e6:.2f} M parameters)")
     if "peak_gib" in figures:
         print(f"peak GPU memory: {figures['peak_gib']:.2f} GiB")
     else:
@@ -147,7 +150,8 @@ def memory(args: argparse.Namespace) -> None:
     if args.json:
         args.json.write_text(json.dumps({
             "size": args.size, "batch": args.batch, "device": args.device, "precision": args.precision,
-            "checkpointing": args.checkpointing, "channels": args.channels, "parameters": parameters, **figures,
+            "checkpointing": args.checkpointing, "low_precision_norm": args.low_precision_norm,
+            "channels": args.channels, "parameters": parameters, **figures,
         }, indent=1))
 
 
@@ -219,6 +223,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", default="32", choices=["32", "bf16-mixed"])
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--low-precision-norm", action="store_true", help="GroupNorm in bf16 under bf16-mixed")
     parser.add_argument("--explicit-attention", action="store_true",
                         help="MONAI's explicit attention matrix instead of fused attention (model=ddpm's default)")
     parser.add_argument("--repeats", type=int, default=0, help="memory: timed steps after the first (0: the first)")

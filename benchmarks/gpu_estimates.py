@@ -49,7 +49,12 @@ GIB = 2**30
 GB = 1e9 / GIB  # one GB in GiB: the targets are in GB
 # The card of the measured figures (the 2026-11-27 round): what "out of memory" is held against.
 H200_GIB = 139.8
+# Step times the round measured on it (s): the CTPA LDM's at 64^3 latents (MONAI's attention), the X-ray-to-CT
+# stage 3 step at batch 4. Their rows' FLOPs over these are the rates a GPU ran these networks at.
+MEASURED_STEP_S = {"ldm-64": 0.146, "xray2ct-stage3": 0.348}
 CPU = torch.device("cpu")
+# The CTPA first stage's latent channels (benchmarks/ldm.py's FIRST_STAGE).
+FIRST_STAGE_CHANNELS = 8
 
 # What a row's setup returns: every tensor allocated before the benchmark resets its peak (weights, buffers,
 # inputs), and one step.
@@ -87,16 +92,18 @@ def ldm_setup(latent: int, fused: bool, checkpointing: bool, reduce: int, mode: 
     return [*module_tensors(module), images], partial(ldm.training_step, module, optimizer, images, gpu_autocast)
 
 
-def ddpm_setup(fused: bool, per_block: bool, reduce: int, mode: FakeTensorMode) -> Setup:
+def ddpm_setup(fused: bool, per_block: bool, low_precision_norm: bool, reduce: int, mode: FakeTensorMode) -> Setup:
     """`benchmarks/ddpm.py memory`'s Fast-DDPM seed step: 128^3, the BraTS seed's network (32-64-128-128, attention
     at the coarsest level), bf16, activation checkpointing; the loss, backward, Adam and the EMA update. The round
     of 2026-11-27 ran MONAI's explicit attention and checkpointed whole down, middle and up blocks
-    (`per_block=False`); medvol checkpoints each residual and attention block now."""
+    (`per_block=False`); medvol checkpoints each residual and attention block now, and experiment=fast_ddpm_brats
+    runs its GroupNorms in bf16 (`low_precision_norm`)."""
     from benchmarks import ddpm
     from lightning_modules.diffusion.checkpointing import checkpointed
 
     args = argparse.Namespace(channels=[32, 64, 128, 128], attention=True, groups=32, head_channels=32,
-                              explicit_attention=not fused, checkpointing=per_block)
+                              explicit_attention=not fused, checkpointing=per_block,
+                              low_precision_norm=low_precision_norm)
     module = ddpm.build_module(args)
     if not per_block:
         network = module.network
@@ -177,6 +184,94 @@ def vqgan_setup(batch: int, reduce: int, mode: FakeTensorMode) -> Setup:
     return [*module_tensors(model), patches], step
 
 
+def ldm_sampling_setup(reduce: int, mode: FakeTensorMode) -> Setup:
+    """One denoising call of the CTPA generation's walk (`benchmarks/ldm.py`'s generate row): the EMA-less network on
+    a batch of the preset's sampling windows (4 of 64^3 latents, `model.sampling_window_batch_size`), no gradient,
+    beside the whole 128x128x152 latent; the walk makes `sampling_calls()` of them."""
+    from benchmarks import ldm
+
+    module = as_fake(ldm.build("ctpa", CPU).eval(), mode)
+    window, latent = ldm.PRESETS["ctpa"]["window"], ldm.PRESETS["ctpa"]["generate"]
+    channels = FIRST_STAGE_CHANNELS
+    with mode:
+        whole = torch.randn(1, channels, *[s // reduce for s in latent])
+        windows = torch.randn(module.sampling_window_batch_size, channels, *[w // reduce for w in window])
+        coordinates = torch.rand(windows.shape[0], 3, *windows.shape[2:])
+        spacing = torch.ones(windows.shape[0], 3)
+        t = torch.full((windows.shape[0],), 500, dtype=torch.long)
+
+    def step() -> None:
+        with torch.no_grad(), gpu_autocast():
+            module.network_output(module.network, windows, t, spacing=spacing if module.hparams.spacing_conditioning
+                                  else None, coordinates=coordinates if module.hparams.position_channels else None)
+
+    return [*module_tensors(module), whole], step
+
+
+def sampling_calls(reduce: int) -> int:
+    """The denoising calls of the CTPA generation's walk: windows a step (MONAI's placement) over the window batch,
+    times Fast-DDPM's 10 steps."""
+    from benchmarks import ldm
+    from medvol.volumes.sliding_window import SlidingWindow
+
+    window = SlidingWindow.of([w // reduce for w in ldm.PRESETS["ctpa"]["window"]], overlap=0.5)
+    windows = window.windows([1, 1, *[s // reduce for s in ldm.PRESETS["ctpa"]["generate"]]])
+    return -(-windows // 4) * 10
+
+
+def ldm_decode_setup(reduce: int, mode: FakeTensorMode) -> Setup:
+    """The CTPA generation's decoding (`benchmarks/ldm.py`'s generate row): a 128x128x152 latent to 512x512x608 by
+    depth slabs of 2^26 values, every whole activation on the device (what `model.decode_offload` null keeps there
+    when it fits), no gradient, bf16 autocast."""
+    from benchmarks import ldm
+
+    module = as_fake(ldm.build("ctpa", CPU, decode_slab_elements=ldm.SLAB_ELEMENTS, decode_offload=False).eval(), mode)
+    with mode:
+        latent = torch.randn(1, FIRST_STAGE_CHANNELS, *[s // reduce for s in ldm.PRESETS["ctpa"]["generate"]])
+
+    def step() -> None:
+        with torch.no_grad(), gpu_autocast():
+            module.images(latent)
+
+    return [*module_tensors(module), latent], step
+
+
+def xray2ct_window_setup(count: int, reduce: int, mode: FakeTensorMode) -> Setup:
+    """`count` sampling windows of the whole CT's last stage in one call (`xray2ct_memory.py --parts whole`'s probe):
+    the stage's network on 64^3 windows with their condition and coordinates, no gradient, bf16."""
+    from benchmarks import xray2ct_memory
+
+    xray2ct_memory.STAGES[:] = xray2ct_memory.preset_stages([])
+    stage = len(xray2ct_memory.STAGES)
+    module = as_fake(xray2ct_memory.build(stage, reduce, False, 10).eval(), mode)
+    edge = 64 // reduce
+    with mode:
+        x_t, previous = (torch.randn(count, 1, edge, edge, edge) for _ in range(2))
+        coordinates = torch.rand(count, 3, edge, edge, edge)
+        views = torch.rand(count, len(module.hparams.views), *module.hparams.xray_size)
+        t = torch.full((count,), 500, dtype=torch.long)
+
+    def step() -> None:
+        with torch.no_grad(), gpu_autocast():
+            module.sampling_network(x_t, t, views, previous, coordinates)
+
+    return [*module_tensors(module), x_t, previous, coordinates, views], step
+
+
+def whole_ct_windows(reduce: int, overlap: float) -> int:
+    """The network calls' windows of a whole CT: the first stage whole, each later stage's windows a step, times 10
+    steps."""
+    from benchmarks import xray2ct_memory
+    from medvol.volumes.sliding_window import SlidingWindow
+
+    xray2ct_memory.STAGES[:] = xray2ct_memory.preset_stages([])
+    total = 0
+    for stage in range(1, len(xray2ct_memory.STAGES) + 1):
+        edge, crop = xray2ct_memory.volume_of(stage) // reduce, xray2ct_memory.crop_edge(stage) // reduce
+        total += SlidingWindow.of([crop] * 3, overlap=overlap).windows([1, 1, edge, edge, edge])
+    return total * 10
+
+
 ROWS = [
     Row("ldm-64", "CTPA LDM step, 64^3 latents, MONAI's attention, no checkpointing (as measured)", 18.761, None,
         partial(ldm_setup, 64, False, False)),
@@ -191,13 +286,23 @@ ROWS = [
     *(Row(f"xray2ct-stage{k}", f"X-ray-to-CT stage {k} step, batch {b}", measured, 40 * GB,
           partial(xray2ct_setup, k)) for k, b, measured in ((1, 16, 24.011), (2, 8, 13.080), (3, 4, 7.918))),
     Row("ddpm-seed", "Fast-DDPM seed step 128^3, MONAI's attention, whole-block checkpointing (as measured)", 6.649,
-        4 * GB, partial(ddpm_setup, False, False)),
-    Row("ddpm-seed-now", "Fast-DDPM seed step 128^3, fused attention, per-block checkpointing (now)", None, 4 * GB,
-        partial(ddpm_setup, True, True)),
+        4 * GB, partial(ddpm_setup, False, False, False)),
+    Row("ddpm-seed-blocks", "Fast-DDPM seed step 128^3, fused attention, per-block checkpointing", None, 4 * GB,
+        partial(ddpm_setup, True, True, False)),
+    Row("ddpm-seed-now", "Fast-DDPM seed step 128^3, the same with GroupNorm in bf16 (experiment=fast_ddpm_brats now)",
+        None, 4 * GB, partial(ddpm_setup, True, True, True)),
     Row("segmentation", "planned BraTS segmentation step, DynUNet, batch 2, 128^3", 5.0, None, segmentation_setup,
         "measured 5.0 GiB as the round printed it, one decimal"),
     Row("vqgan-b1", "CTPA VQ-GAN step, 128^3, batch 1", 3.653, None, partial(vqgan_setup, 1)),
     Row("vqgan-b4", "CTPA VQ-GAN step, 128^3, batch 4", 13.909, None, partial(vqgan_setup, 4)),
+    Row("ldm-sampling-call", "CTPA generation: one denoising call, 4 windows of 64^3 latents", None, None,
+        ldm_sampling_setup, "x the walk's calls: see TFLOP a volume"),
+    Row("ldm-decode", "CTPA generation: decoding 128x128x152 -> 512x512x608 by slabs, activations on the device", None,
+        None, ldm_decode_setup),
+    Row("xray2ct-window-1", "X-ray-to-CT whole CT: one 64^3 window of stage 3 (no gradient)", None, None,
+        partial(xray2ct_window_setup, 1)),
+    Row("xray2ct-window-2", "X-ray-to-CT whole CT: two 64^3 windows of stage 3 in one call", None, None,
+        partial(xray2ct_window_setup, 2)),
 ]
 
 
@@ -257,8 +362,41 @@ def main() -> None:
             note = f" ({row.note})" if row.note else ""
             print(f"| {row.name}{note} | {result['peak_gib']:.2f} | {measured} | {ratio} | "
                   f"{result['largest_gib']:.2f} | {result['tflop']:.2f} | {verdict(row, result)} |", flush=True)
+    for line in derived(results, args.reduce):
+        print(line)
     if args.json:
         args.json.write_text(json.dumps({"reduce": args.reduce, "rows": results}, indent=1))
+
+
+def derived(results: dict[str, dict[str, Any]], reduce: int) -> list[str]:
+    """What the rows say about whole volumes: the generation's and the whole CT's work, and the seconds it takes at the
+    rate the GPU ran the same network's training step (a rough figure: sampling runs no backward pass)."""
+    def rate(key: str) -> float | None:
+        row = results.get(key, {})
+        return row["tflop"] / MEASURED_STEP_S[key] if "tflop" in row and reduce == 1 else None
+
+    lines = []
+    call, ldm_rate = results.get("ldm-sampling-call", {}), rate("ldm-64")
+    if "tflop" in call:
+        calls = sampling_calls(reduce)
+        total = calls * call["tflop"]
+        at = f"; at the 64^3 LDM step's {ldm_rate:.0f} TFLOP/s on the H200: {total / ldm_rate:.0f} s" if (
+            ldm_rate) else ""
+        lines.append(f"\nCTPA generation, 10 Fast-DDPM steps: {calls} calls of 4 windows, {total:.0f} TFLOP{at}")
+    one, two = results.get("xray2ct-window-1", {}), results.get("xray2ct-window-2", {})
+    if "tflop" in one:
+        xray_rate = rate("xray2ct-stage3")
+        for overlap in (0.0, 0.25, 0.5):
+            windows = whole_ct_windows(reduce, overlap)
+            total = windows * one["tflop"]
+            at = f", {total / xray_rate:.0f} s at the stage-3 step's {xray_rate:.0f} TFLOP/s" if xray_rate else ""
+            lines.append(f"whole CT, windows overlapping {overlap}: {windows} windows, {total:.0f} TFLOP{at}")
+    if "peak_gib" in one and "peak_gib" in two:
+        per_window = two["peak_gib"] - one["peak_gib"]
+        batches = ", ".join(f"{int((0.8 * card - one['peak_gib']) // per_window)} on {name}"
+                            for name, card in (("an 80 GB H100", 79.1), ("the H200", H200_GIB)))
+        lines.append(f"whole CT: {per_window:.2f} GiB a window: window batches sized to 80% of the memory: {batches}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from lightning_modules.diffusion.generation_metrics import (
     load_feature_network,
     update_generation_metrics,
 )
+from lightning_modules.diffusion.low_precision_norm import low_precision_group_norms
 from lightning_modules.diffusion.samplers import Denoise
 from lightning_modules.diffusion.subject_noise import SubjectNoise, subject_names
 from medvol.core.errors import MedvolError
@@ -45,6 +46,8 @@ class ConditionalDiffusion(DiffusionModule):
         cond_channels: channels of the batch's `cond` (0: the dataset gives none).
         task: `translation`, `denoising`, `super_resolution` or `unconditional`.
         activation_checkpointing: recompute each residual and attention block's activations in the backward pass.
+        low_precision_norm: the network's GroupNorms in the autocast dtype (bf16) instead of float32 under mixed
+            precision (`low_precision_norm.py`; MAISI's half-precision norms).
         noise_std: std of the Gaussian noise that makes a denoising condition from the image.
         downsample_factor: pooling factor that makes a super-resolution condition from the image.
         image_key: batch key of the target volume.
@@ -66,6 +69,7 @@ class ConditionalDiffusion(DiffusionModule):
         cond_channels: int = 0,
         task: str = "translation",
         activation_checkpointing: bool = False,
+        low_precision_norm: bool = False,
         noise_std: float = 0.1,
         downsample_factor: int = 2,
         image_key: str = "image",
@@ -98,6 +102,8 @@ class ConditionalDiffusion(DiffusionModule):
         )
         if activation_checkpointing:
             checkpoint_unet(self.network)
+        if low_precision_norm:
+            low_precision_group_norms(self.network)
         generation = generation_metrics(mmd_size, diversity_size, ssim_kernel_size, fid_network, fid_network_2d)
         self.set_metrics(ssim_kernel_size, loss=MeanMetric(), **generation)
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import math
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from monai.networks.schedulers import DDPMScheduler
 from torch import nn
 
@@ -377,3 +380,32 @@ def test_loss_reductions_are_the_voxel_mean_and_the_per_sample_voxel_sum_average
     assert float(_fast_ddpm().regression_loss(output, target)) == pytest.approx(sum(squared) / 128, rel=1e-5)
     assert float(_fast_ddpm(loss_reduction="sum").regression_loss(output, target)) == pytest.approx(sum(squared) / 2,
                                                                                                     rel=1e-5)
+
+
+def test_low_precision_group_norm_normalises_in_the_autocast_dtype_and_is_groupnorm_outside():
+    from monai.networks.nets import DiffusionModelUNet
+
+    from lightning_modules.diffusion.fast_ddpm import ConditionalDiffusion
+    from lightning_modules.diffusion.low_precision_norm import LowPrecisionGroupNorm
+
+    torch.manual_seed(0)
+    norm = nn.GroupNorm(2, 4)
+    nn.init.normal_(norm.weight)
+    nn.init.normal_(norm.bias)
+    low = copy.deepcopy(norm)
+    low.__class__ = LowPrecisionGroupNorm
+    x = torch.randn(2, 4, 3, 3, 3) * 3 + 1
+    assert torch.equal(low(x), norm(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        # A float32 input: nn.GroupNorm keeps it float32 there; this one normalises it in bf16, as by hand.
+        assert norm(x).dtype == torch.float32
+        out = low(x)
+    by_hand = F.group_norm(x.bfloat16(), 2, norm.weight.bfloat16(), norm.bias.bfloat16(), norm.eps)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, by_hand)
+    unet = partial(DiffusionModelUNet, spatial_dims=3, channels=(8, 8), attention_levels=(False, True),
+                   num_res_blocks=1, norm_num_groups=4, num_head_channels=4)
+    module = ConditionalDiffusion(unet, image_channels=1, cond_channels=1, low_precision_norm=True)
+    norms = [m for m in module.network.modules() if isinstance(m, nn.GroupNorm)]
+    assert norms and all(type(m) is LowPrecisionGroupNorm for m in norms)
+    plain = ConditionalDiffusion(unet, image_channels=1, cond_channels=1)
+    assert module.state_dict().keys() == plain.state_dict().keys()
