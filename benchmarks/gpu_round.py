@@ -133,6 +133,18 @@ PREDICT = {
     "xray2ct": ("stage3/best.ckpt", ["split=test"]),
     "ldm": ("stage2/best.ckpt", ["num_samples=2"]),
 }
+# What a user gets from each family beside every run's test metrics (summary.json): files (patterns) the test epoch
+# writes in the run's folder, then files predict.py writes in its output folder. A family step whose commands exit 0
+# without them has failed (the 2026-11-27 survival run lost its test metrics and risk groups at the test epoch's end).
+OUTPUTS: dict[str, tuple[list[str], list[str]]] = {
+    "vqgan": (["predictions/*_reconstruction.nii.gz"], ["metrics.csv", "*_reconstruction.nii.gz"]),
+    "ddpm": (["predictions/*_sample.nii.gz"], ["*_sample.nii.gz"]),
+    "xray2ct": (["stage3/predictions/*_ct.nii.gz"], ["*_ct.nii.gz"]),
+    "ldm": (["stage2/predictions/*_sample.nii.gz"], ["sample_0.nii.gz", "sample_1.nii.gz"]),
+    "segmentation": (["predictions/metrics.csv", "predictions/*_seg.nii.gz"], ["metrics.csv", "*_seg.nii.gz"]),
+    "survival": (["predictions/risks.csv", "predictions/km_risk_groups.png"], ["predictions.csv"]),
+    "classifier": (["predictions/probabilities.csv"], ["predictions.csv"]),
+}
 
 
 def family_steps(dry: bool, work: Path) -> list[Step]:
@@ -284,7 +296,9 @@ def pytest_figures(step: Step) -> dict[str, Any]:
 
 
 def family_figures(step: Step) -> dict[str, Any]:
-    """Per run (a cascade: per stage) the test metrics, samples/s and peak GPU memory; the files predict.py wrote."""
+    """Per run (a cascade: per stage) the test metrics file and its metrics, samples/s and peak GPU memory; the files
+    predict.py wrote; what a user gets (`OUTPUTS`), each file found by its pattern, and `missing`: what is not there
+    (a run without test metrics, a pattern without a file)."""
     run = step.output
     assert run is not None
     runs = {}
@@ -292,11 +306,19 @@ def family_figures(step: Step) -> dict[str, Any]:
         data = json.loads(summary.read_text())
         metrics = {k: v for k, v in (data.get("metrics") or {}).items() if k.startswith("test/")}
         runs[str(summary.parent.relative_to(run)) or "."] = {
-            "test": metrics, "samples_per_second": data.get("samples_per_second"),
-            "peak_gpu_memory_mb": data.get("peak_gpu_memory_mb"),
+            "test_metrics_file": str(summary.relative_to(run)), "test": metrics,
+            "samples_per_second": data.get("samples_per_second"), "peak_gpu_memory_mb": data.get("peak_gpu_memory_mb"),
         }
     predicted = sorted(p.name for p in (run / "predict").glob("*")) if (run / "predict").is_dir() else []
-    return {"runs": runs, "predicted_files": len(predicted), "predicted": predicted[:6]}
+    written, from_predict = OUTPUTS[step.name.removeprefix("family-")]
+    # Patterns relative to the run: predict.py's output folder is its `predict/`.
+    patterns = [*written, *(f"predict/{pattern}" for pattern in from_predict)]
+    found = {pattern: sorted(str(p.relative_to(run)) for p in run.glob(pattern)) for pattern in patterns}
+    missing = [f"test metrics in {r['test_metrics_file']}" for r in runs.values() if not r["test"]] if runs else [
+        "test metrics (no summary.json)"]
+    missing += [pattern for pattern, files in found.items() if not files]
+    return {"runs": runs, "predicted_files": len(predicted), "predicted": predicted[:6],
+            "outputs": {pattern: files[:3] for pattern, files in found.items()}, "missing": missing}
 
 
 def vqgan_figures(target: float) -> Callable[[Step], dict[str, Any]]:
@@ -412,8 +434,11 @@ def environment() -> None:
         print("nvidia-smi: not found")
     cuda = torch.cuda.is_available()
     versions = {}
+    # scipy, scikit-learn, pandas, lifelines: the image's own or the carried wheels' (FID and the survival tests
+    # depend on them; the 2026-11-27 round recorded neither, and its SciPy refused MONAI's sqrtm call).
     for name in ("torch", "pytorch-lightning", "torchmetrics", "monai", "hydra-core", "omegaconf", "nibabel",
-                 "numpy", "torchsurv", "pydicom", "highdicom", "triton"):
+                 "numpy", "scipy", "scikit-learn", "scikit-image", "pandas", "lifelines", "scikit-survival", "pillow",
+                 "torchsurv", "pydicom", "highdicom", "triton"):
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -482,6 +507,9 @@ class Round:
             figures = step.figures(step)
         except (OSError, ValueError, KeyError, TypeError) as error:
             figures = {"error": f"{type(error).__name__}: {error}"}
+        if step.record["status"] == "passed" and figures.get("missing"):
+            # Every command exited 0, but the user would not have what the step checks for.
+            step.record["status"] = "failed"
         with self.lock:
             # Finished: the summary takes the steps whose record has its seconds.
             step.record.update(seconds=seconds, figures=figures)
@@ -547,12 +575,17 @@ def run_command(command: list[str], handle: Any, limit: float, cwd: Path, env: d
         process.wait()
 
 
-def commit() -> str | None:
+def commit() -> str:
+    """The checkout's commit (`git rev-parse HEAD` in ROOT), or "unknown" where ROOT has no `.git` of its own. A copy
+    of the working tree (the device tool sends one without `.git`) is inside no repository of the project, and git
+    asked there walks up to whatever repository holds the copy's folder: the 2026-11-27 round recorded that one's."""
+    if not (ROOT / ".git").exists():
+        return "unknown"
     try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     except OSError:
-        return None
-    return done.stdout.strip() or None
+        return "unknown"
+    return done.stdout.strip() or "unknown"
 
 
 def brief(step: Step) -> str:
@@ -561,7 +594,11 @@ def brief(step: Step) -> str:
     if "counts" in figures:
         return ", ".join(f"{n} {w}" for w, n in figures["counts"].items())
     if "runs" in figures:
-        return f"{len(figures['runs'])} run(s), {figures['predicted_files']} predicted file(s)"
+        tested = [f"{r['test_metrics_file']} ({len(r['test'])})" for r in figures["runs"].values()]
+        outputs = [f"{pattern} ({len(files)}{'+' if len(files) == 3 else ''})"
+                   for pattern, files in figures.get("outputs", {}).items()]
+        missing = f"; missing: {', '.join(figures['missing'])}" if figures.get("missing") else ""
+        return f"test metrics: {', '.join(tested) or 'none'}; files: {', '.join(outputs)}{missing}"
     if "checks" in figures:
         return "; ".join(f"{c['figure']}: {value(c['value'])}" for c in figures["checks"])
     if "device" in figures and "versions" in figures:
@@ -584,7 +621,7 @@ def markdown(summary: dict[str, Any]) -> str:
     lines = [f"GPU round{' (dry run, CPU)' if summary['dry_run'] else ''}: started {summary['started']}, "
              f"{summary['seconds']:.0f} s of the {summary['budget_s']:.0f} s budget, "
              f"device {device or 'not read yet'}, "
-             f"commit {summary['commit'] or 'unknown'}", "",
+             f"commit {summary['commit']}", "",
              "| figure | target | value | met |", "|---|---|---|---|"]
     for record in summary["steps"]:
         # A step that gave no figures (timed out, failed, skipped) misses its targets: listed, not met.

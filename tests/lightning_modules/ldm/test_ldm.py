@@ -457,7 +457,8 @@ def test_two_gloo_ranks_give_the_metrics_and_scale_factor_of_one(vqgan_ckpt, tmp
     assert float(scales[0]) == pytest.approx(float(scales[1]), rel=1e-6)
 
 
-def test_fid_is_the_frechet_distance_of_the_given_networks_features_and_absent_without_one(tmp_path, vqgan_ckpt):
+def test_fid_is_the_frechet_distance_of_the_given_networks_features_and_absent_without_one(tmp_path, vqgan_ckpt,
+                                                                                          sqrtm_without_disp):
     from scipy import linalg
 
     torch.manual_seed(0)
@@ -479,7 +480,7 @@ def test_fid_is_the_frechet_distance_of_the_given_networks_features_and_absent_w
         LatentDiffusion.check_settings({"first_stage_ckpt": str(vqgan_ckpt), "fid_network": str(tmp_path / "none.pt")})
 
 
-def test_the_2p5d_fid_is_logged_per_plane_and_as_their_mean_at_the_epochs_end(tmp_path, vqgan_ckpt):
+def test_the_2p5d_fid_is_logged_per_plane_and_as_their_mean_at_the_epochs_end(tmp_path, vqgan_ckpt, sqrtm_without_disp):
     torch.jit.save(torch.jit.script(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Tanh())), str(tmp_path / "net2d.pt"))
     module = tiny_ldm(vqgan_ckpt, ema_decay=None, fid_network_2d=str(tmp_path / "net2d.pt"))
     x = phantoms(3)
