@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.medvol-installed
 ARGS ?=
 
-.PHONY: help setup train test test-slow lint clean
+.PHONY: help setup train test test-slow test-newest lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## /  make \1\t/' | expand -t 22
@@ -33,6 +33,22 @@ test: setup  ## the fast tests (ARGS are passed to pytest)
 
 test-slow: setup  ## the slow tests (sweeps, DDP, SLURM, command-line runs)
 	$(TEST_THREADS) $(PY) -m pytest -q -m slow $(ARGS)
+
+# A fresh install as a user gets it today: a scratch venv with the newest release of every dependency that
+# pyproject.toml allows (pip's eager upgrade), torch pinned to the local CPU wheel, then the fast tests. What a new
+# release breaks shows here before a user meets it; the versions it ran with are printed first.
+NEWEST ?= $(VENV)-newest
+# Another Python: `make test-newest PYTHON=python3.10 TORCH=torch==2.14.1 NEWEST=.venv-310` (PyPI's build of torch).
+TORCH ?= torch==2.13.0
+
+test-newest:  ## the fast tests in a scratch venv (.venv-newest) with the newest versions pyproject.toml allows
+	rm -rf $(NEWEST)
+	$(PYTHON) -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install -q --upgrade pip
+	$(NEWEST)/bin/python -m pip install -q $(TORCH)
+	$(NEWEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[dev,slurm,sweep,export]" $(TORCH)
+	$(NEWEST)/bin/python -m pip freeze --exclude-editable | tee $(NEWEST)/versions.txt
+	$(TEST_THREADS) $(NEWEST)/bin/python -m pytest -q $(ARGS)
 
 lint: setup  ## ruff
 	$(VENV)/bin/ruff check .

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -121,3 +122,19 @@ def tiny_cfg(tmp_path: Path):
         return compose_cfg(tmp_path, overrides)
 
     return make
+
+
+@pytest.fixture
+def sqrtm_without_disp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """scipy.linalg.sqrtm as SciPy 1.18 has it, on any SciPy: `disp` (deprecated in 1.16) refused. MONAI 1.6's
+    FIDMetric passed disp=False, and failed on the Python 3.12 install of the 2026-11-27 GPU round."""
+    from scipy import linalg
+
+    original = linalg.sqrtm
+
+    def sqrtm(matrix: Any, **kwargs: Any) -> Any:
+        if "disp" in kwargs:
+            raise TypeError("sqrtm() got an unexpected keyword argument 'disp'")
+        return original(matrix, **kwargs)
+
+    monkeypatch.setattr(linalg, "sqrtm", sqrtm)

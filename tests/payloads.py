@@ -1,11 +1,21 @@
-"""Files that attack the reader: a checkpoint whose unpickling runs a shell command (issue 36's payloads)."""
+"""Files that attack the reader: a checkpoint whose unpickling runs a shell command (issue 36's payloads); a DICOM
+file that inflates ~1000x and NIfTI files of promises, written without holding what they promise (issue 46's)."""
 
 from __future__ import annotations
 
+import gzip
 import os
+import struct
+import zlib
 from pathlib import Path
 
+import nibabel as nib
+import numpy as np
 import torch
+from pydicom.dataset import Dataset, FileDataset, FileMetaDataset
+from pydicom.filebase import DicomBytesIO
+from pydicom.filewriter import write_dataset, write_file_meta_info
+from pydicom.uid import DeflatedExplicitVRLittleEndian
 
 
 class RunsACommand:
@@ -22,4 +32,57 @@ def crafted_checkpoint(path: Path, marker: Path, **extra) -> Path:
     """A file shaped like a Lightning checkpoint (`extra`: more keys, e.g. its model class) whose unpickling runs
     `touch marker`."""
     torch.save({"state_dict": {}, "loops": {}, **extra, "callbacks": {"x": RunsACommand(marker)}}, path)
+    return path
+
+
+def deflated_bomb(path: Path, header: FileDataset, inflated: int, in_pixels: bool = False) -> Path:
+    """`header` (a DICOM slice, pixels dropped) written in the Deflated Explicit VR Little Endian transfer syntax,
+    its data set followed by `inflated` (at least 1 MiB) zero bytes that deflate ~1000x: in a private element
+    before the pixel data, or (`in_pixels`) as the pixel data itself. The zeros are never held."""
+    dataset = Dataset()
+    dataset.update({element.tag: element for element in header if element.tag < 0x7FE00000})
+    buffer = DicomBytesIO()
+    buffer.is_little_endian, buffer.is_implicit_VR = True, False
+    write_dataset(buffer, dataset)
+    tag = (0x7FE0, 0x0010) if in_pixels else (0x0009, 0x1010)
+    element = struct.pack("<HH2sHI", *tag, b"OB", 0, inflated)
+    meta = FileMetaDataset(header.file_meta)
+    meta.TransferSyntaxUID = DeflatedExplicitVRLittleEndian
+    squeezer = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    chunk = 1 << 20
+    with path.open("wb") as handle:
+        handle.write(b"\0" * 128 + b"DICM")
+        meta_buffer = DicomBytesIO()
+        write_file_meta_info(meta_buffer, meta, enforce_standard=True)
+        handle.write(meta_buffer.getvalue())
+        handle.write(squeezer.compress(buffer.getvalue() + element) + squeezer.flush(zlib.Z_FULL_FLUSH))
+        # A full flush forgets the history: each MiB of zeros deflates to the same bytes, written again and again.
+        block = squeezer.compress(b"\0" * chunk) + squeezer.flush(zlib.Z_FULL_FLUSH)
+        handle.write(block * (inflated // chunk - 1))
+        handle.write(squeezer.compress(b"\0" * (inflated % chunk)) + squeezer.flush())
+    return path
+
+
+def streamed_nifti(
+    path: Path, shape: tuple[int, ...], dtype, zooms=(1.0, 1.0, 1.0), trailing: int = 0, voxels: bool = True
+) -> Path:
+    """A .nii.gz of zero voxels whose header says `shape`, `dtype` and `zooms` mm, followed by `trailing` more zero
+    bytes in the same gzip stream (a bomb behind a modest header); without `voxels`, the header alone. The zeros
+    are one small gzip member repeated (a reader inflates them as one stream): never held, quick to write."""
+    header = nib.Nifti1Header()
+    header.set_data_shape(shape)
+    header.set_data_dtype(dtype)
+    header.set_qform(np.diag([*zooms, 1.0]), code=1)
+    header.set_sform(np.diag([*zooms, 1.0]), code=1)
+    # A single-file NIfTI's voxels start after the header and four bytes saying it has no extensions.
+    header.set_data_offset(header.sizeof_hdr + 4)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    zeros = (int(np.prod(shape)) * np.dtype(dtype).itemsize if voxels else 0) + trailing
+    chunk = 1 << 20
+    member = gzip.compress(b"\0" * chunk)
+    with path.open("wb") as handle:
+        handle.write(gzip.compress(header.binaryblock + b"\0" * 4))
+        for _ in range(zeros // chunk):
+            handle.write(member)
+        handle.write(gzip.compress(b"\0" * (zeros % chunk)))
     return path

@@ -23,6 +23,7 @@ def split_file(path: Path) -> Path:
 
 @pytest.mark.slow
 def test_the_table_runs_from_the_command_line_and_the_collapsed_rows_score_worse_than_real_draws(tmp_path):
+    pytest.importorskip("nilearn.datasets", reason="the MNI152 brains come from nilearn's wheel (the dev extra)")
     split_file(tmp_path / "ldm_cpu" / "split.json")
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generation_quality.py"), "--out", str(tmp_path),
                            "--subjects", "8", "--spacing", "8", "8", "8", "--runs", "table"],
@@ -43,6 +44,7 @@ def test_the_table_runs_from_the_command_line_and_the_collapsed_rows_score_worse
 
 @pytest.mark.slow
 def test_the_anatomy_sets_are_the_whole_volume_runs_brains_in_a_fresh_process(tmp_path):
+    pytest.importorskip("nilearn.datasets", reason="the MNI152 brains come from nilearn's wheel (the dev extra)")
     from datamodules.sources.brain_lesions import write_brain_lesions
 
     root = write_brain_lesions(tmp_path / "data", 8, (8.0, 8.0, 8.0))

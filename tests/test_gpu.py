@@ -1,5 +1,9 @@
 """The GPU paths: mixed precision (bf16, and fp16 with a real gradient scaler), clipping after unscaling
 on the manual-optimization path, transforms on the device. Skipped where no CUDA GPU is visible.
+
+What of a GPU run the CPU can check runs everywhere: tests/test_device_placement.py takes every family through a
+test epoch (also under bf16 autocast) and predict.py with its tensors on a played accelerator (numpy refuses them
+until `.cpu()`).
 """
 
 from __future__ import annotations

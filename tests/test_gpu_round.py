@@ -26,10 +26,13 @@ def round_args(tmp_path: Path, budget: float = 600.0) -> Namespace:
 
 def test_the_gpu_round_runs_the_issues_steps_in_order_with_the_gpu_settings(tmp_path):
     steps = all_steps(dry=False, work=tmp_path)
-    assert [s.phase for s in steps] == sorted((s.phase for s in steps), key=["tests", "families", "benchmarks",
-                                                                            "environment"].index)
     names = [s.name for s in steps]
-    assert names[:2] == ["tests-gpu", "tests-families"] and names[-1] == "environment"
+    # The GPU tests, the families, the benchmarks (the issue's rows first), then what the fast suite also covers.
+    assert [s.phase for s in steps[:-2]] == sorted((s.phase for s in steps[:-2]), key=["tests", "families",
+                                                                                      "benchmarks"].index)
+    assert names[0] == "tests-gpu" and names[-2:] == ["tests-families", "environment"]
+    assert [s.name for s in steps if s.phase == "benchmarks"][:5] == [
+        "ldm-ctpa", "ldm-generate", "xray2ct-whole-ct", "segmentation-planned", "nnunet-step"]
     assert "-m gpu" in " ".join(steps[0].commands[0])
     families = [s for s in steps if s.phase == "families"]
     assert [s.name for s in families] == [f"family-{f}" for f in FAMILIES]
@@ -158,12 +161,31 @@ def test_benchmark_figures_are_checked_against_the_issues_targets(tmp_path):
     assert [c["met"] for c in figures_of(tmp_path, gpu_round.xray2ct_whole_figures, whole)["checks"]] == [False]
 
 
+def test_the_planned_segmentation_step_is_held_against_nnunets_on_the_same_card(tmp_path):
+    (tmp_path / "segmentation-planned.json").write_text(json.dumps({"rows": [{"net": "dynunet", "step_ms": 90.0}]}))
+    output = tmp_path / "nnunet-step.json"
+    for nnunet_ms, met in ((100.0, True), (80.0, False)):
+        output.write_text(json.dumps({"step_ms": nnunet_ms, "batch": 2, "size": 128, "device": "NVIDIA H200"}))
+        checks = gpu_round.nnunet_figures(Step("nnunet-step", "benchmarks", [], 1.0, output=output))["checks"]
+        assert [(round(c["value"], 3), c["met"]) for c in checks] == [(round(90.0 / nnunet_ms, 3), met)]
+
+
+def test_a_step_that_gave_no_figures_shows_its_targets_not_met(tmp_path):
+    steps = {s.name: s for s in all_steps(dry=False, work=tmp_path)}
+    record = {"step": "ldm-generate", "phase": "benchmarks", "limit_s": 100.0, "status": "timed out", "seconds": 100.0,
+              "figures": {}, "targets": steps["ldm-generate"].targets}
+    summary = {"started": "now", "dry_run": False, "budget_s": 530.0, "seconds": 1.0, "commit": None,
+               "steps": [record]}
+    assert "| LDM volume generated (10 steps) and decoded, 128x128x152 latent (s) | <= 60 | - | **no** |" in (
+        gpu_round.markdown(summary))
+
+
 def test_cpu_figures_are_not_held_against_the_gpu_targets(tmp_path):
     stages = {"device": "cpu", "stages": [{"stage": 1, "batch": 1, "peak_mib": 99 * 1024}]}
     assert [c["met"] for c in figures_of(tmp_path, gpu_round.xray2ct_stage_figures, stages)["checks"]] == [None]
     vqgan = {"patches_per_second": 0.4, "batch": 1, "size": 32, "device": "cpu"}
     assert [c["met"] for c in figures_of(tmp_path, gpu_round.vqgan_figures(25.0), vqgan)["checks"]] == [None]
-    summary = {"started": "now", "dry_run": True, "budget_s": 10.0, "seconds": 1.0, "commit": None, "steps": [
+    summary = {"started": "now", "dry_run": True, "budget_s": 10.0, "seconds": 1.0, "commit": "unknown", "steps": [
         {"step": "x", "phase": "benchmarks", "limit_s": 1.0, "status": "passed", "seconds": 1.0,
          "figures": {"checks": [{"figure": "f", "value": None, "target": "<= 1", "met": None}]}}]}
     assert "| f | <= 1 | - | - |" in gpu_round.markdown(summary)
@@ -178,6 +200,64 @@ def test_a_subprocess_keeps_the_python_path_it_was_given(tmp_path, monkeypatch):
     done = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), cwd=tmp_path, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "7", done.stderr
+
+
+def family_run(run: Path, test_metrics: dict[str, float], files: list[str]) -> Step:
+    """A family step whose command writes `run/summary.json` with `test_metrics` and the files named, then exits 0."""
+    code = (f"import json, pathlib; run = pathlib.Path({str(run)!r}); run.mkdir(parents=True, exist_ok=True); "
+            f"(run / 'summary.json').write_text(json.dumps({{'metrics': {test_metrics!r}}}))\n"
+            f"for name in {files!r}:\n    (run / name).parent.mkdir(parents=True, exist_ok=True); "
+            "(run / name).write_text('x')")
+    return Step("family-survival", "families", [[sys.executable, "-c", code]], 60.0, gpu_round.family_figures, run)
+
+
+def test_a_family_step_that_exits_0_without_what_users_get_fails_and_names_what_is_missing(tmp_path):
+    # The 2026-11-27 survival run as a step that would have exited 0: no test metrics, no risk groups, no predictions.
+    lost = family_run(tmp_path / "lost", {"val/cindex": 0.6}, ["predictions/risks.csv"])
+    complete = family_run(tmp_path / "complete", {"test/cindex": 0.6, "test/logrank_p": 0.2},
+                          ["predictions/risks.csv", "predictions/km_risk_groups.png", "predict/predictions.csv"])
+    Round(round_args(tmp_path), [lost, complete]).go()
+    assert lost.record["exit_codes"] == [0] and lost.record["status"] == "failed"
+    assert lost.record["figures"]["missing"] == ["test metrics in summary.json", "predictions/km_risk_groups.png",
+                                                 "predict/predictions.csv"]
+    assert complete.record["status"] == "passed" and complete.record["figures"]["missing"] == []
+    assert complete.record["figures"]["outputs"]["predictions/km_risk_groups.png"] == [
+        "predictions/km_risk_groups.png"]
+    # The summary's row names the test metrics file and each pattern with its files.
+    row = gpu_round.brief(complete)
+    assert "summary.json (2)" in row and "predictions/km_risk_groups.png (1)" in row and "missing" not in row
+    assert "missing: test metrics in summary.json" in gpu_round.brief(lost)
+
+
+def test_every_family_names_what_its_run_and_predict_py_give(tmp_path):
+    assert set(gpu_round.OUTPUTS) == set(FAMILIES)
+    assert all(written and predicted for written, predicted in gpu_round.OUTPUTS.values())
+
+
+def git(folder: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=folder, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def test_the_commit_is_the_checkouts_own_and_unknown_in_a_copy_without_git(tmp_path, monkeypatch):
+    # A copy of the tree without .git inside another repository, as the device machine's copy may be.
+    outer = tmp_path / "outer"
+    (outer / "copy").mkdir(parents=True)
+    git(outer, "init", "-q")
+    git(outer, "commit", "-q", "--allow-empty", "-m", "another repository")
+    monkeypatch.setattr(gpu_round, "ROOT", outer / "copy")
+    assert gpu_round.commit() == "unknown"
+    monkeypatch.setattr(gpu_round, "ROOT", outer)
+    assert gpu_round.commit() == git(outer, "rev-parse", "HEAD")
+
+
+def test_the_version_record_names_the_packages_fid_and_the_survival_tests_depend_on(capsys):
+    import importlib.metadata
+
+    gpu_round.environment()
+    versions = json.loads(capsys.readouterr().out.splitlines()[-1])["versions"]
+    for name in ("scipy", "scikit-learn", "pandas", "lifelines", "numpy", "torch", "monai"):
+        assert versions[name] == importlib.metadata.version(name), name
 
 
 @pytest.mark.slow
@@ -204,8 +284,11 @@ def test_the_dry_run_runs_every_step_at_toy_size_on_the_cpu(tmp_path):
         figures = steps[f"family-{family}"]["figures"]
         assert figures["runs"] and figures["predicted_files"] >= 1, (family, figures)
         assert all(run["test"] for run in figures["runs"].values()), (family, figures)
-    for name in ("vqgan-b1", "vqgan-b4", "ddpm-seed", "xray2ct-stages", "ldm-ctpa", "xray2ct-whole-ct"):
+    nnunet = ["nnunet-step"] if Path(gpu_round.nnunet_python(True)).is_file() else []
+    for name in ("vqgan-b1", "vqgan-b4", "ddpm-seed", "xray2ct-stages", "ldm-ctpa", "ldm-generate",
+                 "xray2ct-whole-ct", *nnunet):
         assert steps[name]["figures"]["checks"], name
+    assert steps["profile-vqgan"]["figures"]["top"], "the VQ-GAN step's top kernels"
     assert steps["segmentation-planned"]["figures"]["rows"][0]["settings"]["net"] == "dynunet"
     assert steps["environment"]["figures"]["device"] == "cpu"
     assert "| vqgan-b1 | passed |" in (out / "summary.md").read_text()

@@ -211,6 +211,14 @@ def test_take_back_removes_only_a_directory_made_for_the_refused_command(tmp_pat
     assert (requeued / "checkpoints" / "last.ckpt").read_bytes() == b"weights"
     assert (requeued / "train.log").read_text() == "[INFO] first attempt\n"
 
+    # A run from before records, resumed and refused after its record was written: the record goes with the command;
+    # a run that held one keeps it.
+    (requeued / "run.json").write_text("{}")
+    assert before.take_back() and not (requeued / "run.json").exists()
+    (requeued / "run.json").write_text("{}")
+    kept = RunDirectoryBefore.record(str(requeued), ".hydra", str(requeued / "train.log"), resumed=True)
+    assert kept.take_back() and (requeued / "run.json").exists()
+
 
 def test_take_back_keeps_a_run_once_the_refused_command_has_saved_a_checkpoint(tmp_path):
     # A run that fails after its first checkpoint is a run: resumable, never removed.
@@ -242,7 +250,7 @@ def _saved(tmp_path: Path, name: str, drop: str = "", **changes) -> Path:
 
 def check_checkpoint(ckpt_path: str, model: torch.nn.Module) -> None:
     """Both checks, as a run makes them: the family before the model is built, then the shapes."""
-    check_checkpoint_shapes(ckpt_path, model, check_checkpoint_family(ckpt_path, class_path(model)))
+    check_checkpoint_shapes(ckpt_path, lambda: model, check_checkpoint_family(ckpt_path, class_path(model)))
 
 
 def test_each_checkpoint_that_cannot_resume_this_model_is_named(tmp_path):
@@ -272,6 +280,10 @@ def test_a_misspelt_key_or_option_is_one_line_naming_the_override():
     assert "vqgan" in option
     # Sweeps and flags are Hydra's to read.
     assert override_error(CONF_DIR, "train", ["-m", "model.optimizer.lr=1e-4,3e-4"]) is None
+    # Each entry point names its own command for listing its keys.
+    for entry in ("predict", "export"):
+        line = override_error(CONF_DIR, entry, ["ckpt_path=x.ckpt", "outptu_dir=out"])
+        assert line.startswith("`outptu_dir=out`: cannot set this key") and f"`python {entry}.py --cfg job`" in line
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ import numpy as np
 
 from medvol.core.errors import MedvolError
 from medvol.volumes.dicom_io import SeriesGeometry, is_dicom_series, read_series, series_geometry
-from medvol.volumes.volume_budget import load_nifti
+from medvol.volumes.volume_budget import VolumeTooLarge, check_resampled_size, load_nifti
 
 LABEL_KEY = "label"
 
@@ -75,8 +75,10 @@ def _read_header(path: Path) -> tuple[_Header | None, str | None]:
     try:
         image = load_nifti(path)
         header = _Header(tuple(int(s) for s in image.shape), np.asarray(image.affine, dtype=np.float64), image)
-    except MedvolError as err:
+    except VolumeTooLarge as err:
         return None, f"too large: {str(err).removeprefix(f'{path}: ')}"
+    except MedvolError as err:
+        return None, f"unusable: {str(err).removeprefix(f'{path}: ')}"
     except Exception as err:  # noqa: BLE001 - every reader failure means the same thing to the user
         return None, f"unreadable: {type(err).__name__}: {str(err)[:100]}"
     expected = _expected_bytes(image)
@@ -132,7 +134,7 @@ def _full_read_fails(path: Path, expected: int) -> bool:
 
 def check_record(
     record: dict[str, Any], label_values: Sequence[int] | None, full: bool, image_names: Sequence[str] = (),
-    series: str | None = None,
+    series: str | None = None, spacing: Sequence[float] | None = None, orientation: str | None = None,
 ) -> list[Problem]:
     """The problems of one subject's files (`record["files"]`: name -> path or None).
 
@@ -142,6 +144,8 @@ def check_record(
         full: read every voxel (NaN/Inf, constant volumes, label values) as well as the headers.
         image_names: names of the image channels (constant-volume check); others are treated as labels.
         series: the series to read from DICOM folders holding several (UID or description).
+        spacing: the spacing (mm) the dataset resamples to, after `orientation`: each grid it makes is checked
+            against the memory budget (a header of few, huge voxels), before any voxel is read.
     """
     subject = str(record["subject"])
     problems: list[Problem] = []
@@ -170,11 +174,32 @@ def check_record(
             problems.append(Problem(subject, str(path), f"not a 3D volume: shape {header.shape}"))
             continue
         headers[name] = header
+    if spacing:
+        # A volume too large once resampled is not read at all (full mode reads the others' voxels).
+        refused = _resampled_too_large(subject, record, headers, spacing, orientation)
+        problems += list(refused.values())
+        headers = {name: header for name, header in headers.items() if name not in refused}
     problems += _grid_mismatches(subject, record, headers)
     if full:
         for name, header in headers.items():
             problems += _voxel_problems(subject, record["files"][name], name, header, label_values, image_names)
     return problems
+
+
+def _resampled_too_large(
+    subject: str, record: dict[str, Any], headers: dict[str, _Header], spacing: Sequence[float],
+    orientation: str | None,
+) -> dict[str, Problem]:
+    """Per file whose grid at `spacing` exceeds the memory budget, its problem."""
+    refused = {}
+    for name, header in headers.items():
+        path = str(record["files"][name])
+        try:
+            check_resampled_size(path, header.shape, header.affine, spacing, orientation)
+        except MedvolError as err:
+            kind = "too large" if isinstance(err, VolumeTooLarge) else "unusable"
+            refused[name] = Problem(subject, path, f"{kind}: {str(err).removeprefix(f'{path}: ')}")
+    return refused
 
 
 def _grid_mismatches(subject: str, record: dict[str, Any], headers: dict[str, _Header]) -> list[Problem]:

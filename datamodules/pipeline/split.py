@@ -10,6 +10,7 @@ from collections.abc import Hashable, Sequence
 from pathlib import Path
 
 from medvol.core.errors import MedvolError
+from medvol.core.file_data import read_json
 
 STAGES = ("train", "val", "test")
 
@@ -106,12 +107,7 @@ def fold_split(split: dict[str, list[str]], folds: list[list[str]], fold: int) -
 
 def load_split(path: Path, subjects: Sequence[str]) -> dict[str, list[str]]:
     """Read a recorded split and check it still matches the dataset."""
-    try:
-        split = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise MedvolError(
-            f"`dataset.split_file`: cannot read {path} ({err}); expected JSON with train/val/test lists"
-        ) from err
+    split = read_json(path, "a split (JSON with train/val/test lists)")
     if not isinstance(split, dict) or any(not isinstance(split.get(s), list) for s in STAGES):
         raise MedvolError(f"`dataset.split_file`: {path} must hold lists under 'train', 'val' and 'test'")
     listed = [s for stage in STAGES for s in split[stage]]
@@ -128,10 +124,13 @@ def load_split(path: Path, subjects: Sequence[str]) -> dict[str, list[str]]:
 
 def load_folds(path: Path, fold: int | None) -> list[list[str]] | None:
     """The folds a split file records (a cross-validation run's), checked against `dataset.fold`."""
-    record = json.loads(path.read_text())
-    folds, recorded = record.get("folds"), record.get("fold")
+    record = read_json(path, "a split (JSON with train/val/test lists)")
+    folds, recorded = (record.get("folds"), record.get("fold")) if isinstance(record, dict) else (None, None)
     if fold is None and folds is None:
         return None
+    if not (isinstance(folds, list) and all(isinstance(f, list) and all(isinstance(s, str) for s in f) for f in folds)):
+        raise MedvolError(f"`dataset.split_file`: {path} records no folds as lists of subject ids; expected a split "
+                          "written by a cross-validation run (dataset.fold=...)")
     if recorded != fold:
         held = "a split without folds" if recorded is None else f"the split of fold {recorded}"
         raise MedvolError(

@@ -36,6 +36,7 @@ from scipy import ndimage
 from medvol.core.errors import MedvolError
 from medvol.volumes.intensity import INTENSITY_RANGE_KEY, intensity_keys, scale_to_range
 from medvol.volumes.plan import MODALITY_KINDS, background_values, separate_axis
+from medvol.volumes.volume_budget import check_resampled_size, check_volume_size
 from medvol.volumes.volume_reader import LoadVolumed
 
 INTENSITY_MODES = ("percentile", "window", "zscore", "none")
@@ -135,6 +136,12 @@ class TransformSettings:
             value = getattr(settings, name)
             if value is not None and (len(value) != 3 or min(value) <= 0):
                 raise MedvolError(f"`dataset.transforms.{name}` must be three positive numbers or null, got {value}")
+        # A run's saved config or plan sets these too: each is a volume the chain allocates.
+        sizes = {name: getattr(settings, name) for name in ("spatial_size", "pad_to", "random_crop", "foreground_crop")}
+        sizes.update({f"augmentation.{k}": v for k, v in (settings.augmentation or {}).items() if k.endswith("patch")})
+        for name, size in sizes.items():
+            if size is not None:
+                check_volume_size(f"`dataset.transforms.{name}`", size, "asks for", before="building the dataset")
         for name in ("flip_prob", "affine_prob", "foreground_ratio"):
             if not 0.0 <= getattr(settings, name) <= 1.0:
                 raise MedvolError(f"`dataset.transforms.{name}` must be in [0, 1], got {getattr(settings, name)}")
@@ -338,11 +345,38 @@ class PlannedSpacingd(MapTransform):
             steps = [(in_plane, False), (self.spacing, True)]
         for pixdim, nearest in steps:
             for key in self.key_iterator(d):
+                check_grid(d[key], pixdim)
                 if key in self.image_keys:
                     d[key] = Spacing(pixdim, mode="nearest" if nearest else 3, padding_mode="nearest")(d[key])
                 else:
                     d[key] = resampled_labels(d[key], pixdim, nearest)
         return d
+
+
+def check_grid(volume: Any, pixdim: Sequence[float]) -> None:
+    """Refuse a (C, D, H, W) MetaTensor whose grid at `pixdim` mm would exceed the memory budget, before `Spacing`
+    allocates it (`check_resampled_size`; the data checks refuse it from the headers before this)."""
+    source = volume.meta.get("filename_or_obj") or "a volume"
+    spatial = [int(n) for n in volume.shape[1:]]
+    check_resampled_size(source, [*spatial, int(volume.shape[0])], np.asarray(volume.affine), pixdim, None)
+
+
+class ResampleBudgetd(MapTransform):
+    """`check_grid` for every key: placed before `Spacingd`, which would allocate the grid whatever its size.
+
+    Args:
+        keys: the keys `Spacingd` resamples.
+        pixdim: its target spacing in mm.
+    """
+
+    def __init__(self, keys: Sequence[str], pixdim: Sequence[float]) -> None:
+        super().__init__(keys, allow_missing_keys=True)
+        self.pixdim = [float(s) for s in pixdim]
+
+    def __call__(self, data: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
+        for key in self.key_iterator(data):
+            check_grid(data[key], self.pixdim)
+        return dict(data)
 
 
 def resampled_labels(label: Any, pixdim: Sequence[float], nearest: bool) -> Any:
@@ -407,6 +441,7 @@ def deterministic_transforms(
     if settings.orientation:
         chain.append(Orientationd(all_keys, axcodes=settings.orientation, labels=None))
     if settings.spacing and not nnunet:
+        chain.append(ResampleBudgetd(all_keys, settings.spacing))
         chain.append(Spacingd(all_keys, pixdim=settings.spacing, mode=modes))
     if label_key and label_transform is not None:
         chain.append(label_transform)

@@ -345,7 +345,8 @@ class NiftiDataModule(VolumeDataModule):
         problems = list(dict.fromkeys(problems))
         for record in records:
             problems += check_record(
-                record, self.label_values, full, image_names=self.channel_names(), series=self.series
+                record, self.label_values, full, image_names=self.channel_names(), series=self.series,
+                spacing=self.settings.spacing, orientation=self.settings.orientation,
             )
             problems += self.record_problems(record)
         return problems, len(records)

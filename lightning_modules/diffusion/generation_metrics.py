@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from monai.metrics import FIDMetric, MultiScaleSSIMMetric
+from monai.metrics import MultiScaleSSIMMetric
 from torchmetrics import Metric
 
 from medvol.core.errors import MedvolError
@@ -234,13 +234,35 @@ def load_feature_network(path: str, key: str = "model.fid_network") -> torch.jit
     return network.eval()
 
 
+def frechet_distance(generated: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """The Fréchet distance between Gaussians fitted to two sets of feature rows (N, F) (the FID of Heusel et al.
+    2017): |m_g - m_r|^2 + tr(S_g) + tr(S_r) - 2 tr((S_g S_r)^(1/2)), the covariances unbiased (N - 1), in float64
+    on the features' device.
+
+    tr((S_g S_r)^(1/2)) is the sum of the square roots of the eigenvalues of S_r^(1/2) S_g S_r^(1/2): that matrix is
+    similar to S_g S_r, and symmetric positive semi-definite, so both roots come from symmetric eigendecompositions
+    (`eigh`), the eigenvalues clamped at 0 against rounding. No general matrix square root (scipy's `sqrtm`, which
+    MONAI's FIDMetric calls with an argument SciPy 1.18 removed), no complex parts to discard.
+    """
+    generated, real = generated.double(), real.double()
+    offset = generated.mean(0) - real.mean(0)
+    # atleast_2d: one feature's covariance is a 1x1 matrix, not torch.cov's scalar.
+    cov_generated, cov_real = (torch.atleast_2d(torch.cov(rows.T)) for rows in (generated, real))
+    values, vectors = torch.linalg.eigh(cov_real)
+    root_real = (vectors * values.clamp_min(0).sqrt()) @ vectors.T
+    inner = root_real @ cov_generated @ root_real
+    # Symmetric up to rounding; eigvalsh reads one triangle, so average the two.
+    roots = torch.linalg.eigvalsh((inner + inner.T) / 2).clamp_min(0).sqrt()
+    return offset @ offset + cov_generated.trace() + cov_real.trace() - 2 * roots.sum()
+
+
 def spatial_mean(features: torch.Tensor) -> torch.Tensor:
     """(B, F) features as they are; (B, F, ...) feature maps averaged over space."""
     return features.flatten(2).mean(2) if features.ndim > 2 else features
 
 
 class VolumeSetFID(Metric):
-    """3D FID (MONAI `FIDMetric`) between the features of the epoch's generated and real volumes.
+    """3D FID (`frechet_distance`) between the features of the epoch's generated and real volumes.
 
     The features come from a local TorchScript network mapping (B, C, D, H, W) volumes in [-1, 1] to
     (B, F) vectors or feature maps (global-average-pooled to (B, F)); they are gathered over ranks.
@@ -269,7 +291,7 @@ class VolumeSetFID(Metric):
         generated, real = gathered(self.generated), gathered(self.real)
         if generated.shape[0] < 2:
             return torch.tensor(NAN, device=generated.device)
-        return FIDMetric()(generated, real)
+        return frechet_distance(generated, real)
 
 
 def plane_slices(volume: torch.Tensor, axis: int) -> torch.Tensor:
@@ -285,7 +307,7 @@ def plane_slices(volume: torch.Tensor, axis: int) -> torch.Tensor:
 
 class VolumeSetFID2p5D(Metric):
     """MAISI's 2.5D FID: per plane (sagittal, coronal, axial: slices across x, y, z of RAS volumes), the FID
-    (MONAI `FIDMetric`) between the 2D features of every slice of the epoch's generated volumes and every slice
+    (`frechet_distance`) between the 2D features of every slice of the epoch's generated volumes and every slice
     of its real ones, through the user's TorchScript 2D network (RadImageNet's ResNet-50 in MAISI; its feature
     maps averaged over space). `compute` gives the three and their mean (`fid_2p5d`); NaN below two volumes."""
 
@@ -318,8 +340,8 @@ class VolumeSetFID2p5D(Metric):
             values = {plane: torch.tensor(NAN) for plane in PLANES}
         else:
             values = {
-                plane: FIDMetric()(gathered(getattr(self, f"generated_{plane}")),
-                                   gathered(getattr(self, f"real_{plane}"))).float()
+                plane: frechet_distance(gathered(getattr(self, f"generated_{plane}")),
+                                        gathered(getattr(self, f"real_{plane}"))).float()
                 for plane in PLANES
             }
         return {**values, "mean": torch.stack(list(values.values())).mean()}

@@ -187,7 +187,8 @@ class SurvivalModel(OutcomeModule):
     def _risk_groups(self, risk: torch.Tensor, time: torch.Tensor, event: torch.Tensor) -> None:
         """Kaplan-Meier curves of the test set above and below its median risk: the log-rank p-value logged, the
         figure written beside `risks.csv` and sent to every image-capable logger (rank 0)."""
-        groups = risk_groups(risk.numpy(), time.numpy(), event.numpy())
+        # The gathered set is on the metric's device (a GPU's in a GPU run); numpy takes host memory only.
+        groups = risk_groups(*(values.cpu().numpy() for values in (risk, time, event)))
         if math.isfinite(groups.p_value):
             self.log("test/logrank_p", groups.p_value, sync_dist=False, rank_zero_only=False)
         if not self.trainer.is_global_zero:

@@ -131,8 +131,9 @@ def survival_metrics(
 class SurvivalMetrics(Metric):
     """Accumulates (risk, time, event) of every subject on every rank; `compute` gives `survival_metrics`.
 
-    After `compute`, `gathered` holds the whole set's (risk, time, event), for what else is made of it
-    (Breslow's baseline of the validation set, the test set's risk groups).
+    After `compute`, `gathered` holds the whole set's (risk, time, event), on the device the states are on (a GPU's
+    in a GPU run: whoever hands them to numpy copies them to the CPU first), for what else is made of it (Breslow's
+    baseline of the validation set, the test set's risk groups).
 
     Args:
         horizons: times at which to compute the time-dependent AUC.

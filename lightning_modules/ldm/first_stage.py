@@ -1,8 +1,9 @@
 """The frozen first stage of latent diffusion: a trained medvol VQ-GAN's encoder, codebook and decoder.
 
 Read from a VQ-GAN checkpoint through its public pieces (`encoder`, `codebook`, `decoder`), without the
-discriminators. The settings that shape the networks (`FIRST_STAGE_SETTINGS`) are kept beside the
-weights, so a latent model's checkpoint rebuilds its first stage without the VQ-GAN's file.
+discriminators; its settings are checked against its weights' shapes and the memory budget before the network
+is allocated (`medvol.core.module_size`). The settings that shape the networks (`FIRST_STAGE_SETTINGS`) are kept
+beside the weights, so a latent model's checkpoint rebuilds its first stage without the VQ-GAN's file.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import torch
 from torch import nn
 
 from lightning_modules.base import MODEL_KEY
-from lightning_modules.ldm.slab_decoding import run_in_slabs
+from lightning_modules.ldm.slab_decoding import Report, run_in_slabs, to_storage
 from lightning_modules.vqgan.codebook import EMACodebook
 from lightning_modules.vqgan.vq_autoencoder import Decoder3d, Encoder3d
 from medvol.core.checkpoint_read import load_checkpoint
 from medvol.core.errors import MedvolError
+from medvol.core.module_size import check_module_bytes, first_mismatch, on_meta
 
 VQGAN_CLASS = "lightning_modules.vqgan.vqgan.VQGAN"
 FIRST_STAGE_SETTINGS = ("in_channels", "embedding_dim", "n_codes", "n_hiddens", "downsample")
@@ -47,10 +49,28 @@ def read_first_stage(path: str | None) -> tuple[dict[str, Any], dict[str, torch.
             f"`model.first_stage_ckpt`: {file} is a checkpoint of {saved or 'an unknown model'}, not of the VQ-GAN "
             f"({VQGAN_CLASS}); expected {EXPECTED}"
         )
-    hyper = checkpoint.get("hyper_parameters") or {}
+    hyper, state = checkpoint.get("hyper_parameters"), checkpoint.get("state_dict")
+    hyper, state = (hyper if isinstance(hyper, dict) else {}), (state if isinstance(state, dict) else {})
     settings = {key: _plain(hyper[key]) for key in FIRST_STAGE_SETTINGS if key in hyper}
-    weights = {k: v for k, v in checkpoint["state_dict"].items() if k.split(".")[0] in PIECES}
+    weights = {k: v for k, v in state.items() if str(k).split(".")[0] in PIECES}
+    check_first_stage(file, settings, weights)
     return settings, weights
+
+
+def check_first_stage(file: Path, settings: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
+    """Refuse, before any of it is allocated, a first stage whose settings build other shapes than its weights
+    have (`n_codes=2**28` beside a 512-code codebook) or more than the memory budget holds."""
+    source = f"`model.first_stage_ckpt`: {file}"
+    module = on_meta(lambda: FirstStage(**settings), source)
+    mismatch = first_mismatch(module, weights)
+    if mismatch is not None:
+        held = f"holds {mismatch.key} of shape {mismatch.saved}" if mismatch.saved is not None else (
+            f"lacks {mismatch.key}")
+        raise MedvolError(
+            f"{source} {held}, but its settings ({', '.join(f'{k}={v}' for k, v in settings.items())}) build "
+            f"{mismatch.key} of shape {mismatch.built}; expected {EXPECTED}"
+        )
+    check_module_bytes(module, source)
 
 
 class FirstStage(nn.Module):
@@ -90,16 +110,16 @@ class FirstStage(nn.Module):
 
     @torch.no_grad()
     def decode(
-        self, z: torch.Tensor, quantized: bool, slab_elements: int | None = None, offload: bool = False
+        self, z: torch.Tensor, quantized: bool, slab_elements: int | None = None, offload: bool = False,
+        report: Report | None = None,
     ) -> torch.Tensor:
         """Images from latents `z`, snapped to the codebook first when `quantized`; with `slab_elements`, layer by
         layer in depth slabs of at most that many values on `z`'s device (`slab_decoding`: the same output),
-        the whole activations kept on the CPU with `offload`."""
+        the whole activations kept in pinned host memory with `offload`; `report` hears of the decoder's parts."""
         z = self.snap(z.float()) if quantized else z.float()
         if slab_elements is None:
             return self.decoder(z)
-        storage = z.cpu() if offload else z
-        return run_in_slabs(self.decoder, storage, slab_elements, z.device).to(z.device)
+        return run_in_slabs(self.decoder, to_storage(z, offload), slab_elements, z.device, report).to(z.device)
 
     def snap(self, z: torch.Tensor) -> torch.Tensor:
         """Every latent vector replaced by its nearest code (exactly the code: no straight-through arithmetic).

@@ -17,6 +17,10 @@ import torch
 
 from medvol.core.errors import MedvolError
 
+# Classes (background included) a scheme may have: DICOM-SEG numbers its segments in 16 bits. The count sizes the
+# class names, every one-hot target and probability map, and may come from a checkpoint.
+MAX_CLASSES = 2**16
+
 
 class LabelScheme:
     """Targets, predictions and label maps for `num_classes` classes or for `regions`.
@@ -51,6 +55,11 @@ class LabelScheme:
             if int(num_classes) < 2:
                 raise MedvolError(f"`model.num_classes` must be >= 2 (background and one class), got {num_classes}")
             self.num_classes = int(num_classes)
+        if self.num_classes > MAX_CLASSES:
+            given = "the largest region value + 1" if self.regions else "`model.num_classes`"
+            raise MedvolError(
+                f"{given} is {self.num_classes}; at most {MAX_CLASSES} classes (DICOM-SEG numbers segments in 16 bits)"
+            )
         self.class_names = (
             [str(n) for n in class_names] if class_names else [f"class{k}" for k in range(1, self.num_classes)]
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -17,7 +18,7 @@ def size_multiple(name: str, features: Sequence[int], strides: Sequence[Sequence
     if name == "swinunetr":
         return [32] * 3
     if name == "dynunet" and strides:
-        return [int(torch.tensor([s[axis] for s in strides]).prod()) for axis in range(3)]
+        return [math.prod(int(s[axis]) for s in strides) for axis in range(3)]
     return [2 ** (len(features) - 1)] * 3
 
 
@@ -73,7 +74,9 @@ def build_network(
         )
     if feature_size % 12:
         raise MedvolError(f"`model.feature_size` is {feature_size}; SwinUNETR needs a multiple of 12")
-    return SwinUNETR(in_channels=in_channels, out_channels=out_channels, feature_size=feature_size, spatial_dims=3)
+    # Fused attention (PyTorch's SDPA) where MONAI runs it, without gradients: the same windowed attention.
+    return SwinUNETR(in_channels=in_channels, out_channels=out_channels, feature_size=feature_size, spatial_dims=3,
+                     use_flash_attention=True)
 
 
 def supervised_heads(levels: int) -> int:

@@ -237,6 +237,8 @@ class Segmenter(MedvolModule):
         window = window or self.window(image)
         if window.pad_value is None:
             window = dataclasses.replace(window, pad_value=self.pad_value)
+        # One probability volume per class or region: held against the memory budget before it is blended.
+        window = dataclasses.replace(window, output_channels=self.scheme.out_channels)
         return window(MirrorAveraged(self.net, self.scheme.activation, SPATIAL_AXES if tta else ()), image)
 
     def label_maps(self, probabilities: torch.Tensor) -> torch.Tensor:

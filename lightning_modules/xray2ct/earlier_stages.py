@@ -22,6 +22,7 @@ from lightning_modules.xray2ct.denoiser import (
 )
 from medvol.core.checkpoint_read import load_checkpoint
 from medvol.core.errors import MedvolError
+from medvol.core.module_size import check_module_bytes, first_mismatch, on_meta
 
 log = logging.getLogger("medvol")
 
@@ -56,16 +57,20 @@ def read_stage(path: str) -> tuple[dict[str, Any], ViewConditionedDenoiser]:
     hparams = dict(checkpoint.get("hyper_parameters", {}))
     if "stage" not in hparams or "views" not in hparams:
         raise MedvolError(f"`model.previous_stages`: {path} is not an X-ray-to-CT stage checkpoint")
-    network = frozen_network(hparams)
-    try:
-        network.load_state_dict(sampling_weights(checkpoint["state_dict"]))
-    except RuntimeError:
-        raise MedvolError(
-            f"`model.previous_stages`: {path} does not hold the network its settings describe "
-            f"(stage {hparams['stage']}: neither EMA weights `ema.module.*` nor raw weights `network.*` fit); "
-            "expected a finished stage's best.ckpt"
-        ) from None
-    return hparams, network
+    weights = sampling_weights(checkpoint["state_dict"])
+    # Shapes first, on the meta device: settings that build a larger network than its weights allocate nothing.
+    source = f"`model.previous_stages`: {path}"
+    shapes = on_meta(lambda: frozen_network(hparams), source)
+    if first_mismatch(shapes, weights) is None:
+        check_module_bytes(shapes, source)
+        network = frozen_network(hparams)
+        if not network.load_state_dict(weights, strict=False).unexpected_keys:
+            return hparams, network
+    raise MedvolError(
+        f"{source} does not hold the network its settings describe "
+        f"(stage {hparams['stage']}: neither EMA weights `ema.module.*` nor raw weights `network.*` fit); "
+        "expected a finished stage's best.ckpt"
+    )
 
 
 def read_stages(paths: Sequence[str]) -> list[EarlierStage]:

@@ -14,7 +14,7 @@ import hydra
 from hydra.errors import InstantiationException
 from omegaconf import open_dict
 
-from medvol.core.errors import MedvolError
+from medvol.core.errors import MedvolError, refusal_within
 
 
 def _causes(err: BaseException) -> list[BaseException]:
@@ -31,11 +31,10 @@ def build(node: Any, **kwargs: Any) -> Any:
     try:
         return hydra.utils.instantiate(node, **kwargs)
     except InstantiationException as err:
-        causes = _causes(err)
-        own = next((c for c in causes if isinstance(c, MedvolError)), None)
+        own = refusal_within(err)
         if own is not None:
             raise own from None
-        missing = next((c for c in causes if isinstance(c, ModuleNotFoundError)), None)
+        missing = next((c for c in _causes(err) if isinstance(c, ModuleNotFoundError)), None)
         target = node.get("_target_") if hasattr(node, "get") else None
         if str(err).startswith("Error locating target"):
             raise MedvolError(

@@ -3,8 +3,10 @@
 A checkpoint medvol writes holds tensors and plain values only (`medvol.core.plain_values`). A file whose
 pickle asks for anything else (a function to call, a class of some library) is refused in one line naming
 the file and what it asked for; PyTorch's restricted unpickler stops at that name, before any of the file
-runs. `checkpoints_trusted(True)` is the documented opt-in (`trust_checkpoints=true` on the command line) for
-a file the user vouches for, such as a checkpoint written by a medvol from before this rule.
+runs. What it holds is then walked as data (`medvol.core.file_data.check_data`): bounded in size as a copy would
+count it, and no string that an interpolation would evaluate. `checkpoints_trusted(True)` is the documented opt-in
+(`trust_checkpoints=true` on the command line) for a file the user vouches for, such as a checkpoint written by a
+medvol from before this rule.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 
 from medvol.core.errors import MedvolError
+from medvol.core.file_data import check_data
 
 TRUST_KEY = "trust_checkpoints"
 _trusted = False
@@ -71,8 +74,16 @@ def load_checkpoint(path: Path, key: str, expected: str, mmap: bool = False) -> 
     """The unpickled file at `path` (on the CPU; tensors memory-mapped with `mmap`), read as data unless trusted.
 
     Raises `MedvolError` naming `key` (the config key that gave the path) for a file that asks for code
-    (`untrusted_refusal`) and for one that is not a readable checkpoint at all (`expected`: what would be).
+    (`untrusted_refusal`), for one whose values are not plain data (`check_data`) and for one that is not a readable
+    checkpoint at all (`expected`: what would be).
     """
+    checkpoint = _loaded(path, key, expected, mmap)
+    if weights_only():
+        check_data(checkpoint, f"`{key}`: {path}", tensors=True)
+    return checkpoint
+
+
+def _loaded(path: Path, key: str, expected: str, mmap: bool) -> Any:
     try:
         try:
             return torch.load(path, map_location="cpu", weights_only=weights_only(), mmap=mmap)

@@ -1,11 +1,15 @@
-"""A config read from a file (a run's `.hydra/config.yaml`, a cascade stage's `config.yaml`) builds only
-medvol's classes and the classes of the libraries medvol builds from, never an arbitrary callable.
+"""A config read from a file (a run's record, an old run's `.hydra/config.yaml`, the settings a checkpoint restores)
+builds only medvol's classes and the classes of the libraries medvol builds from, never an arbitrary callable.
 
 Hydra instantiates whatever a `_target_` names: `os.system` with the right arguments is as valid a target as
 a network. A run folder someone shares is data, so every `_target_` in a config read from one is checked
 before anything is imported from it or built: the path must lie in medvol's own packages, or in torch, MONAI
 or Lightning and name a class of the kinds medvol builds there (a network, an optimizer, a scheduler, a
-callback, a logger, a strategy, a trainer). The user's own command line is not checked: it may name any target.
+callback, a logger, a strategy, a trainer), and not one of the few of those that call a function they are given
+(`CALLERS`). The check reads the resolved tree (`medvol.run.run_record` resolves an old config before it): a
+`_target_` that an interpolation would create is checked as the one written. Hydra's own target policy (1.3.6 and
+later) is not relied on: it stops `os.system`, not `torch.load(weights_only=False)`. The user's own command line is
+not checked: it may name any target.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from medvol.core.errors import MedvolError
 OWN_PACKAGES = ("medvol", "lightning_modules", "datamodules", "callbacks")
 LIBRARIES = ("torch", "monai", "pytorch_lightning", "lightning", "lightning_fabric")
 ALLOWED = "medvol's classes, or torch/MONAI/Lightning networks, optimizers, schedulers, callbacks, loggers, strategies"
+# Classes of those kinds that call whatever function they are given.
+CALLERS = ("pytorch_lightning.callbacks.LambdaCallback", "lightning.pytorch.callbacks.LambdaCallback",
+           "pytorch_lightning.callbacks.lambda_function.LambdaCallback",
+           "lightning.pytorch.callbacks.lambda_function.LambdaCallback")
 
 
 def _library_bases() -> tuple[type, ...]:
@@ -70,25 +78,48 @@ def target_problem(target: Any) -> str | None:
         return "is not a class path"
     if "${" in target:
         return "is an interpolation, not a class path"
+    if target in CALLERS:
+        return "calls the functions it is given"
+    if "__main__" in target.split("."):
+        return "names a script, not a class"
     package = target.split(".")[0]
     if package not in OWN_PACKAGES + LIBRARIES:
         return f"lies outside {', '.join(OWN_PACKAGES + LIBRARIES)}"
     found = _located(target)
     if not isinstance(found, type):
         return "is no class" if found is not None else "names nothing importable"
+    if f"{found.__module__}.{found.__qualname__}" in CALLERS:
+        return "calls the functions it is given"
     if package in OWN_PACKAGES or issubclass(found, _library_bases()):
         return None
     return "is not a class medvol builds from that library"
 
 
-def check_file_targets(cfg: DictConfig, source: Path) -> None:
-    """Raise `MedvolError` naming the first `_target_` of `cfg` (read from `source`) that may not be built.
+def _binders(node: Any, key: str = "") -> Iterator[str]:
+    """Keys of the nodes that would bind a built object into a callable: a `_partial_` node or an `_args_` list
+    holding a `_target_` (Hydra builds the inner one first and hands it to the outer)."""
+    if isinstance(node, dict):
+        holds = [name for name, value in node.items() if not str(name).startswith("_") or name == "_args_"]
+        if node.get("_partial_") or "_args_" in node:
+            if any(True for name in holds for _ in file_targets(node[name])):
+                yield key or "<root>"
+        for name, value in node.items():
+            yield from _binders(value, f"{key}.{name}" if key else str(name))
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _binders(value, f"{key}[{index}]")
 
-    A `hydra` node (a cascade stage's config keeps the job's) is Hydra's record of how the job ran: medvol
-    builds nothing from it."""
-    tree = OmegaConf.to_container(cfg, resolve=False)
-    assert isinstance(tree, dict)
-    tree.pop("hydra", None)
+
+def check_file_targets(tree: Any, source: Path | str) -> None:
+    """Raise `MedvolError` naming the first `_target_` of `tree` (plain and resolved, or a config node resolved
+    here; read from `source`) that may not be built, or the first node that would bind one into a callable."""
+    if isinstance(tree, DictConfig):
+        tree = OmegaConf.to_container(tree, resolve=True)
+    for key in _binders(tree):
+        raise MedvolError(
+            f"`{key}` in {source} is a partial (`_partial_`, `_args_`) holding another `_target_`; a config read from "
+            "a run folder binds no built object into a callable (write it on your own command line)"
+        )
     for key, target in file_targets(tree):
         problem = target_problem(target)
         if problem:

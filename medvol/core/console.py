@@ -30,9 +30,9 @@ QUIET_ON_CONSOLE = (
     "Trainer already configured with model summary callbacks",
     "LOCAL_RANK:",
 )
-# Library warnings that say nothing about the run: MONAI's DICOM reader notes, at every construction, that an optional
-# GPU decoder is absent.
-QUIET_WARNINGS_ON_CONSOLE = ("nvImageCodec is not available",)
+# Loggers whose warnings are chatter on medvol's console: MONAI's loader builds a GPU DICOM reader medvol never uses
+# and warns, at every loader, that its decoder is missing (a refused input's one line would come second).
+QUIET_LOGGERS = ("monai.data.nvimgcodec_pydicom_plugin",)
 # The loggers whose INFO lines the console shows: medvol's, Hydra's and Lightning's (less `QUIET_ON_CONSOLE`). Every
 # other library's INFO lines (highdicom's nine per DICOM-SEG written, pydicom's plugin notes, ...) go to the log only.
 CONSOLE_INFO_LOGGERS = ("medvol", "hydra", "root", "__main__", *LIBRARY_LOGGERS)
@@ -46,8 +46,10 @@ class ConsoleFilter(logging.Filter):
         message = record.getMessage()
         if record.name == "py.warnings":
             return "site-packages" not in message
+        if record.name in QUIET_LOGGERS and record.levelno < logging.ERROR:
+            return False
         if record.levelno >= logging.WARNING:
-            return not any(text in message for text in QUIET_WARNINGS_ON_CONSOLE)
+            return True
         if not any(record.name == name or record.name.startswith(f"{name}.") for name in CONSOLE_INFO_LOGGERS):
             return False
         return not any(text in message for text in QUIET_ON_CONSOLE)

@@ -5,3 +5,14 @@ from __future__ import annotations
 
 class MedvolError(ValueError):
     """Bad user input (config value, file, checkpoint): the message names what is wrong and what was expected."""
+
+
+def refusal_within(err: BaseException) -> MedvolError | None:
+    """The `MedvolError` a library wrapped `err` around (Hydra's instantiate, MONAI's `applying transform ...`),
+    following its causes; None where there is none."""
+    cause: BaseException | None = err
+    for _ in range(10):
+        if cause is None or isinstance(cause, MedvolError):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    return None

@@ -2,11 +2,13 @@
 
 Two steps: `check_checkpoint_family` reads the file and the model class it was saved from, and
 needs only the config's `model._target_` (it runs with the other config checks, before anything is
-built or printed); `check_checkpoint_shapes` compares its weights with the built model.
+built or printed); `check_checkpoint_shapes` compares its weights with the model built on the meta device,
+and that model's size with the memory budget, before the model is built for real (`medvol.core.module_size`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ from lightning_modules.base import MODEL_KEY
 from medvol.core.build import target_class
 from medvol.core.checkpoint_read import load_checkpoint
 from medvol.core.errors import MedvolError
+from medvol.core.module_size import check_module_bytes, first_mismatch, on_meta
 
 EXPECTED = "a .ckpt file written by medvol, e.g. <run>/checkpoints/last.ckpt"
 
@@ -44,18 +47,17 @@ def _same_family(path: Path, checkpoint: dict[str, Any], wanted: str) -> None:
 
 
 def _same_shapes(path: Path, checkpoint: dict[str, Any], module: torch.nn.Module) -> None:
-    own = module.state_dict()
-    for key, value in checkpoint["state_dict"].items():
-        if key in own and tuple(own[key].shape) != tuple(value.shape):
-            raise MedvolError(
-                f"`ckpt_path`: {path} has {key} of shape {tuple(value.shape)} but the model config gives "
-                f"{tuple(own[key].shape)}; use the model settings the checkpoint was trained with"
-            )
-    missing = sorted(set(own) - set(checkpoint["state_dict"]))
-    if missing:
+    mismatch = first_mismatch(module, checkpoint["state_dict"])
+    if mismatch is None:
+        return
+    if mismatch.saved is None:
         raise MedvolError(
-            f"`ckpt_path`: {path} lacks weights the model needs (first: {missing[0]}); expected {EXPECTED}"
+            f"`ckpt_path`: {path} lacks weights the model needs (first: {mismatch.key}); expected {EXPECTED}"
         )
+    raise MedvolError(
+        f"`ckpt_path`: {path} has {mismatch.key} of shape {mismatch.saved} but the model config gives "
+        f"{mismatch.built}; use the model settings the checkpoint was trained with"
+    )
 
 
 def check_checkpoint_family(ckpt_path: str | None, model_target: str) -> dict[str, Any] | None:
@@ -70,10 +72,16 @@ def check_checkpoint_family(ckpt_path: str | None, model_target: str) -> dict[st
 
 
 def check_checkpoint_shapes(
-    ckpt_path: str | None, module: torch.nn.Module, checkpoint: dict[str, Any] | None = None
+    ckpt_path: str | None, build: Callable[[], torch.nn.Module], checkpoint: dict[str, Any] | None = None
 ) -> None:
-    """Raise `MedvolError` unless every weight of `ckpt_path` (if given) fits `module` and none it needs is missing
+    """Raise `MedvolError` unless every weight the model `build` makes fits `ckpt_path` (if given) and none is missing,
+    and the model fits the memory budget: checked on the meta device, before `build` allocates anything
     (`checkpoint`: the file as `check_checkpoint_family` read it, else it is read here)."""
-    if ckpt_path:
-        path = Path(str(ckpt_path)).expanduser()
-        _same_shapes(*((path, checkpoint) if checkpoint is not None else read_checkpoint(ckpt_path)), module)
+    if not ckpt_path:
+        return
+    path = Path(str(ckpt_path)).expanduser()
+    if checkpoint is None:
+        path, checkpoint = read_checkpoint(ckpt_path)
+    module = on_meta(build, f"`ckpt_path`: {path}")
+    _same_shapes(path, checkpoint, module)
+    check_module_bytes(module, f"`ckpt_path`: {path}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -116,8 +117,10 @@ def validate(cfg: DictConfig, checkpoint: str, device: torch.device) -> dict[str
     scheme = module.scheme
     labels = {"num_classes": scheme.num_classes, "regions": scheme.regions or None, "class_names": scheme.class_names,
               "threshold": scheme.threshold}
+    # Relative to the run, so that a moved sweep still finds it (and a record read back names nothing outside).
     write_json(out / FOLD_FILE, {
-        "fold": fold, "checkpoint": str(Path(checkpoint).resolve()), "labels": labels, "subjects": subjects,
+        "fold": fold, "checkpoint": os.path.relpath(Path(checkpoint).resolve(), run_dir.resolve()), "labels": labels,
+        "subjects": subjects,
     })
     decision = choose(module.scheme, cases(maps, subjects))
     write_json(run_dir / POSTPROCESSING_FILE, decision.to_json())
@@ -194,9 +197,9 @@ def summarise_sweep(sweep_dir: Path) -> dict[str, Any] | None:
     for fold, run_dir, record in runs:
         rows = read_rows(run_dir / VALIDATION_DIR / "metrics.csv")
         all_rows.extend(rows)
-        all_cases.extend(cases(run_dir / VALIDATION_DIR / LABEL_MAPS_DIR, record["subjects"]))
-        per_fold[str(fold)] = {"run_dir": str(run_dir), "checkpoint": record["checkpoint"],
-                               "subjects": len(record["subjects"]), **mean_metrics(rows)}
+        all_cases.extend(cases(run_dir / VALIDATION_DIR / LABEL_MAPS_DIR, record.subjects))
+        per_fold[str(fold)] = {"run_dir": str(run_dir), "checkpoint": record.checkpoint,
+                               "subjects": len(record.subjects), **mean_metrics(rows)}
     names = [k.removeprefix("dice_") for k in (all_rows[0] if all_rows else {}) if k.startswith("dice_")]
     pooled = mean_metrics(all_rows)
     summary = {
@@ -208,7 +211,7 @@ def summarise_sweep(sweep_dir: Path) -> dict[str, Any] | None:
             for k in pooled
         },
     }
-    decision = choose(LabelScheme(**runs[0][2]["labels"]), all_cases)
+    decision = choose(LabelScheme(**runs[0][2].labels.model_dump()), all_cases)
     summary["postprocessing"] = decision.to_json()
     write_json(sweep_dir / SUMMARY_FILE, summary)
     write_json(sweep_dir / POSTPROCESSING_FILE, decision.to_json())

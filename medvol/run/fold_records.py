@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from lightning_modules.segmentation.postprocessing import Postprocessing
 from medvol.core.errors import MedvolError
+from medvol.core.file_data import read_json
 
 VALIDATION_DIR = "validation"
 LABEL_MAPS_DIR = "label_maps"
@@ -31,25 +34,72 @@ def write_json(path: Path, record: Any) -> None:
     os.replace(tmp, path)
 
 
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class FoldLabels(_Record):
+    num_classes: Annotated[int, Field(ge=1, le=1024)]
+    regions: dict[str, list[Annotated[int, Field(ge=0, le=10**6)]]] | None
+    class_names: list[Annotated[str, Field(max_length=256)]] | None
+    threshold: Annotated[float, Field(allow_inf_nan=False)] | None
+
+
+class FoldRecord(_Record):
+    """`<run>/validation/fold.json`: the fold (null outside a cross-validation), the validated checkpoint (inside the
+    run), the label settings and the validation subjects."""
+
+    fold: Annotated[int, Field(ge=0, le=1000)] | None
+    checkpoint: Annotated[str, Field(max_length=4096)]
+    labels: FoldLabels
+    subjects: list[Annotated[str, Field(max_length=4096, pattern=r"^[^/\\]+$")]]
+
+
+class StructureVolume(_Record):
+    min: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+    median: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+    max: Annotated[float, Field(ge=0, allow_inf_nan=False)]
+    subjects: Annotated[int, Field(ge=1)]
+
+
+def _validated(schema: type[BaseModel], value: Any, path: Path, expected: str) -> Any:
+    try:
+        return schema.model_validate(value)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "<root>"
+        raise MedvolError(f"{path}: `{where}` {first['msg'].lower()}; expected {expected} written by medvol") from None
+
+
 def read_postprocessing(folder: Path) -> Postprocessing:
     """The post-processing recorded in `folder` (a run or a sweep); none where nothing was recorded."""
     path = folder / POSTPROCESSING_FILE
     if not path.is_file():
         return Postprocessing()
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise MedvolError(f"{path}: cannot read the post-processing ({err}); remove the file or restore it") from err
-    return Postprocessing.from_json(record, str(path))
+    return Postprocessing.from_json(read_json(path, "a post-processing record"), str(path))
 
 
-def fold_runs(sweep_dir: Path) -> list[tuple[int, Path, dict[str, Any]]]:
+def read_fold(path: Path) -> FoldRecord:
+    """A run's fold record, checked: its checkpoint a file inside the run (stored relative to it; an older record's
+    absolute path only where it still lies inside)."""
+    record = _validated(FoldRecord, read_json(path, "a fold record"), path, "a fold record")
+    run_dir = path.parent.parent.resolve()
+    checkpoint = (run_dir / record.checkpoint).resolve()
+    if not checkpoint.is_relative_to(run_dir):
+        raise MedvolError(
+            f"{path}: `checkpoint` {record.checkpoint} lies outside its run {run_dir}; expected one of the run's "
+            "checkpoints"
+        )
+    return record.model_copy(update={"checkpoint": str(checkpoint)})
+
+
+def fold_runs(sweep_dir: Path) -> list[tuple[int, Path, FoldRecord]]:
     """(fold, run directory, fold record) of every validated cross-validation run in a sweep, by fold."""
     found = []
     for path in sorted(sweep_dir.glob(f"*/{VALIDATION_DIR}/{FOLD_FILE}")):
-        record = json.loads(path.read_text())
-        if record.get("fold") is not None:
-            found.append((int(record["fold"]), path.parent.parent, record))
+        record = read_fold(path)
+        if record.fold is not None:
+            found.append((record.fold, path.parent.parent, record))
     folds = [fold for fold, _, _ in found]
     if len(set(folds)) != len(folds):
         raise MedvolError(
@@ -67,7 +117,7 @@ def fold_checkpoints(run_dir: Path) -> list[str]:
             f"`run_dir`: {run_dir} holds no validated cross-validation runs (<run>/validation/fold.json); expected the "
             "folder of a `python train.py -m ... dataset.fold=0,1,2,3,4` sweep"
         )
-    return [str(record["checkpoint"]) for _, _, record in runs]
+    return [record.checkpoint for _, _, record in runs]
 
 
 def read_volume_range(folder: Path) -> dict[str, list[float]]:
@@ -75,5 +125,8 @@ def read_volume_range(folder: Path) -> dict[str, list[float]]:
     path = folder / VOLUMES_FILE
     if not path.is_file():
         return {}
-    record = json.loads(path.read_text())
-    return {name: [float(v["min"]), float(v["max"])] for name, v in record.items()}
+    record = read_json(path, "a record of structure volumes")
+    if not isinstance(record, dict):
+        raise MedvolError(f"{path}: expected a mapping of structure name -> volumes written by medvol")
+    volumes = {name: _validated(StructureVolume, value, path, "structure volumes") for name, value in record.items()}
+    return {name: [v.min, v.max] for name, v in volumes.items()}

@@ -78,7 +78,7 @@ def override_error(config_dir: Path, config_name: str, argv: Sequence[str]) -> s
         reason = str(err.__cause__ or "").splitlines()
         detail = f" ({reason[0]})" if reason else ""
         return (
-            f"`{chosen}`: cannot set this key{detail}; `python train.py --cfg job` lists the keys, "
+            f"`{chosen}`: cannot set this key{detail}; `python {config_name}.py --cfg job` lists the keys, "
             "`+key=value` adds one"
         )
     except OverrideParseException as err:

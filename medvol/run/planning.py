@@ -24,6 +24,7 @@ from medvol.core.errors import MedvolError
 from medvol.run.survival_planning import is_survival_plan, survival_planned, with_survival_plan
 from medvol.run.world import global_rank
 from medvol.volumes.plan import PLAN_FILE, background_values, describe, make_plan, read_plan, write_plan
+from medvol.volumes.survival_plan import describe_survival_plan
 
 log = logging.getLogger("medvol")
 
@@ -94,42 +95,52 @@ def model_regions(cfg: DictConfig, datamodule: pl.LightningDataModule) -> dict[s
     return own() if callable(own) else None
 
 
-def planned(cfg: DictConfig, datamodule: pl.LightningDataModule, accelerator: str) -> tuple[DictConfig, list[str]]:
+def planned(
+    cfg: DictConfig, datamodule: pl.LightningDataModule, accelerator: str, recorded: bool = False
+) -> tuple[DictConfig, list[str]]:
     """`cfg` with the run's plan applied, and the plan's lines to print; without a plan `cfg` with the dataset's
     classes where `model.num_classes` is null.
 
     The plan of `<run>/plan.json` where the run has one (a resume), else one made from the training
-    subjects and written there by rank 0.
+    subjects and written there by rank 0. A config that is the run's record (`recorded`: a resume) holds the plan
+    already: it is described, not applied again.
     """
     if not wants_plan(cfg):
-        return with_data_classes(cfg, datamodule), []
+        return (cfg if recorded else with_data_classes(cfg, datamodule)), []
     path = plan_path(cfg)
-    if cfg.model.plan.get("family") == "survival":
+    survival = cfg.model.plan.get("family") == "survival"
+    if recorded:
+        if not path.is_file():
+            return cfg, []
+        plan = read_plan(path)
+        shown = describe_survival_plan(plan) if survival else describe(plan)
+        return cfg, [*shown, f"plan: as recorded in {path} (the run's record holds it, applied)"]
+    if survival:
         return survival_planned(cfg, datamodule, path, accelerator)
     if path.is_file():
         plan = read_plan(path)
-    else:
-        if not hasattr(datamodule, "plan_fingerprint"):
-            raise MedvolError(
-                f"`model.plan.use=true`: the dataset {cfg.dataset._target_} has no files to plan from; expected a file "
-                "dataset (dataset=nifti, brats, nnunet) or model.plan.use=false"
-            )
-        device = "gpu" if accelerator == "gpu" else "cpu"
-        base = int(cfg.model.plan.get("base_features") or BASE_FEATURES[device])
-        regions = model_regions(cfg, datamodule)
-        names = getattr(datamodule, "label_names", None)
-        class_names = names() if callable(names) and not regions else None
-        plan = make_plan(
-            datamodule.plan_fingerprint(), memory_budget(cfg, accelerator), base, given_values(cfg),
-            getattr(datamodule, "modality_kind", None), regions,
-            len(class_names) + 1 if class_names else None,
+        return with_plan(cfg, plan), [*describe(plan), f"plan: read from {path}"]
+    if not hasattr(datamodule, "plan_fingerprint"):
+        raise MedvolError(
+            f"`model.plan.use=true`: the dataset {cfg.dataset._target_} has no files to plan from; expected a file "
+            "dataset (dataset=nifti, brats, nnunet) or model.plan.use=false"
         )
-        plan["regions"] = regions if cfg.model.get("regions") is None else None
-        plan["class_names"] = class_names
-        # How many files a subject's channels came in, so predict.py groups its input files alike.
-        plan["channel_files"] = len(getattr(datamodule, "image_modalities", []) or []) or 1
-        if global_rank() == 0:
-            write_plan(plan, path)
+    device = "gpu" if accelerator == "gpu" else "cpu"
+    base = int(cfg.model.plan.get("base_features") or BASE_FEATURES[device])
+    regions = model_regions(cfg, datamodule)
+    names = getattr(datamodule, "label_names", None)
+    class_names = names() if callable(names) and not regions else None
+    plan = make_plan(
+        datamodule.plan_fingerprint(), memory_budget(cfg, accelerator), base, given_values(cfg),
+        getattr(datamodule, "modality_kind", None), regions,
+        len(class_names) + 1 if class_names else None,
+    )
+    plan["regions"] = regions if cfg.model.get("regions") is None else None
+    plan["class_names"] = class_names
+    # How many files a subject's channels came in, so predict.py groups its input files alike.
+    plan["channel_files"] = len(getattr(datamodule, "image_modalities", []) or []) or 1
+    if global_rank() == 0:
+        write_plan(plan, path)
     return with_plan(cfg, plan), [*describe(plan), f"plan: written to {path}"]
 
 
@@ -226,9 +237,10 @@ def poly_decay(cfg: DictConfig, power: float) -> dict[str, Any]:
     }
 
 
-def with_run_plan(run: DictConfig) -> DictConfig:
-    """A trained run's config with its plan applied (predict.py), as training applied it; as it is without one."""
-    path = plan_path(run)
+def with_run_plan(run: DictConfig, run_dir: Path) -> DictConfig:
+    """An old run's config (one written before run records) with the plan of `run_dir` applied, as training applied
+    it; as it is without one (`medvol.run.run_record.legacy_record`)."""
+    path = run_dir / PLAN_FILE
     if not path.is_file():
         return run
     plan = read_plan(path)

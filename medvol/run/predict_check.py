@@ -18,6 +18,7 @@ from medvol.run.predict_config import window_size
 from medvol.run.predict_inputs import Inputs
 from medvol.volumes.dicom_io import refuse_non_series_subjects
 from medvol.volumes.sliding_window import BLEND_MODES
+from medvol.volumes.volume_reader import check_volume_file
 
 SPLITS = ("train", "val", "test")
 DEFAULT_OVERLAP = 0.25
@@ -85,6 +86,7 @@ def check_inputs(
     """Every input's header against the model (channels; a coarse scan for a model that refines resolution; DICOM
     series for DICOM outputs), before the first file is written; return whether the outputs go on the model's
     grid (refined)."""
+    check_input_sizes(inputs)
     generation = module.generation_inputs()
     image_channels = len(run.dataset.image_modalities) if run.dataset.get("image_modalities") is not None else None
     expected = {**({"image": image_channels} if image_channels and not inputs.condition_only else {}), **generation}
@@ -96,6 +98,17 @@ def check_inputs(
         for key in generation:
             check_refinable(inputs.records, key, geometry, inputs.where)
     return refine
+
+
+def check_input_sizes(inputs: Inputs) -> None:
+    """Every input file's headers against the memory budget, as read and on the grid its dataset resamples it to,
+    before the first output is written (a header of 10^12 voxels, or of few voxels 120 mm wide)."""
+    transforms = inputs.config.get("transforms") or {}
+    spacing, orientation = transforms.get("spacing"), transforms.get("orientation")
+    for record in inputs.records:
+        for path in (record.get("files") or {}).values():
+            if path is not None:
+                check_volume_file(path, spacing, orientation, inputs.config.get("series"))
 
 
 def window_roi(cfg: DictConfig, run: DictConfig) -> list[int]:

@@ -1,7 +1,8 @@
 """predict.py's first stage: the run's config recovered from its checkpoint and merged with the command's.
 
-The model family and its preprocessing come from the checkpoint's run (`<run>/.hydra/config.yaml`, or a
-cascade stage's `config.yaml`); `model.*` and `dataset.*` given to `predict.py` are merged on top, and
+The model family and its preprocessing come from the checkpoint's run (its record, `<run>/run.json` or a cascade
+stage's `<run>/stage<k>/run.json`; `medvol.run.run_record`); `model.*` and `dataset.*` given to `predict.py` are
+merged on top, and
 the inputs are resampled to the geometry the model was trained at (`input_geometry`).
 """
 
@@ -16,17 +17,31 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from medvol.core.build import target_class
-from medvol.core.config_targets import check_file_targets
 from medvol.core.errors import MedvolError
-from medvol.run.planning import with_run_plan
 from medvol.run.resolvers import run_dir_of_checkpoint
+from medvol.run.run_record import RECORD_FILE, legacy_record, read_record, settings
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 # The keys of a dataset config that name the model's channels.
 MODALITY_KEYS = ("image_modalities", "cond_modalities")
 
 
+def reader_paths(run_dir: Path) -> dict[str, str]:
+    """`paths` for a run read outside its training command: medvol's defaults resolved here (the cache and data under
+    this working directory), with `output_dir` the run's folder."""
+    tree = OmegaConf.create({"paths": OmegaConf.load(CONF_DIR / "paths" / "default.yaml")})
+    with open_dict(tree):
+        tree.paths.output_dir = str(run_dir)
+    paths = OmegaConf.to_container(tree.paths, resolve=True)
+    assert isinstance(paths, dict)
+    return {str(k): str(v) for k, v in paths.items()}
+
+
 def run_config(ckpt_path: str) -> DictConfig:
-    """The composed config of the run a checkpoint belongs to, with `paths.output_dir` pointed at that run."""
+    """The settings of the run a checkpoint belongs to, as its record holds them (`medvol.run.run_record`: read as
+    data, never re-planned or resolved; an old run's config converted by its one path), `paths.output_dir` the folder
+    the run (or cascade stage) wrote."""
     path = Path(ckpt_path).expanduser()
     if not path.is_file():
         raise MedvolError(
@@ -35,37 +50,36 @@ def run_config(ckpt_path: str) -> DictConfig:
     run_dir = run_dir_of_checkpoint(str(path))
     if run_dir is None and path.name == "best.ckpt" and re.fullmatch(r"stage\d+", path.parent.name):
         run_dir = path.parent.parent
-    if run_dir is None or not (run_dir / ".hydra" / "config.yaml").is_file():
+    if run_dir is None or not (run_dir / ".hydra").is_dir():
         raise MedvolError(
-            f"`ckpt_path`: {path} is not in a medvol run directory (no <run>/.hydra/config.yaml next to its "
-            "checkpoints/ folder); expected a checkpoint written by train.py"
+            f"`ckpt_path`: {path} is not in a medvol run directory (no <run>/.hydra/ next to its checkpoints/ "
+            "folder); expected a checkpoint written by train.py"
         )
-    # A cascade stage's checkpoint (`<run>/stage<k>/best.ckpt` or
-    # `.../stage<k>/checkpoints/`) runs with that stage's config.
+    # A cascade stage's checkpoint (`<run>/stage<k>/best.ckpt` or `.../stage<k>/checkpoints/`) runs with that stage's
+    # settings.
     stage_dir = next(
-        (
-            p
-            for p in (path.parent, path.parent.parent)
-            if re.fullmatch(r"stage\d+", p.name) and (p / "config.yaml").is_file()
-        ),
+        (p for p in (path.parent, path.parent.parent) if re.fullmatch(r"stage\d+", p.name) and p.parent == run_dir),
         None,
     )
-    config_file = (stage_dir / "config.yaml") if stage_dir is not None else run_dir / ".hydra" / "config.yaml"
-    cfg = OmegaConf.load(config_file)
-    assert isinstance(cfg, DictConfig)
-    # A run folder is data: its config builds only medvol's and its libraries' classes.
-    check_file_targets(cfg, config_file)
-    with open_dict(cfg):
-        # `${hydra:runtime.output_dir}` means nothing outside that run's Hydra job: the run is where split.json is.
-        cfg.paths.output_dir = str(run_dir)
-    return cfg
+    folder = stage_dir if stage_dir is not None else run_dir
+    paths = reader_paths(folder)
+    record = read_record(folder)
+    source = folder / RECORD_FILE
+    if record is None:
+        config_file = folder / "config.yaml" if stage_dir is not None else run_dir / ".hydra" / "config.yaml"
+        if not config_file.is_file():
+            raise MedvolError(
+                f"`ckpt_path`: {folder} holds neither a run record ({RECORD_FILE}) nor a run's config; expected a "
+                "checkpoint written by train.py"
+            )
+        record, source = legacy_record(config_file, run_dir, paths), config_file
+    return settings(record, paths, source)
 
 
 def recovered_run(cfg: DictConfig) -> DictConfig:
     """The checkpoint's run config with the command's `model.*` merged on top and the model's settings resolved."""
-    # The training plan's spacing, crop, normalization and network (`<run>/plan.json`), as training applied them.
-    run = merged(with_run_plan(run_config(str(cfg.ckpt_path))), {"model": cfg.get("model") or {}})
-    # The model's channel counts interpolate the run's dataset: resolve them before a dataset override.
+    run = merged(run_config(str(cfg.ckpt_path)), {"model": cfg.get("model") or {}})
+    # The command's own `model.*` may interpolate the run's values: resolved before a dataset override.
     with open_dict(run):
         run.model = OmegaConf.create(OmegaConf.to_container(run.model, resolve=True))
     return run

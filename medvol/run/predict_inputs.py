@@ -20,7 +20,7 @@ from torch.utils.data import Dataset, default_collate
 
 from datamodules.sources.brats import BratsDataModule, case_folders
 from medvol.core.build import build, target_class
-from medvol.core.errors import MedvolError
+from medvol.core.errors import MedvolError, refusal_within
 from medvol.run.channel_files import channel_groups, files_per_subject
 from medvol.run.generation import check_condition_files, lacks_targets, modality_field, without_targets
 from medvol.run.planning import plan_path
@@ -269,9 +269,17 @@ def brats_dataset(run: DictConfig, root: Path, cases: list[Path]) -> DictConfig:
 
 
 def batches(dataset: Dataset) -> Iterator[dict[str, Any]]:
-    """One subject per batch, collated as the test loader would."""
+    """One subject per batch, collated as the test loader would; a refusal inside the transforms (MONAI wraps it
+    in `applying transform ...`) passed on as its one line."""
     for index in range(len(dataset)):  # type: ignore[arg-type]
-        yield default_collate([dataset[index]])
+        try:
+            item = dataset[index]
+        except RuntimeError as err:
+            own = refusal_within(err)
+            if own is None:
+                raise
+            raise own from None
+        yield default_collate([item])
 
 
 def find_inputs(

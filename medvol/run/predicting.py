@@ -12,6 +12,7 @@ code that writes `test=true` outputs: the source grid and units, the source head
 from __future__ import annotations
 
 import logging
+import resource
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -70,10 +71,13 @@ def _predicted(cfg: DictConfig) -> dict[str, float]:
     output_dir = Path(str(cfg.output_dir)).expanduser()
     device = pick_device(str(cfg.device))
     module = load_module(run, str(cfg.ckpt_path), device)
+    if hasattr(module, "progress"):
+        # A generative model logs its walk (steps, windows) and its decoding (slabs) as it goes.
+        module.progress = True
     predictor = segmentation_predictor(cfg, module, run, checkpoints, decided_in, device)
     num_samples = int(cfg.get("num_samples", 1))
     if from_noise(cfg):
-        return noise_samples(module, cfg.get("spacing"), output_dir, num_samples)
+        return noise_samples(module, cfg.get("spacing"), output_dir, num_samples, device)
     check_samples(module, num_samples)
     if cfg.input is not None and "xray" in module.generation_inputs():
         return from_radiographs(module, run, Path(str(cfg.input)).expanduser(), output_dir, num_samples, device)
@@ -100,6 +104,7 @@ def _predicted(cfg: DictConfig) -> dict[str, float]:
             writer.write_metrics()
             writer.write_predictions()
             log.info(summary_line(writer.rows, count, output_dir))
+            log.info(peak_memory(device))
     return mean_metrics(writer.rows)
 
 
@@ -199,15 +204,26 @@ def from_radiographs(
     with log_file(output_dir / LOG_FILE):
         count = ct_from_radiographs(module, run, source, output_dir, device, num_samples)
         log.info(summary_line([], count, output_dir))
+        log.info(peak_memory(device))
     return {}
 
 
-def noise_samples(module: MedvolModule, spacing: Any, output_dir: Path, num_samples: int) -> dict[str, float]:
+def noise_samples(
+    module: MedvolModule, spacing: Any, output_dir: Path, num_samples: int, device: torch.device
+) -> dict[str, float]:
     """`num_samples` volumes from noise alone, for an unconditional generator given no input (`noise_samples`)."""
     with log_file(output_dir / LOG_FILE):
         count = write_noise_samples(module, noise_geometry(spacing, module.training_data), num_samples, output_dir)
         log.info("generated %d sample%s -> %s", count, "s" if count != 1 else "", output_dir)
+        log.info(peak_memory(device))
     return {}
+
+
+def peak_memory(device: torch.device) -> str:
+    """The most memory the prediction held: on a GPU its allocated peak, else the process's peak resident set."""
+    if device.type == "cuda":
+        return f"peak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+    return f"peak host memory: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
 
 
 def summary_line(rows: list[dict[str, Any]], count: int, output_dir: Path) -> str:

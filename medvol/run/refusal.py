@@ -3,7 +3,8 @@
 Hydra creates the run directory, `.hydra/` and `train.log` before `run(cfg)` starts. When
 medvol then refuses the command (a `MedvolError`), a fresh run's directory is removed, and a
 resumed run gets back exactly what it held: its `.hydra/resume-<stamp>` record of the refused
-invocation is removed and its `train.log` is cut back to its length before the command.
+invocation is removed, a run record (`run.json`) it did not hold before is removed, and its `train.log` is cut
+back to its length before the command.
 A command that has already saved a checkpoint is kept, with the error at the end of its `train.log`.
 """
 
@@ -13,6 +14,8 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from medvol.run.run_record import RECORD_FILE
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,7 @@ class RunDirectoryBefore:
         resumed: whether `output_dir` belongs to an earlier run this command resumes.
         log_size: bytes in `log_file` when the command started.
         started: when the command started (checkpoints written since then make the run count).
+        had_record: whether `output_dir` held a run record (`run.json`) when the command started.
     """
 
     output_dir: Path
@@ -34,12 +38,14 @@ class RunDirectoryBefore:
     resumed: bool
     log_size: int
     started: float
+    had_record: bool = False
 
     @classmethod
     def record(cls, output_dir: str, hydra_subdir: str | None, log_file: str, resumed: bool) -> RunDirectoryBefore:
         log = Path(log_file)
         size = log.stat().st_size if log.is_file() else 0
-        return cls(Path(output_dir), hydra_subdir, log, resumed, size, time.time())
+        had_record = (Path(output_dir) / RECORD_FILE).is_file()
+        return cls(Path(output_dir), hydra_subdir, log, resumed, size, time.time(), had_record)
 
     def fresh(self) -> bool:
         """Whether Hydra made the directory for this command: no resume, nothing logged there before, no checkpoint."""
@@ -61,6 +67,8 @@ class RunDirectoryBefore:
         # An earlier run's directory (a resume, a SLURM requeue into slurm-<job>): give back only what was added.
         if self.hydra_subdir and Path(self.hydra_subdir).name.startswith("resume-"):
             shutil.rmtree(self.output_dir / self.hydra_subdir, ignore_errors=True)
+        if not self.had_record:
+            (self.output_dir / RECORD_FILE).unlink(missing_ok=True)
         if self.log_file.is_file():
             with self.log_file.open("r+b") as file:
                 file.truncate(self.log_size)

@@ -153,6 +153,15 @@ def positive(value: Any) -> bool:
     return value is not None and float(value) > 0
 
 
+# The resolvers that compute a value from their arguments (and at most read a dataset's own description), as opposed
+# to the ones that place a Hydra job's output (`run_stamp`, `run_dir`, `output_subdir`): the only ones an old run's
+# config read from a file may use (`medvol.run.run_record.legacy_record`).
+VALUE_RESOLVERS = frozenset({
+    "auto_precision", "gpu_available", "cwd", "len", "synthetic_modalities", "batch_per_device", "label_regions",
+    "background_value", "field_of_view", "nnunet_channels", "positive",
+})
+
+
 def register_resolvers() -> None:
     """Register medvol's resolvers once; safe to call repeatedly."""
     for name, fn in {

@@ -68,7 +68,8 @@ def survival_planned(cfg: DictConfig, datamodule: pl.LightningDataModule, path: 
                      ) -> tuple[DictConfig, list[str]]:
     """`cfg` with the run's survival plan applied (`path` where the run has one, else made and written there by
     rank 0), and the plan's lines to print."""
-    if path.is_file():
+    found = path.is_file()
+    if found:
         plan = read_plan(path)
     else:
         if not hasattr(datamodule, "plan_fingerprint") or not hasattr(datamodule, "split_outcomes"):
@@ -89,7 +90,8 @@ def survival_planned(cfg: DictConfig, datamodule: pl.LightningDataModule, path: 
     decay = []
     if cfg.model.get("scheduler") is None:
         decay = [f"plan: learning rate: cosine decay to 0 over {applied.model.scheduler.T_max} epochs"]
-    return applied, [*describe_survival_plan(plan), *decay, *replaced_values(cfg, plan), f"plan: written to {path}"]
+    where = f"plan: read from {path}" if found else f"plan: written to {path}"
+    return applied, [*describe_survival_plan(plan), *decay, *replaced_values(cfg, plan), where]
 
 
 def with_survival_plan(cfg: DictConfig, plan: dict[str, Any]) -> DictConfig:

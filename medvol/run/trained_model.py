@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from lightning_modules.base import MedvolModule
 from medvol.core.build import build_model, target_class
@@ -23,10 +23,11 @@ def load_module(run: DictConfig, ckpt_path: str, device: torch.device) -> Medvol
     assert checkpoint is not None
     family = target_class(run.model._target_)
     restored = family.restoring_settings(dict(checkpoint.get("hyper_parameters") or {}))
-    # Hydra would build a `_target_` inside them: what a checkpoint restores is checked as a run's config is.
-    check_file_targets(OmegaConf.create({"model": restored}), Path(ckpt_path))
+    # Hydra would build a `_target_` inside them: what a checkpoint restores (plain data, `load_checkpoint` checked it)
+    # is checked as a run's record is.
+    check_file_targets({"model": restored}, Path(ckpt_path))
+    check_checkpoint_shapes(ckpt_path, lambda: build_model(run.model, **restored), checkpoint)
     module: MedvolModule = build_model(run.model, **restored)
-    check_checkpoint_shapes(ckpt_path, module, checkpoint)
     module.on_load_checkpoint(checkpoint)
     module.load_state_dict(checkpoint["state_dict"])
     return module.to(device).eval()

@@ -25,7 +25,9 @@ from medvol.run.cross_validation import after_training
 from medvol.run.fingerprint import RecordFingerprint
 from medvol.run.launch import local_ranks
 from medvol.run.planning import planned
+from medvol.run.resume import resumed
 from medvol.run.run_check import check_label_regions, check_run, check_trainer
+from medvol.run.run_record import write_run_record
 from medvol.run.world import (
     World,
     build_strategy,
@@ -109,15 +111,19 @@ def run(cfg: DictConfig) -> dict[str, float]:
     With `trainer.devices=N > 1` on one node and no external launcher, this process becomes
     rank 0 and starts the other ranks itself (see `medvol.run.launch`). A config with a `cascade`
     node runs its stages one after another (see `medvol.run.cascade`). Checkpoints are read as data unless the
-    command says `trust_checkpoints=true` (`medvol.core.checkpoint_read`).
+    command says `trust_checkpoints=true` (`medvol.core.checkpoint_read`). A `ckpt_path` inside a run continues
+    that run: its record with this command's overrides on top (`medvol.run.resume`).
     """
     with checkpoints_trusted(cfg.get(TRUST_KEY, False)):
-        return _stages_or_run(cfg)
+        cfg, record = resumed(cfg)
+        return _stages_or_run(cfg, recorded=record is not None)
 
 
-def _stages_or_run(cfg: DictConfig) -> dict[str, float]:
+def _stages_or_run(cfg: DictConfig, recorded: bool = False) -> dict[str, float]:
     if cfg.get("cascade"):
-        return run_cascade(cfg, run, check_config)
+        if global_rank() == 0:
+            write_run_record(cfg)
+        return run_cascade(cfg, _stages_or_run, check_config)
     world = check_config(cfg)
     if global_rank() != 0:
         # Rank 0 alone prints; the others still report warnings and errors.
@@ -125,29 +131,32 @@ def _stages_or_run(cfg: DictConfig) -> dict[str, float]:
         log.setLevel(logging.WARNING)
     if starts_own_ranks(cfg.get("strategy"), world):
         with local_ranks(cfg, world.devices):
-            return _run(cfg, world)
+            return _run(cfg, world, recorded)
     run_started()
-    metrics = _run(cfg, world)
+    metrics = _run(cfg, world, recorded)
     # Gloo's threads abort a process whose group outlives the interpreter (see medvol.core.process_group).
     release_at_exit()
     return metrics
 
 
-def _run(cfg: DictConfig, world: World) -> dict[str, float]:
+def _run(cfg: DictConfig, world: World, recorded: bool = False) -> dict[str, float]:
     # Everything is built and checked before the first line is printed: a refused command prints only its error.
     if cfg.get("seed") is not None:
         pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
     datamodule: pl.LightningDataModule = build(cfg.dataset)
     if hasattr(datamodule, "preflight"):
         datamodule.preflight()
-    cfg, plan_lines = planned(cfg, datamodule, world.accelerator)
+    cfg, plan_lines = planned(cfg, datamodule, world.accelerator, recorded)
     if plan_lines:
         datamodule = build(cfg.dataset)
+        # The plan's spacing (from the data, or a resumed run's plan.json) makes new grids: checked from the headers.
+        if hasattr(datamodule, "preflight"):
+            datamodule.preflight()
     if cfg.get("test") and cfg.get("output_format") == "dicom" and hasattr(datamodule, "subjects"):
         refuse_non_series_subjects(datamodule.subjects())
     model_cfg, lr_lines = scale_learning_rates(cfg.model, str(cfg.get("lr_scaling", "none")), world.size)
+    check_checkpoint_shapes(cfg.get("ckpt_path"), lambda: build_model(model_cfg))
     module: MedvolModule = build_model(model_cfg)
-    check_checkpoint_shapes(cfg.get("ckpt_path"), module)
     if hasattr(module, "cached_transform") and hasattr(datamodule, "add_cached_transform"):
         # A latent model's encoder runs once per subject inside the dataset's cache (docs/ldm.md).
         datamodule.add_cached_transform(*module.cached_transform())
@@ -182,6 +191,9 @@ def _run(cfg: DictConfig, world: World) -> dict[str, float]:
     record_hyperparameters(loggers, cfg, model_cfg, arithmetic.effective)
 
     ckpt_path = cfg.get("ckpt_path") or requeued_checkpoint(str(cfg.paths.output_dir))
+    if trainer.is_global_zero:
+        # What predict.py, export.py and a resume read back: this config as it trains, once (medvol.run.run_record).
+        write_run_record(cfg)
     if cfg.get("train", True):
         trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=weights_only())
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if torch.is_tensor(v) and v.numel() == 1}

@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pydicom
 from pydicom.dataset import FileDataset
 
 from medvol.core.errors import MedvolError
-from medvol.volumes.volume_budget import check_file_size, check_volume_size
+from medvol.volumes.dicom_read import read_dicom
+from medvol.volumes.volume_budget import check_volume_size
 
 LOG = logging.getLogger("medvol")
 # DICOM's patient axes are L, P, S; NIfTI's (and medvol's) R, A, S.
@@ -180,10 +180,7 @@ def _image_slices(folder: Path) -> list[Slice]:
         # Read 132 bytes each to tell them apart, never whole.
         LOG.info("medvol: %s: %d file(s) that are not DICOM skipped", folder, others)
     for path in files:
-        try:
-            header = pydicom.dcmread(path, stop_before_pixels=True)
-        except Exception as err:  # noqa: BLE001 - every parser failure means the same to the user
-            raise MedvolError(f"{path}: unreadable DICOM file ({type(err).__name__}: {str(err)[:80]})") from err
+        header = read_dicom(path, header_only=True)
         if header.get("SOPClassUID") != MEDIA_DIRECTORY_SOP and "Rows" in header:
             slices.append(Slice(path, header))
     if not slices:
@@ -389,10 +386,9 @@ def _check_not_sheared(folder: Path, ordered: Sequence[Slice], normal: np.ndarra
 
 
 def stored_pixels(item: Slice) -> np.ndarray:
-    """The stored values of one slice; refuses a file larger than a volume may be, and a transfer syntax no
-    installed decoder reads."""
-    check_file_size(item.path)
-    dataset = pydicom.dcmread(item.path)
+    """The stored values of one slice; refuses a file larger than a volume may be (or inflating beyond what its
+    header promises: `read_dicom`), and a transfer syntax no installed decoder reads."""
+    dataset = read_dicom(item.path, header_only=False)
     try:
         return np.asarray(dataset.pixel_array)
     except Exception as err:  # noqa: BLE001 - a missing or failing decoder raises one of several types

@@ -28,7 +28,8 @@ import pydicom
 
 from medvol.core.errors import MedvolError
 from medvol.volumes.dicom_io import Slice, refuse_multi_frame, stored_pixels
-from medvol.volumes.volume_budget import check_file_size, check_volume_size
+from medvol.volumes.dicom_read import read_dicom
+from medvol.volumes.volume_budget import check_volume_size
 
 # The modalities of projection radiographs medvol reads: computed and digital radiography.
 RADIOGRAPH_MODALITIES = ("CR", "DX")
@@ -74,8 +75,7 @@ def read_radiograph(path: str | Path) -> Radiograph:
     """One CR/DX file as pixels in [0, 1] (MONOCHROME1 inverted) and the RAS affine its PatientOrientation and
     pixel spacing give; refused in one line when it is not such a radiograph."""
     path = Path(path)
-    check_file_size(path)
-    header = pydicom.dcmread(path, stop_before_pixels=True)
+    header = read_dicom(path, header_only=True)
     modality = str(header.get("Modality", "") or "none")
     if modality not in RADIOGRAPH_MODALITIES:
         raise MedvolError(

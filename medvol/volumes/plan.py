@@ -386,4 +386,7 @@ def write_plan(plan: Mapping[str, Any], path: Path) -> None:
 
 
 def read_plan(path: Path) -> dict[str, Any]:
-    return dict(json.loads(path.read_text()))
+    """The plan a run wrote, read as data and checked against its schema (`medvol.volumes.plan_record`)."""
+    from medvol.volumes.plan_record import read_plan_file
+
+    return read_plan_file(path)

@@ -8,7 +8,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from monai.data.utils import dense_patch_slices
 from monai.inferers import sliding_window_inference
+
+from medvol.volumes.volume_budget import check_volume_size
 
 BLEND_MODES = ("gaussian", "constant")
 
@@ -24,6 +27,8 @@ class SlidingWindow:
     is cropped back to the input's shape; the padding takes `pad_value` per channel, the value
     training gave the background (MONAI pads with 0, mid-grey for inputs in [-1, 1]). A window that is exactly the
     volume is the whole-volume call itself: nothing to blend, so the output is the network's own, bit for bit.
+    The window may come from a file (a run's saved config or plan): a batch of windows and the padded volume are
+    held against the memory budget first (`medvol.volumes.volume_budget`).
 
     The network may take more inputs than the volume: `volumes` (B, C', D, H, W) on the same grid
     are cut to each window alongside it (a condition volume, coordinate channels), and
@@ -39,6 +44,8 @@ class SlidingWindow:
         output_device: where the whole volume is blended and returned.
         pad_value: per channel of `volume` (or one for all), the value padding takes; None: 0. The extra
             `volumes` are padded with 0.
+        output_channels: the channels the network returns where the caller knows them (a segmentation's classes):
+            the blended output and its weights are held against the memory budget with the padded input.
     """
 
     roi: tuple[int, int, int]
@@ -48,6 +55,7 @@ class SlidingWindow:
     device: torch.device = torch.device("cpu")
     output_device: torch.device = torch.device("cpu")
     pad_value: tuple[float, ...] | None = None
+    output_channels: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in BLEND_MODES:
@@ -58,10 +66,19 @@ class SlidingWindow:
             raise ValueError(f"`roi` must be three positive sizes (D, H, W), got {self.roi}")
         if self.batch_size < 1:
             raise ValueError(f"`batch_size` must be >= 1, got {self.batch_size}")
+        # The window may come from a run's saved config or plan: a batch of them is a volume like any other.
+        check_volume_size("the sliding window", (self.batch_size, *self.roi), "a batch of windows", before="running it")
 
     @classmethod
     def of(cls, roi: Sequence[int], **kwargs: Any) -> SlidingWindow:
         return cls(tuple(int(r) for r in roi), **kwargs)  # type: ignore[arg-type]
+
+    def windows(self, shape: Sequence[int]) -> int:
+        """How many windows cover a (B, C, D, H, W) volume of `shape`, as MONAI places them (steps of `roi` x (1 -
+        `overlap`), the last flush with the far edge; one along an axis the window spans), for every sample."""
+        sizes = [max(int(s), r) for s, r in zip(shape[2:], self.roi, strict=True)]
+        steps = [r if s == r else max(int(r * (1 - self.overlap)), 1) for s, r in zip(sizes, self.roi, strict=True)]
+        return int(shape[0]) * len(dense_patch_slices(sizes, self.roi, steps))
 
     def __call__(
         self,
@@ -82,6 +99,11 @@ class SlidingWindow:
                     f"grid {tuple(volume.shape[2:])}"
                 )
         short = [max(r - int(s), 0) for r, s in zip(self.roi, volume.shape[2:], strict=True)]
+        padded = [int(s) + n for s, n in zip(volume.shape[2:], short, strict=True)]
+        # The padded input, the blended output (its channels where known) and the blending weights.
+        channels = volume.shape[1] + sum(extra.shape[1] for extra in volumes.values()) + (self.output_channels or 0) + 1
+        check_volume_size("the sliding window", (volume.shape[0], channels, *padded),
+                          "the volume padded to its windows, with the output and its weights, is", before="running it")
         if self.pad_value is not None and any(short):
             return self._padded(short, network, volume, volumes, per_sample)
         if tuple(volume.shape[2:]) == self.roi:

@@ -19,7 +19,7 @@ from monai.transforms import LoadImaged
 from monai.utils import MetaKeys, SpaceKeys, ensure_tuple
 
 from medvol.volumes.dicom_io import is_dicom_series, read_series, series_geometry
-from medvol.volumes.volume_budget import load_nifti
+from medvol.volumes.volume_budget import check_resampled_size, load_nifti
 
 # The meta key naming the SeriesInstanceUID a volume was read from ('' for NIfTI).
 SERIES_KEY = "dicom_series"
@@ -32,6 +32,16 @@ def volume_grid(path: str | Path, series: str | None = None) -> tuple[tuple[int,
         return geometry.shape, geometry.affine
     image = load_nifti(path)
     return tuple(int(s) for s in image.shape), np.asarray(image.affine, dtype=np.float64)
+
+
+def check_volume_file(
+    path: str | Path, spacing: Sequence[float] | None = None, orientation: str | None = None, series: str | None = None
+) -> None:
+    """A NIfTI file's or series folder's headers against the memory budget, before a voxel is read: the volume as
+    read, and the grid resampling to `spacing` mm (after `orientation`) makes of it; one `MedvolError` line else."""
+    shape, affine = volume_grid(path, series)
+    if spacing:
+        check_resampled_size(path, shape, affine, spacing, orientation)
 
 
 class VolumeReader(ImageReader):

@@ -14,7 +14,6 @@ import torch
 from monai.metrics import MultiScaleSSIMMetric
 from scipy import linalg
 from scipy.spatial.distance import pdist
-from sklearn.metrics.pairwise import rbf_kernel
 from torch import nn
 
 from datamodules.sources.phantom import make_phantom
@@ -27,6 +26,7 @@ from lightning_modules.diffusion.generation_metrics import (
     VolumeSetFID2p5D,
     VolumeSetMMD,
     distinct_pairs,
+    frechet_distance,
     load_feature_network,
     msssim_weights,
     sample_msssim,
@@ -44,6 +44,7 @@ def _block_means(volumes: torch.Tensor, block: int) -> np.ndarray:
 def gaussian_mmd_by_hand(real: np.ndarray, generated: np.ndarray) -> float:
     """Gretton et al.'s unbiased MMD^2, the kernel scikit-learn's RBF with the median heuristic's bandwidth s:
     gamma = 1 / (2 s^2), s the median distance between distinct points of the two sets together."""
+    rbf_kernel = pytest.importorskip("sklearn.metrics.pairwise").rbf_kernel
     bandwidth = np.median(pdist(np.concatenate([real, generated])))
     gamma = 1.0 / (2.0 * bandwidth**2)
 
@@ -188,13 +189,36 @@ def test_two_identical_samples_have_no_diversity_and_a_different_one_has_some():
     assert other.shape == (2,) and bool((other < 0.5).all())
 
 
-def frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
+def scipy_frechet_distance(a: np.ndarray, b: np.ndarray) -> float:
+    """The FID as its paper writes it: scipy's general matrix square root of the covariances' product."""
     mean = np.square(a.mean(0) - b.mean(0)).sum()
     cov_a, cov_b = np.cov(a, rowvar=False), np.cov(b, rowvar=False)
     return float(mean + np.trace(cov_a + cov_b - 2 * linalg.sqrtm(cov_a @ cov_b).real))
 
 
-def test_fid_is_the_frechet_distance_of_the_networks_pooled_features(tmp_path):
+@pytest.mark.parametrize("seed", range(4))
+def test_the_frechet_distance_equals_scipys_sqrtm_on_random_covariances(seed):
+    rng = np.random.default_rng(seed)
+    features = 2 + seed * 3
+    # Correlated features, different covariances and means, more rows than features (both covariances full rank).
+    a = rng.normal(size=(60, features)) @ rng.normal(size=(features, features)) + rng.normal(size=features)
+    b = rng.normal(size=(45, features)) @ rng.normal(size=(features, features))
+    value = frechet_distance(torch.from_numpy(a), torch.from_numpy(b))
+    assert value.dtype == torch.float64
+    assert float(value) == pytest.approx(scipy_frechet_distance(a, b), rel=1e-6)
+
+
+def test_the_frechet_distance_of_diagonal_covariances_is_worked_by_hand():
+    # Rows at the corners (+-u, +-v) around a mean: covariance diag(4u^2/3, 4v^2/3) (N - 1 = 3), no correlation.
+    corners = torch.tensor([[1.0, 1.0], [1.0, -1.0], [-1.0, 1.0], [-1.0, -1.0]], dtype=torch.float64)
+    generated = corners * torch.tensor([1.5, 3.0]) + torch.tensor([1.0, 2.0])  # diag(3, 12), mean (1, 2)
+    real = corners * torch.tensor([3.0, 1.5])  # diag(12, 3), mean (0, 0)
+    # |(1, 2)|^2 + (sqrt 3 - sqrt 12)^2 + (sqrt 12 - sqrt 3)^2 = 5 + 3 + 3.
+    assert float(frechet_distance(generated, real)) == pytest.approx(11.0, rel=1e-12)
+    assert float(frechet_distance(real, real)) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_fid_is_the_frechet_distance_of_the_networks_pooled_features(tmp_path, sqrtm_without_disp):
     network = torch.jit.script(torch.nn.Conv3d(1, 3, kernel_size=2))
     path = tmp_path / "features.pt"
     torch.jit.save(network, str(path))
@@ -205,7 +229,7 @@ def test_fid_is_the_frechet_distance_of_the_networks_pooled_features(tmp_path):
     metric.update(generated[3:], real[3:])
     with torch.no_grad():
         a, b = (network(v).flatten(2).mean(2).double().numpy() for v in (generated, real))
-    assert float(metric.compute()) == pytest.approx(frechet_distance(a, b), rel=1e-3)
+    assert float(metric.compute()) == pytest.approx(scipy_frechet_distance(a, b), rel=1e-3)
 
 
 def maisi_slice_features(network: torch.jit.ScriptModule, volumes: np.ndarray, axis: int) -> np.ndarray:
@@ -222,7 +246,8 @@ def maisi_slice_features(network: torch.jit.ScriptModule, volumes: np.ndarray, a
     return np.concatenate(rows)
 
 
-def test_the_2p5d_fid_is_maisis_per_plane_frechet_distance_over_every_slice_and_their_mean(tmp_path):
+def test_the_2p5d_fid_is_maisis_per_plane_frechet_distance_over_every_slice_and_their_mean(tmp_path,
+                                                                                            sqrtm_without_disp):
     torch.manual_seed(0)
     convolution = nn.Conv2d(3, 4, 3)
     with torch.no_grad():
@@ -238,8 +263,8 @@ def test_the_2p5d_fid_is_maisis_per_plane_frechet_distance_over_every_slice_and_
     metric.update(generated[2:], real[2:])
     values = {k: float(v) for k, v in metric.compute().items()}
     expected = {
-        plane: frechet_distance(maisi_slice_features(network, generated.numpy(), axis),
-                                maisi_slice_features(network, real.numpy(), axis))
+        plane: scipy_frechet_distance(maisi_slice_features(network, generated.numpy(), axis),
+                                      maisi_slice_features(network, real.numpy(), axis))
         for plane, axis in (("sagittal", 0), ("coronal", 1), ("axial", 2))
     }
     for plane, value in expected.items():

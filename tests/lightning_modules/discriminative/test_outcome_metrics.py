@@ -16,9 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from lifelines.utils import concordance_index
 from scipy.special import softmax
-from sklearn.metrics import accuracy_score, balanced_accuracy_score, roc_auc_score
 
 from lightning_modules.discriminative.classifier import ClassifierModel, set_auroc
 from lightning_modules.discriminative.survival_metrics import SurvivalMetrics, survival_metrics
@@ -71,14 +69,15 @@ def batches(logits: np.ndarray, labels: np.ndarray, first: int, size: int = 4):
 
 
 def sklearn_metrics(logits: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    sklearn = pytest.importorskip("sklearn.metrics")
     probabilities = softmax(logits.astype(np.float64), axis=1)
     # Binary: scikit-learn's AUROC takes the positive class's probability; torchmetrics' macro one-vs-rest
     # of two classes averages two identical AUROCs.
     scores = probabilities[:, 1] if probabilities.shape[1] == 2 else probabilities
     return {
-        "auroc": roc_auc_score(labels, scores, multi_class="ovr", average="macro"),
-        "accuracy": accuracy_score(labels, probabilities.argmax(1)),
-        "balanced_accuracy": balanced_accuracy_score(labels, probabilities.argmax(1)),
+        "auroc": sklearn.roc_auc_score(labels, scores, multi_class="ovr", average="macro"),
+        "accuracy": sklearn.accuracy_score(labels, probabilities.argmax(1)),
+        "balanced_accuracy": sklearn.balanced_accuracy_score(labels, probabilities.argmax(1)),
     }
 
 
@@ -166,6 +165,7 @@ def test_time_dependent_auc_equals_the_hand_worked_ipcw_estimate():
     #   case 1: beats 5, loses to 6 -> 1;  case 3: beats both -> 2;  case 4: beats 5, ties 6 -> 1.5
     #   AUC = (1 * 1 + 5/4 * 2 + 5/4 * 1.5) / ((1 + 5/4 + 5/4) * 2) = 5.375 / 7
     # Unweighted it would be (1 + 2 + 1.5) / 6 = 0.75; on -risk, 1.625 / 7.
+    concordance_index = pytest.importorskip("lifelines.utils").concordance_index
     risk, time, event = (torch.tensor(v, dtype=torch.float64) for v in (HAND_RISK, HAND_TIME, HAND_EVENT))
     metrics = survival_metrics(risk, time, event, horizons=[2.5, 4.5])
     assert float(metrics["auc@2.5"]) == pytest.approx(1 / 4, abs=1e-9)
@@ -201,6 +201,7 @@ def survival_set() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 @pytest.mark.slow
 def test_survival_metrics_gathered_from_two_gloo_ranks_are_the_whole_sets(tmp_path):
+    concordance_index = pytest.importorskip("lifelines.utils").concordance_index
     result = tmp_path / "result.json"
     mp.start_processes(_survival_rank, args=(str(tmp_path / "init"), str(result)), nprocs=2, start_method="spawn")
     risk, time, event = survival_set()

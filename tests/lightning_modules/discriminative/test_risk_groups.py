@@ -6,8 +6,6 @@ import math
 
 import numpy as np
 import pytest
-from lifelines import KaplanMeierFitter
-from lifelines.statistics import logrank_test
 
 from lightning_modules.discriminative.risk_groups import COLOURS, kaplan_meier, km_figure, risk_groups
 
@@ -23,6 +21,7 @@ def cohort(seed: int, n: int = 41) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_each_groups_curve_is_lifelines_kaplan_meier_estimate(seed):
+    KaplanMeierFitter = pytest.importorskip("lifelines").KaplanMeierFitter
     risk, time, event = cohort(seed)
     result = risk_groups(risk, time, event)
     high = risk > np.median(risk)
@@ -40,6 +39,7 @@ def test_each_groups_curve_is_lifelines_kaplan_meier_estimate(seed):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_log_rank_p_value_is_lifelines(seed):
+    logrank_test = pytest.importorskip("lifelines.statistics").logrank_test
     risk, time, event = cohort(seed)
     high = risk > np.median(risk)
     expected = logrank_test(time[high], time[~high], event[high], event[~high]).p_value

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from lifelines.utils import concordance_index
 from torchsurv.loss.cox import neg_partial_log_likelihood
 from torchsurv.metrics.cindex import ConcordanceIndex
 from torchsurv.stats.ipcw import get_ipcw
@@ -75,6 +74,7 @@ def test_cox_loss_of_a_single_subject_with_an_event_is_zero_as_its_own_risk_set_
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_cindex_equals_lifelines_and_uno_equals_torchsurv_on_ties_and_censoring(seed):
+    concordance_index = pytest.importorskip("lifelines.utils").concordance_index
     risk, time, event = tied_censored_data(seed=seed)
     metrics = survival_metrics(risk, time, event, horizons=[4.0, 8.0])
     # lifelines takes a predicted survival time: higher risk = shorter survival, so pass -risk.
@@ -230,6 +230,7 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_two_gloo_ranks_train_and_evaluate_as_one_process(tmp_path):
+    concordance_index = pytest.importorskip("lifelines.utils").concordance_index
     from tests.conftest import TINY_COMMON, TINY_MODEL
     from tests.ddp_support import explain, train_cli
     from tests.medvol.run.test_ddp_correctness import recorder

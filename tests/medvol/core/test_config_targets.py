@@ -67,3 +67,15 @@ def test_a_run_config_with_a_shell_call_is_refused_naming_the_key_and_the_file(t
 def test_targets_inside_lists_are_found_with_their_index():
     tree = {"a": [{"b": {"_target_": "torch.nn.ReLU"}}, 3], "_target_": "torch.nn.Identity"}
     assert sorted(file_targets(tree)) == [("<root>", "torch.nn.Identity"), ("a[0].b", "torch.nn.ReLU")]
+
+
+@pytest.mark.parametrize("node", [
+    {"_target_": "torch.optim.Adam", "_partial_": True, "params": {"_target_": "torch.nn.Identity"}},
+    {"_target_": "torch.nn.Sequential", "_args_": [{"_target_": "torch.nn.ReLU"}]},
+])
+def test_a_partial_holding_another_target_is_refused_from_a_file(tmp_path, node):
+    # Each target alone is allowed; bound together they make a callable out of a built object.
+    with pytest.raises(MedvolError, match=r"^`model\.optimizer` in .* is a partial .* holding another `_target_`"):
+        check_file_targets({"model": {"optimizer": node}}, tmp_path / "run.json")
+    check_file_targets({"model": {"optimizer": {"_target_": "torch.optim.Adam", "_partial_": True, "lr": 1e-3}}},
+                       tmp_path / "run.json")

@@ -12,7 +12,6 @@ import nibabel as nib
 import numpy as np
 import pydicom
 import pytest
-import SimpleITK as sitk
 import torch
 
 from datamodules.sources.nifti import NiftiDataModule
@@ -40,6 +39,7 @@ def write_phantom_series(folder: Path, seed: int, uid: str | None = None, descri
 
 def as_nifti(folder: Path, path: Path) -> Path:
     """SimpleITK's NIfTI export of a series: the same volume, read by an independent reader."""
+    sitk = pytest.importorskip("SimpleITK")
     reader = sitk.ImageSeriesReader()
     reader.SetFileNames(reader.GetGDCMSeriesFileNames(str(folder)))
     sitk.WriteImage(reader.Execute(), str(path))
@@ -140,6 +140,7 @@ def test_dicom_output_for_a_nifti_input_and_an_unknown_format_are_refused(dicom_
 def test_a_mask_is_written_as_dicom_seg_on_the_source_slices(tmp_path: Path):
     """A threshold of the model-grid image, written as SEG, read back with highdicom = the threshold of SimpleITK's
     values."""
+    sitk = pytest.importorskip("SimpleITK")
     write_phantom_series(tmp_path / "scans" / "anon04" / "image", 16)
     datamodule = NiftiDataModule(root=str(tmp_path / "scans"), pattern="{subject}/{modality}",
                                  transforms={"orientation": "RAS", "intensity": "none", "spatial_size": None})

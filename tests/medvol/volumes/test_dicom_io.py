@@ -11,7 +11,6 @@ import nibabel as nib
 import numpy as np
 import pydicom
 import pytest
-import SimpleITK as sitk
 from monai.transforms import LoadImaged
 
 from medvol.core.errors import MedvolError
@@ -22,6 +21,7 @@ from tests.dicom_series import CT5N, oblique_orientation, pydicom_file, ramp, wr
 
 def sitk_reference(folder: Path, uid: str = "") -> tuple[np.ndarray, np.ndarray]:
     """SimpleITK's (GDCM's) reading of a series: the (columns, rows, slices) values and the RAS affine."""
+    sitk = pytest.importorskip("SimpleITK")
     reader = sitk.ImageSeriesReader()
     reader.SetFileNames(reader.GetGDCMSeriesFileNames(str(folder), uid))
     image = reader.Execute()
@@ -85,6 +85,7 @@ def as_series(name: str, folder: Path) -> Path:
     ("JPGExtended.dcm", 1),
 ])
 def test_compressed_transfer_syntaxes_decode_as_gdcm_decodes_them(tmp_path: Path, name: str, tolerance: int):
+    sitk = pytest.importorskip("SimpleITK")
     folder = as_series(name, tmp_path / "s")
     volume, _ = read_series(folder)
     reference = sitk.GetArrayFromImage(sitk.ReadImage(str(folder / "slice.dcm"))).astype(np.float64)
@@ -167,6 +168,7 @@ def test_a_sheared_stack_is_refused(tmp_path: Path):
 
 def test_a_series_folder_loads_like_the_same_volume_as_nifti(tmp_path: Path):
     """LoadVolumed on the folder = MONAI's nibabel LoadImaged on SimpleITK's NIfTI export of it (LPS -> RAS by ITK)."""
+    sitk = pytest.importorskip("SimpleITK")
     write_series(tmp_path / "s", ramp(6, 5, 4), oblique_orientation(15.0), spacing=(0.8, 1.1), step=2.2,
                  intercept=-1024.0)
     reader = sitk.ImageSeriesReader()

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import highdicom as hd
 import numpy as np
 import pydicom
 import pytest
-import SimpleITK as sitk
 from pydicom.uid import CTImageStorage, MRImageStorage
 
 from medvol.core.errors import MedvolError
@@ -24,7 +24,8 @@ def source(tmp_path: Path):
     return series_geometry(tmp_path / "src")
 
 
-def sitk_series(folder: Path) -> tuple[np.ndarray, sitk.Image]:
+def sitk_series(folder: Path) -> tuple[np.ndarray, Any]:
+    sitk = pytest.importorskip("SimpleITK")
     reader = sitk.ImageSeriesReader()
     reader.SetFileNames(reader.GetGDCMSeriesFileNames(str(folder)))
     image = reader.Execute()

@@ -19,7 +19,7 @@ from datamodules.sources.example_data import write_brats
 from datamodules.sources.nifti import NiftiDataModule
 from medvol.core.build import build_model
 from medvol.core.errors import MedvolError
-from medvol.run.planning import planned, with_run_plan
+from medvol.run.planning import planned
 from medvol.run.predict_config import input_geometry, run_config, window_size
 from medvol.run.predicting import predict
 from medvol.run.training import run
@@ -151,27 +151,39 @@ def tiny_planned_run(tmp_path: Path, data: Path, extra=()) -> list[str]:
     ]
 
 
-def test_a_plan_is_written_once_and_read_back_bit_for_bit_on_resume_and_by_predict(tmp_path):
+def test_a_plan_is_written_once_and_a_resume_and_predict_take_it_from_the_run(tmp_path, caplog):
     data = write_subjects(tmp_path / "data", SPACINGS)
     run_dir = tmp_path / "run"
     cfg = compose_cfg(run_dir, tiny_planned_run(tmp_path, data), tiny=False)
     saved_run(run_dir, cfg)
     plan_file = run_dir / "plan.json"
-    plan = json.loads(plan_file.read_text())
-    # A plan no fingerprint would give: a resume and predict must take it from the file, not make a new one.
-    plan["patch_size"], plan["foreground_ratio"] = [8, 8, 4], 0.6
-    text = json.dumps(plan, indent=2) + "\n"
-    plan_file.write_text(text)
+    text = plan_file.read_text()
+    plan = json.loads(text)
     last = run_dir / "checkpoints" / "last.ckpt"
-    resumed = compose_cfg(run_dir, [*tiny_planned_run(tmp_path, data), f"ckpt_path={last}", "trainer.max_epochs=2"],
-                          tiny=False)
-    run(resumed)
+    # The resume and predict read the run's record, which holds the plan as training applied it (a patch no
+    # fingerprint would give, so it must come from the record, not from a new plan); plan.json is kept as it was.
+    record = json.loads((run_dir / "run.json").read_text())
+    record["config"]["model"]["patch_size"] = [8, 8, 4]
+    record["config"]["dataset"]["transforms"]["augmentation"]["patch"] = [8, 8, 4]
+    (run_dir / "run.json").write_text(json.dumps(record))
+    # Only the checkpoint and the epochs: the run's own overrides come from its record.
+    caplog.clear()
+    with caplog.at_level("INFO", logger="medvol"):
+        run(compose_cfg(run_dir, [f"ckpt_path={last}", "trainer.max_epochs=2"], tiny=False))
+    assert f"plan: as recorded in {plan_file}" in caplog.text and "plan: written to" not in caplog.text
     assert plan_file.read_text() == text
     assert torch.load(last, weights_only=True)["hyper_parameters"]["patch_size"] == [8, 8, 4]
-    predicting = with_run_plan(run_config(str(last)))
-    assert window_size(predicting) == [8, 8, 4]
-    assert predicting.dataset.transforms.foreground_ratio == 0.6
-    assert list(predicting.dataset.transforms.spacing) == plan["spacing"]
+    recorded = run_config(str(last))
+    assert window_size(recorded) == [8, 8, 4]
+    assert list(recorded.dataset.transforms.spacing) == plan["spacing"]
+    # A run from before records: the plan of its plan.json is applied when its config is converted (a plan no
+    # fingerprint would give, so it must come from the file, not from a new plan).
+    (run_dir / "run.json").unlink()
+    plan["patch_size"], plan["foreground_ratio"] = [8, 8, 8], 0.6
+    plan_file.write_text(json.dumps(plan, indent=2) + "\n")
+    converted = run_config(str(last))
+    assert window_size(converted) == [8, 8, 8]
+    assert converted.dataset.transforms.foreground_ratio == 0.6
     # predict.py end to end: masks on each input's own grid, through the plan's spacing, crop and normalization.
     out = tmp_path / "out"
     predict(predict_cfg(f"ckpt_path={last}", f"input={data / 'sub-3' / 'image.nii.gz'}", f"output_dir={out}"))
@@ -254,7 +266,7 @@ LEARNS_WT_DICE = 0.56
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_the_planned_default_learns_on_real_anatomy_where_the_old_default_did_not(tmp_path):
-    pytest.importorskip("nilearn")
+    pytest.importorskip("nilearn.datasets")
     from datamodules.sources.brain_lesions import write_brain_lesions
 
     root = write_brain_lesions(tmp_path / "data", 16, (4.0, 4.0, 4.0))
