@@ -165,6 +165,8 @@ def sentence_statements(path: Path):
     root, overrides = CONTEXT.get(guide(path), ("train", ()))
     for pattern in SENTENCES:
         for m in re.finditer(pattern, text):
+            if re.fullmatch(r"[A-Z][A-Z0-9_]*", m.group("key")):
+                continue  # an environment variable's default (`NNUNET_PYTHON`), not a key of conf/
             line = text[: m.start()].count("\n") + 1
             yield f"{guide(path)}:{line} {m.group(0)!r}", m.group("key"), m.group("value"), root, overrides
 
