@@ -19,16 +19,7 @@ from tests.doc_world import DATA, TOKENS, WORLDS, Sandbox, composed
 
 BLOCKS = all_blocks()
 SHELL = [b for b in BLOCKS if b.is_shell()]
-# Commands that fail on this branch because of an item of issue 49 someone else is fixing: they must pass once it
-# lands (strict). Keyed by guide and the command's start.
-OWNED_ELSEWHERE = {
-    ("docs/reliability.md", "python train.py ckpt_path=outputs/train/runs/<stamp>/checkpoints/last.ckpt"):
-        "issue 49 item 6 (resume from ckpt_path alone), owned by the lead",
-    ("docs/predict.md", "python train.py ckpt_path=<run>/checkpoints/last.ckpt train=false test=true"):
-        "issue 49 item 6 (a test-only command from ckpt_path alone), owned by the lead",
-    ("docs/ddpm.md", "python train.py model=ddpm ckpt_path=<run>/checkpoints/last.ckpt train=false test=true"):
-        "issue 49 item 6 (a test-only command from ckpt_path and the family alone), owned by the lead",
-}
+
 
 def guide(block: Block) -> str:
     return str(block.path.relative_to(ROOT))
@@ -37,10 +28,6 @@ def guide(block: Block) -> str:
 def runnable(block: Block) -> list:
     return [c for c in block.commands() if block.skipped(c) is None]
 
-
-def owned_elsewhere(block: Block, command) -> str | None:
-    return next((why for (path, start), why in OWNED_ELSEWHERE.items()
-                 if path == guide(block) and command.text.startswith(start)), None)
 
 def test_every_code_block_is_a_shell_block_or_holds_no_command():
     """A command in a block the test would not run (an untagged or `text` fence, a block mixing commands and
@@ -161,11 +148,7 @@ def command_params() -> list:
     params = []
     for block in SHELL:
         for command in runnable(block):
-            marks = [pytest.mark.slow]
-            why = owned_elsewhere(block, command)
-            if why:
-                marks.append(pytest.mark.xfail(strict=True, reason=why))
-            params.append(pytest.param(block, command, id=f"{guide(block)}:{command.line}", marks=marks))
+            params.append(pytest.param(block, command, id=f"{guide(block)}:{command.line}", marks=pytest.mark.slow))
     return params
 
 

@@ -63,8 +63,6 @@ def test_the_misspelt_key_refusals_listing_command_lists_the_keys(tmp_path):
         assert "\nmodel:\n" in done.stdout and "\ntrainer:\n" in done.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="issue 49 item 15 (predict's unknown-key refusal names train.py's keys), "
-                                       "owned by the lead")
 def test_predicts_misspelt_key_refusal_lists_predicts_keys():
     message = override_error(CONF_DIR, "predict", ["ckpt_path=x.ckpt", "outptu_dir=out"])
     command = re.search(r"`(python [^`]+)` lists the keys", message).group(1)
