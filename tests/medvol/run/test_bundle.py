@@ -26,19 +26,23 @@ import pytest
 import torch
 from monai.bundle import ConfigWorkflow
 from monai.bundle.utils import DEFAULT_METADATA
-from monai.transforms import Compose
 from omegaconf import OmegaConf
 
-from benchmarks.export import declared_site, real_scans, run_bundle, structure_agreement, written_structures
-from datamodules.pipeline.transforms import TransformSettings, deterministic_transforms
+from benchmarks.export import (
+    SMALL_REGIONS,
+    declared_site,
+    real_scans,
+    run_bundle,
+    structure_agreement,
+    with_small_regions,
+    written_structures,
+)
 from lightning_modules.base import MODEL_KEY
 from medvol.core.build import build_model
 from medvol.core.errors import MedvolError
-from medvol.run.bundle import METADATA_KEYS, PACKAGES_KEY, TENSOR_KEYS, inference_settings, metadata_problem
+from medvol.run.bundle import METADATA_KEYS, PACKAGES_KEY, TENSOR_KEYS, metadata_problem
 from medvol.run.exporting import export
-from medvol.run.predict_config import recovered_run
 from medvol.run.predicting import predict
-from medvol.run.trained_model import load_module
 from medvol.run.training import run
 from tests.conftest import ROOT, TINY, TINY_COMMON, TINY_MODEL, compose_cfg
 from tests.lightning_modules.ldm.test_ldm import save_checkpoint
@@ -76,27 +80,6 @@ def perturbed(ckpt: Path, scale: float) -> Path:
             value.add_(torch.randn(value.shape, generator=generator) * scale * (float(value.std()) if
                                                                                  value.numel() > 1 else 1.0))
     path = ckpt.with_name(f"perturbed-{ckpt.name}")
-    torch.save(checkpoint, path)
-    return path
-
-
-def with_small_regions(ckpt: Path, files: list[Path], shares: dict[str, float]) -> Path:
-    """A copy of `ckpt` beside it whose output biases make each region cover about `shares` of the brain of the scan
-    `files` (its channel files; the logits' upper quantile over its non-zero voxels set to 0, the threshold): a
-    model that predicts every structure, small ones included."""
-    module = load_module(recovered_run(OmegaConf.create({"ckpt_path": str(ckpt), "model": {}})), str(ckpt),
-                         torch.device("cpu"))
-    settings = TransformSettings.from_config(inference_settings(module, recovered_run(OmegaConf.create(
-        {"ckpt_path": str(ckpt), "model": {}}))))
-    image = Compose(deterministic_transforms(settings, ["image"], None))({"image": [str(f) for f in files]})["image"]
-    with torch.no_grad():
-        logits = module.net.eval()(image[None])[0]
-    brain = (image != 0).any(0)
-    checkpoint = torch.load(ckpt, map_location="cpu", weights_only=True)
-    bias = checkpoint["state_dict"]["net.output_block.conv.conv.bias"]
-    for channel, name in enumerate(module.scheme.names):
-        bias[channel] -= torch.quantile(logits[channel][brain], 1.0 - shares[name])
-    path = ckpt.with_name(f"small-regions-{ckpt.name}")
     torch.save(checkpoint, path)
     return path
 
@@ -311,8 +294,8 @@ def test_the_bundles_run_with_only_their_declared_packages_and_give_predict_pys_
 def real_run(tmp_path_factory) -> tuple[Path, Path, Path]:
     """A BraTS-regions model planned at 8 mm on four real-anatomy brains (the MNI152 brain with a lesion, four MR
     channels), its output biases set so that WT, TC and ET cover 3%, 1% and 0.4% of a brain, its post-processing
-    keeping the largest component of all foreground and of ET; two unseen brains at 4 mm as nnU-Net channel files
-    (predict.py) and as 4D files (the bundle)."""
+    keeping the largest component of ET; two unseen brains at 4 mm as nnU-Net channel files (predict.py) and as 4D
+    files (the bundle)."""
     pytest.importorskip("nilearn", reason="the real-anatomy brains need nilearn's MNI152 templates (dev extra)")
     from datamodules.sources.brain_lesions import write_brain_lesions
 
@@ -324,12 +307,12 @@ def real_run(tmp_path_factory) -> tuple[Path, Path, Path]:
         "model.plan.features=[4,8,16]", "model.plan.iterations_per_epoch=2", "dataset.val_fraction=0.25",
         "dataset.test_fraction=0.25", "dataset.num_workers=0", "logger=none", "callbacks.volume_slices=null",
     ])
-    (run_dir / "postprocessing.json").write_text(json.dumps({"steps": [
-        {"name": "all foreground", "values": [1, 2, 3]}, {"name": "ET", "values": [3]}]}))
+    # ET's largest component alone: the regions stay scattered in hundreds of voxels, ET is cut to one piece.
+    (run_dir / "postprocessing.json").write_text(json.dumps({"steps": [{"name": "ET", "values": [3]}]}))
     source = write_brain_lesions(base / "scans-brats", 2, (4.0, 4.0, 4.0), seed=7)
     real_scans(source, base / "channels", base / "scans", ["t1", "t1ce", "t2", "flair"])
     first = sorted((base / "channels").glob("*.nii.gz"))[:4]
-    ckpt = with_small_regions(run_dir / "checkpoints" / "last.ckpt", first, {"WT": 0.03, "TC": 0.01, "ET": 0.004})
+    ckpt = with_small_regions(run_dir / "checkpoints" / "last.ckpt", first, SMALL_REGIONS)
     return ckpt, base / "channels", base / "scans"
 
 
