@@ -121,9 +121,13 @@ def test_each_refusal_is_found_before_anything_is_built_or_printed(tmp_path, mon
 
 def _earlier_run(tmp_path: Path) -> Path:
     """A run directory as a finished run leaves it (the refusals below happen before any training)."""
+    from medvol.run.run_record import write_run_record
+
     run_dir = tmp_path / "outputs" / "train" / "runs" / "2026-01-01_00-00-00"
     (run_dir / ".hydra").mkdir(parents=True)
-    (run_dir / ".hydra" / "config.yaml").write_text("seed: 42\n")
+    # The record of the run's settings, as training writes it (the resume continues from it).
+    write_run_record(compose_cfg(run_dir, FAST, tiny=False))
+    OmegaConf.save(OmegaConf.load(run_dir / "run.json").config, run_dir / ".hydra" / "config.yaml")
     (run_dir / "checkpoints").mkdir()
     (run_dir / "checkpoints" / "broken.ckpt").write_bytes(b"not a checkpoint")
     (run_dir / "train.log").write_text("[INFO] the earlier run's record\n")

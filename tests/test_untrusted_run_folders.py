@@ -273,3 +273,28 @@ def test_a_fold_record_may_not_send_predict_to_a_checkpoint_outside_its_run(tmp_
     (sweep / "0" / "validation" / "fold.json").write_text(json.dumps(record))
     with pytest.raises(MedvolError, match=r"fold\.json: `subjects\.0` string should match pattern"):
         predict(predict_cfg(f"run_dir={sweep}", f"input={tmp_path}", f"output_dir={tmp_path / 'out'}"))
+
+
+def test_a_record_may_name_a_class_of_the_users_own_only_where_the_command_names_it_again(trained_run, tmp_path):  # noqa: F811
+    # A run trained with a callback of the user's own (`+callbacks.mine._target_=...` on its command line) is
+    # resumed or tested by a command that names it again; a record naming it where the command does not is refused.
+    from medvol.run.resume import resumed
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir)
+    mine = "tests.ddp_support.RankRecorder"
+    record = _record(run_dir)
+    record["config"].setdefault("callbacks", {})["mine"] = {"_target_": mine, "path": str(tmp_path / "ranks")}
+    _save_record(run_dir, record)
+    resume = [f"ckpt_path={run_dir}/checkpoints/last.ckpt", "train=false"]
+    with pytest.raises(MedvolError, match=rf"`callbacks\.mine\._target_: {mine}` in .*run\.json lies outside"):
+        resumed(compose_cfg(run_dir, resume, tiny=False))
+    with pytest.raises(MedvolError, match=r"`callbacks\.mine\._target_: tests\.payloads\.RunsACommand`"):
+        # The command's class at that key, not any class of the user's: the record's must be the same.
+        record["config"]["callbacks"]["mine"]["_target_"] = "tests.payloads.RunsACommand"
+        _save_record(run_dir, record)
+        resumed(compose_cfg(run_dir, [*resume, f"+callbacks.mine._target_={mine}"], tiny=False))
+    record["config"]["callbacks"]["mine"]["_target_"] = mine
+    _save_record(run_dir, record)
+    cfg, source = resumed(compose_cfg(run_dir, [*resume, f"+callbacks.mine._target_={mine}"], tiny=False))
+    assert source == run_dir / RECORD_FILE and cfg.callbacks.mine._target_ == mine

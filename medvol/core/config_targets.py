@@ -15,7 +15,7 @@ not checked: it may name any target.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -110,9 +110,21 @@ def _binders(node: Any, key: str = "") -> Iterator[str]:
             yield from _binders(value, f"{key}[{index}]")
 
 
-def check_file_targets(tree: Any, source: Path | str) -> None:
+def own_targets(cfg: DictConfig) -> dict[str, str]:
+    """(key, `_target_`) for every class path the reader's own config (its command line and medvol's config groups,
+    never a file it reads) names as written: a file may name the same class at the same key."""
+    tree = OmegaConf.to_container(cfg, resolve=False)
+    return {
+        key: target for key, target in file_targets(tree)
+        if isinstance(target, str) and "${" not in target and not key.startswith("hydra")
+    }
+
+
+def check_file_targets(tree: Any, source: Path | str, own: Mapping[str, str] | None = None) -> None:
     """Raise `MedvolError` naming the first `_target_` of `tree` (plain and resolved, or a config node resolved
-    here; read from `source`) that may not be built, or the first node that would bind one into a callable."""
+    here; read from `source`) that may not be built, or the first node that would bind one into a callable.
+    `own`: the reader's own targets (`own_targets`); a file's target equal to the one at the same key there is
+    the reader's choice, not the file's."""
     if isinstance(tree, DictConfig):
         tree = OmegaConf.to_container(tree, resolve=True)
     for key in _binders(tree):
@@ -121,7 +133,7 @@ def check_file_targets(tree: Any, source: Path | str) -> None:
             "a run folder binds no built object into a callable (write it on your own command line)"
         )
     for key, target in file_targets(tree):
-        problem = target_problem(target)
+        problem = None if own and own.get(key) == target else target_problem(target)
         if problem:
             raise MedvolError(
                 f"`{key}._target_: {target}` in {source} {problem}; a config read from a run folder builds only "

@@ -22,6 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from datamodules.sources.nifti import LABEL_FILE_VALUES
 from lightning_modules.base import MedvolModule
 from medvol.core.checkpoint_read import TRUST_KEY, checkpoints_trusted
 from medvol.core.console import log_file
@@ -100,7 +101,9 @@ def _predicted(cfg: DictConfig) -> dict[str, float]:
             log.info("predict: %s on %d subject(s) from %s", ", ".join(checkpoints), len(inputs.dataset), inputs.where)
             if hasattr(module, "postprocessing"):
                 log.info("%s", module.postprocessing.describe())
-            count = predict_subjects(predictor, inputs, window, writer, num_samples, refine, extras)
+            count = predict_subjects(
+                predictor, inputs, window, writer, num_samples, refine, extras, label_file_values(module)
+            )
             writer.write_metrics()
             writer.write_predictions()
             log.info(summary_line(writer.rows, count, output_dir))
@@ -169,11 +172,23 @@ def segmentation_predictor(
     return Ensemble(members)
 
 
+def label_file_values(module: MedvolModule) -> list[int] | None:
+    """Per label value a segmentation model writes (0..K-1), the value its training files used, where its dataset
+    changed them on loading (BraTS 2021's enhancing tumour: 3 in the model, 4 in the files; the checkpoint's
+    `training_data` records it); None where they are the model's own."""
+    changed = (module.training_data or {}).get(LABEL_FILE_VALUES)
+    scheme = getattr(module, "scheme", None)
+    if not changed or scheme is None:
+        return None
+    return [int(changed.get(str(value), value)) for value in range(scheme.num_classes)]
+
+
 def predict_subjects(
     module: Any, inputs: Inputs, window: SlidingWindow, writer: PredictionWriter, num_samples: int,
-    refine: bool, extras: Sequence[str],
+    refine: bool, extras: Sequence[str], label_values: list[int] | None = None,
 ) -> int:
-    """Each subject's outputs, written as they come, under a progress bar; return how many subjects."""
+    """Each subject's outputs, written as they come, under a progress bar; return how many subjects. Masks of
+    subjects whose batch does not say its files' label values (input files) are written with `label_values`."""
     target_units = intensity_record(module) if inputs.condition_only else None
     with Progress(
         TextColumn("[bold]predict"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
@@ -190,6 +205,8 @@ def predict_subjects(
                     outputs = module.predict_volumes(batch, window, extras)
                     if num_samples > 1:
                         outputs = sampled_outputs(module, batch, num_samples, first=outputs)
+            if label_values is not None and batch.get("label_values") is None:
+                batch = {**batch, "label_values": torch.tensor([label_values] * len(batch["subject"]))}
             writer.write(outputs, on_model_grid(batch) if refine else batch)
             progress.advance(task)
     return len(inputs.dataset)  # type: ignore[arg-type]

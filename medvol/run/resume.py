@@ -9,6 +9,7 @@ alone continues the run as it was configured, and `trainer.max_epochs=20` beside
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from medvol.core.config_targets import own_targets
 from medvol.core.errors import MedvolError
 from medvol.run.resolvers import run_dir_of_checkpoint
 from medvol.run.run_record import RECORD_FILE, Record, command_overrides, legacy_record, read_record, settings
@@ -27,15 +29,18 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 UNCOMPARED = ("hydra", "paths")
 
 
-def run_record(run_dir: Path, paths: dict[str, str]) -> tuple[Record, Path] | None:
+def run_record(
+    run_dir: Path, paths: dict[str, str], own: Mapping[str, str] | None = None
+) -> tuple[Record, Path] | None:
     """The record of the run in `run_dir` and the file it came from (`run.json`, or an old run's converted
-    `.hydra/config.yaml`); None where the folder holds neither."""
-    record = read_record(run_dir)
+    `.hydra/config.yaml`); None where the folder holds neither. `own`: the command's own class paths, which the
+    record may name at the same keys (a callback of the user's own that the command names again)."""
+    record = read_record(run_dir, own)
     if record is not None:
         return record, run_dir / RECORD_FILE
     config_file = run_dir / ".hydra" / "config.yaml"
     if config_file.is_file():
-        return legacy_record(config_file, run_dir, paths), config_file
+        return legacy_record(config_file, run_dir, paths, own), config_file
     return None
 
 
@@ -103,7 +108,7 @@ def resumed(cfg: DictConfig) -> tuple[DictConfig, Path | None]:
         return cfg, None
     paths = OmegaConf.to_container(cfg.paths, resolve=True)
     assert isinstance(paths, dict)
-    found = run_record(run_dir, {str(k): str(v) for k, v in paths.items()})
+    found = run_record(run_dir, {str(k): str(v) for k, v in paths.items()}, own_targets(cfg))
     if found is None:
         return cfg, None
     record, source = found

@@ -20,6 +20,7 @@ import logging
 import os
 import posixpath
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -115,8 +116,9 @@ def _refused(path: Path, err: ValidationError) -> MedvolError:
     return MedvolError(f"{path}: `{where}` {first['msg'].lower()}; expected a run record written by medvol")
 
 
-def checked_record(value: Any, source: Path) -> Record:
-    """`value` (read from `source`) as a record: the envelope's schema, plain data, and every `_target_` allowed."""
+def checked_record(value: Any, source: Path, own: Mapping[str, str] | None = None) -> Record:
+    """`value` (read from `source`) as a record: the envelope's schema, plain data, and every `_target_` allowed
+    (or the reader's own at that key: `medvol.core.config_targets.own_targets`)."""
     check_data(value, source)
     try:
         record = Record.model_validate(value)
@@ -125,18 +127,18 @@ def checked_record(value: Any, source: Path) -> Record:
     missing = [key for key in REQUIRED if not isinstance(record.config.get(key), dict)]
     if missing:
         raise MedvolError(f"{source}: the run's config has no `{missing[0]}` section; expected a run record by medvol")
-    check_file_targets(record.config, source)
+    check_file_targets(record.config, source, own)
     for override in record.overrides:
         check_override(override, source)
     return record
 
 
-def read_record(folder: Path) -> Record | None:
+def read_record(folder: Path, own: Mapping[str, str] | None = None) -> Record | None:
     """The record of the run (or cascade stage) in `folder`, checked; None where it has none."""
     path = folder / RECORD_FILE
     if not path.is_file():
         return None
-    return checked_record(read_json(path, "a run record (run.json)"), path)
+    return checked_record(read_json(path, "a run record (run.json)"), path, own)
 
 
 def _set(tree: Any, key: list[str | int], value: Any, source: Path) -> None:
@@ -221,7 +223,9 @@ def _check_legacy_interpolations(tree: Any, source: Path, key: str = "") -> None
             )
 
 
-def legacy_record(config_file: Path, run_dir: Path, paths: dict[str, str]) -> Record:
+def legacy_record(
+    config_file: Path, run_dir: Path, paths: dict[str, str], own: Mapping[str, str] | None = None
+) -> Record:
     """The record of a run written before `run.json` (its `config_file` and `<run_dir>/plan.json`), converted with the
     same checks as a record; `paths`: the reader's."""
     from medvol.run.planning import with_run_plan
@@ -239,11 +243,11 @@ def legacy_record(config_file: Path, run_dir: Path, paths: dict[str, str]) -> Re
         reason = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
         raise MedvolError(f"{config_file}: the run's config does not resolve ({reason})") from None
     check_data(resolved, config_file)
-    check_file_targets(resolved, config_file)
+    check_file_targets(resolved, config_file, own)
     planned = OmegaConf.to_container(with_run_plan(OmegaConf.create(resolved), run_dir), resolve=True)
     assert isinstance(planned, dict)
     overrides_file = config_file.parent / "overrides.yaml"
     overrides = read_yaml(overrides_file, "a run's overrides") if overrides_file.is_file() else []
     if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         raise MedvolError(f"{overrides_file}: is not a list of overrides")
-    return checked_record(record_of(planned, tree, overrides), config_file)
+    return checked_record(record_of(planned, tree, overrides), config_file, own)
