@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 import medvol.run.resolvers  # noqa: F401 - registers the run-directory resolvers before Hydra composes
 from medvol.core.console import quiet_console
 from medvol.core.errors import MedvolError
-from medvol.run.override_check import override_error
+from medvol.run.override_check import extra_error, override_error
 from medvol.run.refusal import RunDirectoryBefore
 from medvol.run.resolvers import run_dir_of_checkpoint
 from medvol.run.training import run, sweep_objective
@@ -60,8 +60,9 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    # Hydra would report a misspelt key or option in several lines with exit code 1.
-    problem = override_error(Path(__file__).resolve().parent / "conf", "train", sys.argv[1:])
+    # Hydra would report a misspelt key or option, or a plugin that is not installed, in several lines with exit code 1.
+    argv = sys.argv[1:]
+    problem = extra_error(argv) or override_error(Path(__file__).resolve().parent / "conf", "train", argv)
     if problem:
         print(f"medvol: error: {problem}", file=sys.stderr)
         sys.exit(2)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import logging
+import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +22,7 @@ from medvol.core.build import build
 from medvol.core.errors import MedvolError
 from medvol.run import training
 from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes
-from medvol.run.override_check import override_error
+from medvol.run.override_check import EXTRAS, extra_error, override_error
 from medvol.run.refusal import RunDirectoryBefore
 from medvol.run.run_check import check_run, check_trainer
 from tests.conftest import CONF_DIR, ROOT, compose_cfg, subprocess_env
@@ -299,3 +302,61 @@ def test_a_target_that_cannot_be_imported_is_one_line():
     if importlib.util.find_spec("wandb") is None:
         with pytest.raises(MedvolError, match=r"WandbLogger` needs a package that is not installed"):
             build(OmegaConf.create({"_target_": "pytorch_lightning.loggers.WandbLogger", "offline": True}))
+
+
+@pytest.mark.parametrize("override, hidden, extra", [
+    ("hparams_search=optuna", "hydra_plugins.hydra_optuna_sweeper", "sweep"),
+    ("hydra/launcher=slurm", "hydra_plugins.hydra_submitit_launcher", "slurm"),
+    ("logger=wandb", "wandb", "wandb"),
+])
+def test_an_option_whose_extra_is_missing_is_one_line_naming_the_extra(monkeypatch, override, hidden, extra):
+    """Issue 49 item 13: without the sweep or slurm extra Hydra stopped in its own multi-line error."""
+    monkeypatch.setitem(sys.modules, hidden, None)  # as if not installed: importing it fails
+    message = extra_error(["-m", override, "model.optimizer.lr=1e-4,3e-4"])
+    assert message == (f"`{override}` needs {EXTRAS[tuple(override.split('='))][0]}, which is not installed; "
+                       f"install medvol's {extra} extra: pip install -e '.[{extra}]'")
+    monkeypatch.delitem(sys.modules, hidden)
+    if importlib.util.find_spec(hidden) is not None:
+        assert extra_error(["-m", override]) is None
+
+
+def _suggested_installs(monkeypatch) -> dict[str, str]:
+    """Extra -> the line the refusal suggests when that extra's packages are missing."""
+    lines = {}
+    for (group, option), (_, modules, extra) in EXTRAS.items():
+        with monkeypatch.context() as hidden:
+            for module in modules:
+                hidden.setitem(sys.modules, module, None)
+            lines[extra] = extra_error([f"{group}={option}"]).split("extra: ")[1]
+    return lines
+
+
+def test_every_extra_named_is_one_pyproject_declares(monkeypatch):
+    declared = importlib.metadata.metadata("medvol").get_all("Provides-Extra")
+    for extra, line in _suggested_installs(monkeypatch).items():
+        assert extra in declared and shlex.split(line) == ["pip", "install", "-e", f".[{extra}]"], (extra, declared)
+
+
+@pytest.mark.slow
+def test_each_suggested_install_line_pastes_into_bash(monkeypatch):
+    """Each refusal's line, pasted into bash in the repository: pip (a dry run, offline, so only for the extras whose
+    packages are here already) finds the extra."""
+    env = {**subprocess_env(), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    present = {extra for _, modules, extra in EXTRAS.values() if all(importlib.util.find_spec(m) for m in modules)}
+    for extra, line in _suggested_installs(monkeypatch).items():
+        if extra in present:
+            done = subprocess.run(["bash", "-c", f"{line} --dry-run --no-index --no-build-isolation"], cwd=ROOT,
+                                  capture_output=True, text=True, timeout=240, env=env)
+            assert done.returncode == 0, done.stderr[-2000:]
+            assert "does not provide the extra" not in done.stdout + done.stderr, (extra, done.stderr)
+
+
+@pytest.mark.slow
+def test_a_sweep_without_the_sweep_extra_stops_with_the_one_line(tmp_path):
+    """train.py as typed in docs/multi_gpu.md, with the Optuna sweeper hidden as if not installed."""
+    hide = ("import runpy, sys; sys.modules['hydra_plugins.hydra_optuna_sweeper'] = None; "
+            f"sys.argv = ['train.py', '-m', 'hparams_search=optuna']; runpy.run_path({str(ROOT / 'train.py')!r}, "
+            "run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", hide], cwd=tmp_path, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=240)
+    _one_error_line(done, "pip install -e '.[sweep]'")

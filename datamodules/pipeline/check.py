@@ -10,6 +10,7 @@ no voxel reads) in `preflight()` and refuses to start on errors.
 from __future__ import annotations
 
 import gzip
+import shlex
 import struct
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -272,7 +273,8 @@ def format_table(problems: Sequence[Problem]) -> str:
 def preflight_error(problems: Sequence[Problem], overrides: Sequence[str]) -> MedvolError:
     """The one-line refusal training gives when the cheap check finds problems."""
     first = "; ".join(f"{p.file}: {p.problem}" for p in problems[:3])
-    command = " ".join(["python check_data.py", *overrides]).strip()
+    # Quoted for a POSIX shell, so the line pastes as it stands: Hydra needs the quotes of `"{subject}/label.nii.gz"`.
+    command = " ".join(["python check_data.py", *(shlex.quote(o) for o in overrides)])
     return MedvolError(
         f"the data check found {len(problems)} problem(s), training not started (first: {first}); "
         f"run the full check for the whole table: {command}"
@@ -280,7 +282,8 @@ def preflight_error(problems: Sequence[Problem], overrides: Sequence[str]) -> Me
 
 
 def dataset_overrides() -> list[str]:
-    """The `dataset=...`/`dataset.x=...` overrides of the running Hydra job, to repeat them in a hint."""
+    """The overrides of the running Hydra job that choose and shape its dataset (`experiment=...`, which may choose
+    it, `dataset=...`, `dataset.x=...`), to repeat them in a hint."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
@@ -289,6 +292,6 @@ def dataset_overrides() -> list[str]:
         task = list(HydraConfig.get().overrides.task)
     except Exception:  # noqa: BLE001 - a config composed without the hydra node has no overrides
         return []
-    chosen = [o for o in task if o.split("=")[0].lstrip("+~").startswith("dataset")]
-    # The group choice first, as a user would type it.
-    return sorted(chosen, key=lambda o: not o.lstrip("+~").startswith("dataset="))
+    chosen = [o for o in task if o.split("=")[0].lstrip("+~").split(".")[0] in ("experiment", "dataset")]
+    # The group choices first, as a user would type them.
+    return sorted(chosen, key=lambda o: "." in o.split("=")[0])

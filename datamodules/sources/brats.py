@@ -45,6 +45,22 @@ def detect_year(root: Path) -> int:
     )
 
 
+def is_case_folder(folder: Path) -> bool:
+    """Whether `folder` is a BraTS case folder: it holds files (or DICOM series folders) named after itself with one
+    year's suffixes, `BraTS2021_00000/BraTS2021_00000_t1.nii.gz` or `BraTS-GLI-00000-000/...-t1n.nii.gz`."""
+    names = [f"{folder.name}{suffix}" for suffixes in SUFFIXES.values() for suffix in suffixes.values()]
+    return any((folder / f"{name}.nii.gz").is_file() or is_dicom_series(folder / name) for name in names)
+
+
+def case_folders(path: Path) -> list[Path]:
+    """The BraTS case folders `path` is or holds directly; none for a file or a folder of other files."""
+    if not path.is_dir():
+        return []
+    if is_case_folder(path):
+        return [path]
+    return sorted(p for p in path.iterdir() if p.is_dir() and is_case_folder(p))
+
+
 class BratsLabelsd(MapTransform):
     """Unify the label numbering (2021's 4 -> 3) and optionally turn it into binary region channels.
 
@@ -90,6 +106,9 @@ class BratsDataModule(NiftiDataModule):
         label_regions: null for the class map (0..3), or regions from WT, TC, ET as binary channels.
         **kwargs: transforms, split, loader and cache settings of `NiftiDataModule`.
     """
+
+    # The modality names BraTS folders hold, whatever the year: a model trained under these names reads them here.
+    modality_names = MODALITIES
 
     def __init__(
         self,

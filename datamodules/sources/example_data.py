@@ -15,6 +15,7 @@ from pathlib import Path
 
 import nibabel as nib
 import numpy as np
+from scipy import ndimage
 
 from datamodules.sources.phantom import lesion_class, make_phantom, phantom_affine
 from datamodules.sources.synthetic import phantom_radiographs
@@ -24,7 +25,10 @@ BRATS_SUFFIXES = {
     2021: {"t1": "_t1", "t1ce": "_t1ce", "t2": "_t2", "flair": "_flair", "seg": "_seg"},
     2023: {"t1": "-t1n", "t1ce": "-t1c", "t2": "-t2w", "flair": "-t2f", "seg": "-seg"},
 }
-# Phantom labels (1 core, 2 oedema) as BraTS labels: core -> enhancing tumour, oedema -> ED.
+# Phantom labels (1 core, 2 oedema) as BraTS labels: the core's interior -> necrotic core (NCR, 1), its rim (one voxel)
+# -> enhancing tumour (ET: 4 in 2021, 3 in 2023), as a ring enhances around necrosis; oedema -> ED (2).
+BRATS_NECROTIC = 1
+BRATS_OEDEMA = 2
 BRATS_ENHANCING = {2021: 4, 2023: 3}
 
 
@@ -55,6 +59,17 @@ def write_nifti_folder(
     return Path(root)
 
 
+def brats_labels(label: np.ndarray, year: int) -> np.ndarray:
+    """A phantom's label map (1 core, 2 oedema) in BraTS's values: the core's interior necrotic, its rim enhancing."""
+    core = label == 1
+    necrotic = ndimage.binary_erosion(core)
+    seg = np.zeros(label.shape, dtype=np.uint8)
+    seg[label == 2] = BRATS_OEDEMA
+    seg[core] = BRATS_ENHANCING[year]
+    seg[necrotic] = BRATS_NECROTIC
+    return seg
+
+
 def write_brats(root: Path, subjects: int, year: int = 2023, size: int | Sequence[int] = 32, seed: int = 0) -> Path:
     """BraTS case folders: 2021 `BraTS2021_00000/BraTS2021_00000_t1.nii.gz`, 2023
     `BraTS-GLI-00000-000/...-t1n.nii.gz`."""
@@ -66,10 +81,7 @@ def write_brats(root: Path, subjects: int, year: int = 2023, size: int | Sequenc
         case = f"BraTS2021_{i:05d}" if year == 2021 else f"BraTS-GLI-{i:05d}-000"
         for modality, suffix in suffixes.items():
             if modality == "seg":
-                seg = np.zeros(shape, dtype=np.uint8)
-                seg[phantom.label == 2] = 2
-                seg[phantom.label == 1] = BRATS_ENHANCING[year]
-                write_volume(Path(root) / case / f"{case}{suffix}.nii.gz", seg, affine)
+                write_volume(Path(root) / case / f"{case}{suffix}.nii.gz", brats_labels(phantom.label, year), affine)
             else:
                 write_volume(Path(root) / case / f"{case}{suffix}.nii.gz", phantom.channels[modality] * 1000, affine)
     return Path(root)

@@ -424,7 +424,20 @@ class VQGAN(MedvolModule):
         return self._evaluate(batch, self.val_metrics)
 
     def test_step(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
-        return self._evaluate(batch, self.test_metrics)
+        outputs = self._evaluate(batch, self.test_metrics)
+        # Per subject, as predict.py reports them: `<run>/predictions/metrics.csv`.
+        volumes = outputs["volumes"]
+        outputs["subject_metrics"] = self.subject_metrics(volumes["reconstruction"], volumes["input"])
+        return outputs
+
+    def subject_metrics(self, reconstruction: torch.Tensor, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """PSNR and SSIM of each subject's reconstruction against its input, in model units (data range 2)."""
+        psnr = peak_signal_noise_ratio(reconstruction, x, data_range=2.0, reduction="none", dim=(1, 2, 3, 4))
+        ssim = structural_similarity_index_measure(
+            reconstruction, x, data_range=2.0, kernel_size=self.hparams.ssim_kernel_size, reduction="none"
+        )
+        assert isinstance(ssim, torch.Tensor)
+        return {"psnr": psnr, "ssim": ssim}
 
     def predict_volumes(
         self, batch: dict[str, Any], window: SlidingWindow, extras: Sequence[str] = ()
@@ -436,15 +449,10 @@ class VQGAN(MedvolModule):
         """
         x = batch[self.image_key].float()
         reconstruction = window(lambda patch: self(patch)[0].clamp(-1.0, 1.0), x)
-        psnr = peak_signal_noise_ratio(reconstruction, x, data_range=2.0, reduction="none", dim=(1, 2, 3, 4))
-        ssim = structural_similarity_index_measure(
-            reconstruction, x, data_range=2.0, kernel_size=self.hparams.ssim_kernel_size, reduction="none"
-        )
-        assert isinstance(ssim, torch.Tensor)
         outputs: dict[str, Any] = {
             "volumes": {"input": x, "reconstruction": reconstruction},
             "difference": ("reconstruction", "input"),
-            "subject_metrics": {"psnr": psnr, "ssim": ssim},
+            "subject_metrics": self.subject_metrics(reconstruction, x),
         }
         if "codes" in extras:
             outputs["arrays"] = {"codes": self.encode(x.to(window.device)).encodings.cpu()}

@@ -3,7 +3,7 @@
 Lightning gives its loggers a handler of their own when imported before Hydra configures
 logging, so their lines never reached `train.log`; here they go through Hydra's handlers like
 medvol's. The console then drops third-party chatter (tips to install other products, hardware
-lines, library warnings from site-packages) that `train.log` still records.
+lines, library warnings from site-packages, other libraries' INFO lines) that `train.log` still records.
 """
 
 from __future__ import annotations
@@ -33,10 +33,14 @@ QUIET_ON_CONSOLE = (
 # Loggers whose warnings are chatter on medvol's console: MONAI's loader builds a GPU DICOM reader medvol never uses
 # and warns, at every loader, that its decoder is missing (a refused input's one line would come second).
 QUIET_LOGGERS = ("monai.data.nvimgcodec_pydicom_plugin",)
+# The loggers whose INFO lines the console shows: medvol's, Hydra's and Lightning's (less `QUIET_ON_CONSOLE`). Every
+# other library's INFO lines (highdicom's nine per DICOM-SEG written, pydicom's plugin notes, ...) go to the log only.
+CONSOLE_INFO_LOGGERS = ("medvol", "hydra", "root", "__main__", *LIBRARY_LOGGERS)
 
 
 class ConsoleFilter(logging.Filter):
-    """Drops third-party chatter from a console handler: library tips and hardware lines, library warnings."""
+    """Drops third-party chatter from a console handler: library tips and hardware lines, library warnings, the INFO
+    lines of libraries other than medvol's, Hydra's and Lightning's."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -44,7 +48,11 @@ class ConsoleFilter(logging.Filter):
             return "site-packages" not in message
         if record.name in QUIET_LOGGERS and record.levelno < logging.ERROR:
             return False
-        return not (record.levelno < logging.WARNING and any(text in message for text in QUIET_ON_CONSOLE))
+        if record.levelno >= logging.WARNING:
+            return True
+        if not any(record.name == name or record.name.startswith(f"{name}.") for name in CONSOLE_INFO_LOGGERS):
+            return False
+        return not any(text in message for text in QUIET_ON_CONSOLE)
 
 
 def quiet_console() -> None:

@@ -20,6 +20,7 @@ import medvol.run.resolvers  # noqa: F401 - the configs use medvol's resolvers
 from datamodules.pipeline.check import format_table
 from medvol.core.build import build
 from medvol.core.errors import MedvolError
+from medvol.run.override_check import override_error
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -30,6 +31,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in overrides):
         print(__doc__)
         return 0
+    # A misspelt key or option is one line with exit status 2, as for train.py, not Hydra's traceback.
+    problem = override_error(CONF_DIR, "train", overrides)
+    if problem:
+        print(f"medvol: error: {problem}", file=sys.stderr)
+        return 2
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR), job_name="check"):

@@ -1,13 +1,15 @@
-"""A misspelt key or group option in a command is one `medvol: error:` line, like every other bad value.
+"""A misspelt key or group option in a command, or an option whose optional packages are not installed, is one
+`medvol: error:` line, like every other bad value.
 
 Hydra reports these itself, in several lines and with exit code 1, before medvol runs. The
 command's overrides are composed once here first; only a single run's plain `key=value` and
 `group=option` overrides are checked (flags such as `-m`, `--help`, `--cfg` and sweep values
-are left to Hydra).
+are left to Hydra). Options that need one of medvol's extras are checked for every command, sweeps included.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +17,44 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+
+# Group options that need an extra of pyproject.toml: (group, option) -> (what needs it, its modules, the extra).
+EXTRAS = {
+    ("hparams_search", "optuna"): ("the Optuna sweeper", ("hydra_plugins.hydra_optuna_sweeper", "optuna"), "sweep"),
+    ("hydra/sweeper", "optuna"): ("the Optuna sweeper", ("hydra_plugins.hydra_optuna_sweeper", "optuna"), "sweep"),
+    ("hydra/launcher", "slurm"): (
+        "the SLURM launcher", ("hydra_plugins.hydra_submitit_launcher", "submitit"), "slurm"
+    ),
+    ("hydra/launcher", "submitit_slurm"): (
+        "the SLURM launcher", ("hydra_plugins.hydra_submitit_launcher", "submitit"), "slurm"
+    ),
+    ("hydra/launcher", "submitit_local"): (
+        "the submitit launcher", ("hydra_plugins.hydra_submitit_launcher", "submitit"), "slurm"
+    ),
+    ("logger", "wandb"): ("the Weights & Biases logger", ("wandb",), "wandb"),
+}
+
+
+def installed(module: str) -> bool:
+    """Whether `module` can be imported (without importing it)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def extra_error(argv: Sequence[str]) -> str | None:
+    """None unless the command chooses an option whose extra is not installed; then one line naming the extra."""
+    for arg in argv:
+        group, _, option = arg.lstrip("+~").partition("=")
+        need = EXTRAS.get((group, option))
+        if need is not None and not all(installed(m) for m in need[1]):
+            what, _, extra = need
+            return (
+                f"`{arg}` needs {what}, which is not installed; install medvol's {extra} extra: "
+                f"pip install -e '.[{extra}]'"
+            )
+    return None
 
 
 def override_error(config_dir: Path, config_name: str, argv: Sequence[str]) -> str | None:

@@ -128,13 +128,15 @@ def planned(
     device = "gpu" if accelerator == "gpu" else "cpu"
     base = int(cfg.model.plan.get("base_features") or BASE_FEATURES[device])
     regions = model_regions(cfg, datamodule)
+    names = getattr(datamodule, "label_names", None)
+    class_names = names() if callable(names) and not regions else None
     plan = make_plan(
         datamodule.plan_fingerprint(), memory_budget(cfg, accelerator), base, given_values(cfg),
         getattr(datamodule, "modality_kind", None), regions,
+        len(class_names) + 1 if class_names else None,
     )
-    names = getattr(datamodule, "label_names", None)
     plan["regions"] = regions if cfg.model.get("regions") is None else None
-    plan["class_names"] = names() if callable(names) and not regions else None
+    plan["class_names"] = class_names
     # How many files a subject's channels came in, so predict.py groups its input files alike.
     plan["channel_files"] = len(getattr(datamodule, "image_modalities", []) or []) or 1
     if global_rank() == 0:
@@ -207,11 +209,18 @@ def with_plan(cfg: DictConfig, plan: dict[str, Any]) -> DictConfig:
         cfg.model.pad_value = background_values(plan["normalization"])
         if cfg.model.get("regions") is None and plan.get("regions"):
             cfg.model.regions = plan["regions"]
-        if not regions and cfg.model.get("num_classes") is None and classes:
-            cfg.model.num_classes = int(classes)
-            names = cfg.model.get("class_names")
-            if names is None or len(names) != int(classes) - 1:
-                cfg.model.class_names = plan.get("class_names") or [f"class{k}" for k in range(1, int(classes))]
+        if not regions and classes:
+            if cfg.model.get("num_classes") is None:
+                cfg.model.num_classes = int(classes)
+            # The dataset's names (BraTS's NCR, ED, ET; dataset.json's) whenever they name these classes, also where
+            # `model.num_classes` was given.
+            names, planned_names = cfg.model.get("class_names"), plan.get("class_names")
+            count = int(cfg.model.num_classes) - 1
+            if names is None or len(names) != count:
+                cfg.model.class_names = (
+                    list(planned_names) if planned_names and len(planned_names) == count
+                    else [f"class{k}" for k in range(1, count + 1)]
+                )
         if cfg.model.get("scheduler") is None:
             cfg.model.scheduler = poly_decay(cfg, plan["poly_power"])
         if cfg.trainer.get("gradient_clip_val") is None:

@@ -16,6 +16,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from medvol.core.build import target_class
 from medvol.core.errors import MedvolError
 from medvol.run.resolvers import run_dir_of_checkpoint
 from medvol.run.run_record import RECORD_FILE, legacy_record, read_record, settings
@@ -105,15 +106,20 @@ def command_overrides(prefix: str) -> DictConfig:
 
 def with_run_transforms(run_dataset: DictConfig, chosen: DictConfig) -> DictConfig:
     """A dataset chosen with `dataset=NAME`, preprocessed as the run was: the run's `transforms`, then the
-    command's own `dataset.transforms.*` overrides (the group file's defaults would silently differ). A
-    dataset of the run's own kind also keeps the run's modalities (the model's channels: a T1 -> T2 model's
-    [t2] and [t1], not the group file's) unless the command sets them."""
+    command's own `dataset.transforms.*` overrides (the group file's defaults would silently differ). It also
+    reads the run's modalities (the model's channels: a T1 -> T2 model's [t2] and [t1], not the group file's),
+    unless the command sets them, where it is of the run's own kind or names its modalities as the run did (BraTS's
+    t1, t1ce, t2, flair: a T1 -> T2 model trained on the phantoms reads BraTS folders)."""
     own = command_overrides("dataset.").get("dataset") or {}
-    if run_dataset.get("_target_") == chosen.get("_target_"):
-        for key in MODALITY_KEYS:
-            if run_dataset.get(key) is not None and key in chosen and key not in own:
-                with open_dict(chosen):
-                    chosen[key] = run_dataset[key]
+    same_kind = run_dataset.get("_target_") == chosen.get("_target_")
+    named = getattr(target_class(str(chosen._target_)), "modality_names", None) if chosen.get("_target_") else None
+    for key in MODALITY_KEYS:
+        names = run_dataset.get(key)
+        if names is None or key not in chosen or key in own:
+            continue
+        if same_kind or (named is not None and set(names) <= set(named)):
+            with open_dict(chosen):
+                chosen[key] = list(names)
     if run_dataset.get("transforms") is None or chosen.get("transforms") is None:
         return chosen
     transforms = OmegaConf.merge(run_dataset.transforms, own.get("transforms") or {})

@@ -1,7 +1,7 @@
 """predict.py's second stage: the inputs found (files, a folder, a dataset's split) and their outputs guarded.
 
-Inputs are NIfTI files (one file per subject, its channels the model's) or a dataset: the run's own
-with `split=test`, or another chosen with `dataset=...`. They are preprocessed with the run's
+Inputs are NIfTI files (one file per subject, its channels the model's), BraTS case folders, or a dataset: the
+run's own with `split=test`, or another chosen with `dataset=...`. They are preprocessed with the run's
 transforms on whole volumes. Outputs never land inside an input folder, and a file input's never on
 the file itself (`PredictionWriter(protected=...)`).
 """
@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import Dataset, default_collate
 
+from datamodules.sources.brats import BratsDataModule, case_folders
 from medvol.core.build import build, target_class
 from medvol.core.errors import MedvolError, refusal_within
 from medvol.run.channel_files import channel_groups, files_per_subject
@@ -35,6 +36,8 @@ FILE_DATASET = "datamodules.sources.nifti.NiftiDataModule"
 COVARIATE_DATASET = "datamodules.sources.csv_table.CsvDataModule"
 # Where a model with covariates finds those of `input`'s subjects when `covariates` is not given: beside them.
 COVARIATE_FILE = "covariates.csv"
+# What reads BraTS case folders given as `input`: the `dataset=brats` group file.
+BRATS_GROUP_FILE = Path(__file__).resolve().parents[2] / "conf" / "dataset" / "brats.yaml"
 # Training-only settings dropped for prediction: every voxel of a subject is predicted.
 WHOLE_VOLUME = {"spatial_size": None, "random_crop": None, "flip_prob": 0.0, "affine_prob": 0.0}
 
@@ -257,6 +260,20 @@ def dataset_subjects(
     return Inputs(datamodule.datasets[split], resolved, records, condition_only)
 
 
+def brats_dataset(run: DictConfig, root: Path, cases: list[Path]) -> DictConfig:
+    """BraTS case folders given as `input` (one case, or a folder of them), read as `dataset=brats
+    dataset.root=<input>` reads them: the run's own BraTS settings, or for another run the BraTS group file with the
+    run's modalities and transforms; labels where every case has its segmentation (then scored, as with `split=`)."""
+    labelled = all(any(p.name.removesuffix(".nii.gz").endswith(("_seg", "-seg")) for p in case.iterdir())
+                   for case in cases)
+    if target_class(str(run.dataset._target_)) is BratsDataModule:
+        return OmegaConf.create({"root": str(root), "label": labelled})
+    chosen = OmegaConf.load(BRATS_GROUP_FILE)
+    assert isinstance(chosen, DictConfig)
+    chosen.root, chosen.label = str(root), labelled
+    return with_run_transforms(run.dataset, chosen)
+
+
 def batches(dataset: Dataset) -> Iterator[dict[str, Any]]:
     """One subject per batch, collated as the test loader would; a refusal inside the transforms (MONAI wraps it
     in `applying transform ...`) passed on as its one line."""
@@ -287,6 +304,11 @@ def find_inputs(
     source = Path(str(cfg.input)).expanduser()
     if source.is_dir():
         check_output_dir(output_dir, [source])
+    cases = case_folders(source)
+    if cases:
+        inputs = dataset_subjects(run, brats_dataset(run, source, cases), None, bool(cfg.keep_crop), generation)
+        inputs.where = "input"
+        return inputs
     files = input_files(source)
     # A generative model's input files are its condition (a T1 for a T1 -> T2 model).
     key = next(iter(generation)) if generation else "image"

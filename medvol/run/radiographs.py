@@ -159,8 +159,8 @@ def in_view_frame(
     if int(image.header["sform_code"]) == 0 and int(image.header["qform_code"]) == 0:
         raise MedvolError(
             f"`input`: {path.name} has no orientation (sform and qform codes 0); expected a 2D NIfTI whose affine says "
-            "where its rows and columns run in the patient, as `python -m datamodules.sources.example_data xray_ct` "
-            "writes"
+            "where its rows and columns run in the patient, as `python -m datamodules.sources.example_data xray_ct "
+            "example_xrays` writes them"
         )
     affine = np.asarray(image.affine, dtype=np.float64)
     axes = [_direction(affine[:3, 0]), _direction(affine[:3, 1])]

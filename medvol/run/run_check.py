@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,6 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 from medvol.core.build import build, target_class
 from medvol.core.errors import MedvolError
 from medvol.run.resolvers import label_regions
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 PRECISIONS = ("64-true", "32-true", "16-true", "16-mixed", "bf16-true", "bf16-mixed", "64", "32", "16", "bf16")
 _BATCH_LIMITS = (
@@ -196,7 +199,18 @@ def check_dataset_settings(cfg: DictConfig) -> None:
         return
     unknown = [str(k) for k in dataset if not str(k).startswith("_") and str(k) not in accepted]
     if unknown:
+        option = dataset_option(str(dataset._target_))
+        listing = (f"; `python train.py dataset={option} --cfg job --package dataset` lists its config"
+                   if option else "")
         raise MedvolError(
             f"`dataset.{unknown[0]}`: {cls.__name__} ({dataset._target_}) takes no such setting; its settings: "
-            f"{', '.join(sorted(accepted))} (`python train.py dataset=<name> --cfg job` lists a dataset's)"
+            f"{', '.join(sorted(accepted))}{listing}"
         )
+
+
+def dataset_option(target: str) -> str | None:
+    """The `dataset=` option whose group file builds `target` (the first, by name), for a command to paste."""
+    for path in sorted((CONF_DIR / "dataset").glob("*.yaml")):
+        if OmegaConf.load(path).get("_target_") == target:
+            return path.stem
+    return None

@@ -166,21 +166,25 @@ def normalization(
     return plan
 
 
-def label_classes(fingerprint: DataFingerprint, num_classes: int | None, regions: bool) -> int | None:
-    """The number of classes: `num_classes` where given (every label value must lie below it), else from the
-    label values present, which must run 0..K-1 as nnU-Net requires. None for regions."""
+def label_classes(
+    fingerprint: DataFingerprint, num_classes: int | None, regions: bool, declared: int | None = None
+) -> int | None:
+    """The number of classes: `num_classes` where given, else the classes the dataset `declared` (BraTS's four, an
+    nnU-Net dataset.json's labels), whether or not every one occurs in the training subjects (every label value must
+    lie below it); else from the label values present, which must run 0..K-1 as nnU-Net requires. None for regions."""
     values = sorted(fingerprint.labels)
     if regions:
         return None
-    if num_classes is not None:
-        outside = [v for v in values if not 0 <= v < int(num_classes)]
+    for count, source in ((num_classes, f"`model.num_classes={num_classes}`"), (declared, "the dataset's classes")):
+        if count is None:
+            continue
+        outside = [v for v in values if not 0 <= v < int(count)]
         if outside:
             raise MedvolError(
                 f"label value {outside[0]} in {fingerprint.label_files.get(outside[0], 'a label file')} is outside "
-                f"the classes 0..{int(num_classes) - 1} of `model.num_classes={num_classes}`; fix the label file or "
-                "the number of classes"
+                f"the classes 0..{int(count) - 1} of {source}; fix the label file or the number of classes"
             )
-        return int(num_classes)
+        return int(count)
     if not values:
         return None
     missing = sorted(set(range(max(values) + 1)) - set(values))
@@ -283,6 +287,7 @@ def fitted(
 def make_plan(
     fingerprint: DataFingerprint, budget_mib: float, base: int, overrides: Mapping[str, Any] | None = None,
     kinds: Sequence[str] | None = None, regions: Mapping[str, Sequence[int]] | None = None,
+    declared_classes: int | None = None,
 ) -> dict[str, Any]:
     """The plan of `fingerprint` under a memory budget (MiB, nnU-Net's calibration) with `base` filters at full
     resolution.
@@ -296,6 +301,7 @@ def make_plan(
             for none, nnU-Net's `nnUNetTrainerNoDA`); None ignored.
         kinds: per channel mr/ct, instead of what the data suggests.
         regions: the model's regions (name -> label values), whose count sets the network's outputs.
+        declared_classes: the classes the dataset declares (background included), where it does.
     """
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     spacing = [float(s) for s in given.get("spacing") or target_spacing(fingerprint.spacings, fingerprint.shapes)]
@@ -303,7 +309,7 @@ def make_plan(
     shapes = resampled_shapes(fingerprint.shapes, fingerprint.spacings, spacing)
     median = [float(m) for m in np.median(shapes, 0)]
     subjects = len(fingerprint.spacings)
-    classes = label_classes(fingerprint, given.get("num_classes"), bool(regions))
+    classes = label_classes(fingerprint, given.get("num_classes"), bool(regions), declared_classes)
     # nnU-Net counts its dataset.json labels: background and every class, or background and every region.
     outputs = len(regions) + 1 if regions else classes or 2
     fit = fitted(spacing, median, budget_mib, base, outputs, float(np.prod(median)) * subjects, given)

@@ -4,6 +4,7 @@ the cheap mode, voxels in the full one, each finding worded for the table, and t
 from __future__ import annotations
 
 import gzip
+import shlex
 from pathlib import Path
 
 import nibabel as nib
@@ -145,3 +146,20 @@ def test_the_dataset_overrides_of_the_hydra_job_are_repeated_with_the_group_choi
     compose_cfg(tmp_path, ["dataset.root=/data", "model=segmentation", "dataset=nifti", "trainer.max_epochs=2"],
                 tiny=False)
     assert dataset_overrides() == ["dataset=nifti", "dataset.root=/data"]
+
+
+def test_an_experiment_that_chooses_the_dataset_is_repeated_too(tmp_path):
+    """`experiment=brats_segmentation dataset.root=DIR` chooses BraTS through the preset: without it the suggested
+    check would compose the synthetic default, which has no `root`."""
+    compose_cfg(tmp_path, ["experiment=brats_segmentation", "dataset.root=/data", "trainer.max_epochs=2"], tiny=False)
+    assert dataset_overrides() == ["experiment=brats_segmentation", "dataset.root=/data"]
+
+
+def test_the_suggested_check_quotes_what_the_shell_would_strip():
+    """Issue 49 item 7: Hydra needs the quotes of `"{subject}/label.nii.gz"`; pasted unquoted, the shell drops them."""
+    message = str(preflight_error([Problem("s", "f.nii", "p")],
+                                  ["dataset=nifti", 'dataset.label_file="{subject}/label.nii.gz"', "dataset.x=[a,b]"]))
+    command = message.split("whole table: ")[1]
+    assert command == ("python check_data.py dataset=nifti 'dataset.label_file=\"{subject}/label.nii.gz\"' "
+                       "'dataset.x=[a,b]'")
+    assert shlex.split(command)[3:] == ['dataset.label_file="{subject}/label.nii.gz"', "dataset.x=[a,b]"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import nibabel as nib
+import numpy as np
 import pytest
 import torch
 from hydra.utils import instantiate
@@ -14,6 +16,7 @@ from omegaconf import DictConfig
 from datamodules.pipeline.split import STAGES
 from datamodules.sources.brats import BratsDataModule
 from datamodules.sources.example_data import write_brats, write_mace_csv, write_nifti_folder
+from datamodules.sources.phantom import make_phantom
 from medvol.run.training import run
 from tests.conftest import TINY, compose_cfg
 
@@ -64,6 +67,30 @@ def test_brats_layouts_are_detected_and_train(tmp_path, year):
         tmp_path, "dataset=brats", f"dataset.root={root}", "dataset.image_modalities=[t2]",
         "dataset.cond_modalities=[t1]",
     ))
+
+
+@pytest.mark.parametrize(("year", "enhancing"), [(2021, 4), (2023, 3)])
+def test_example_brats_labels_are_necrotic_core_oedema_and_an_enhancing_rim(tmp_path, year, enhancing):
+    """Issue 49 item 11: the example BraTS data wrote {0, 2, 4} only (no necrotic core), which stopped segmentation.md's
+    BraTS command. Each phantom's core is now a necrotic interior inside an enhancing rim, as BraTS labels it."""
+    root = write_brats(tmp_path / "brats", 6, year, 24)
+    found = set()
+    for case in sorted(root.iterdir()):
+        suffix = "_seg" if year == 2021 else "-seg"
+        seg = np.asarray(nib.load(str(case / f"{case.name}{suffix}.nii.gz")).dataobj)
+        index = int(case.name.split("_")[-1] if year == 2021 else case.name.split("-")[2])
+        phantom = make_phantom(0, index, 24).label
+        found |= set(np.unique(seg).tolist())
+        core = np.isin(seg, [1, enhancing])
+        assert np.array_equal(core, phantom == 1) and np.array_equal(seg == 2, phantom == 2)
+        padded = np.pad(core, 1)
+        neighbours = [np.roll(padded, shift, axis)[1:-1, 1:-1, 1:-1] for axis in range(3) for shift in (-1, 1)]
+        inside = np.logical_and.reduce(neighbours)
+        # Necrotic: core voxels whose six neighbours are all core; enhancing: the core voxels on its border.
+        assert np.array_equal(seg == 1, core & inside) and np.array_equal(seg == enhancing, core & ~inside)
+    assert found == {0, 1, 2, enhancing}
+    problems, _ = BratsDataModule(root=str(root), num_workers=0).data_problems(full=True)
+    assert problems == []
 
 
 def test_brats_labels_are_unified_across_years_and_regions(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import subprocess
 import sys
@@ -11,9 +12,13 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 from rich.console import Console
+from torch.utils.data import default_collate
 
-from medvol.core.console import ConsoleFilter, print_config_tree
+from datamodules.sources.nifti import NiftiDataModule
+from medvol.core.console import ConsoleFilter, print_config_tree, quiet_console
+from medvol.volumes.prediction_writer import PredictionWriter
 from tests.conftest import ROOT, TINY, compose_cfg, subprocess_env
+from tests.medvol.run.test_predict_dicom import write_phantom_series
 
 
 def _record(name: str, level: int, message: str) -> logging.LogRecord:
@@ -30,6 +35,36 @@ def test_console_filter_drops_library_chatter_and_keeps_what_matters():
     assert keep(_record("py.warnings", logging.WARNING, "/work/medvol/train.py:1: UserWarning: mine"))
     assert keep(_record("pytorch_lightning.utilities.rank_zero", logging.INFO, "`Trainer.fit` stopped: `max_epochs=1`"))
     assert keep(_record("medvol", logging.INFO, "batch: 2 per device"))
+    assert keep(_record("hydra.core.utils", logging.INFO, "Launching 2 jobs locally"))
+    assert keep(_record("highdicom.base", logging.WARNING, "a warning is still shown"))
+
+
+def test_other_libraries_info_lines_stay_off_the_console_and_in_the_log(tmp_path):
+    """Issue 49 item 14: `output_format=dicom` printed nine highdicom INFO lines per DICOM-SEG written."""
+    console, log = io.StringIO(), tmp_path / "predict.log"
+    root = logging.getLogger()
+    handlers = [logging.StreamHandler(console), logging.FileHandler(log)]
+    level = root.level
+    root.setLevel(logging.INFO)
+    for handler in handlers:
+        root.addHandler(handler)
+    try:
+        quiet_console()
+        write_phantom_series(tmp_path / "scans" / "anon04" / "image", 16)
+        datamodule = NiftiDataModule(root=str(tmp_path / "scans"), pattern="{subject}/{modality}",
+                                     transforms={"orientation": "RAS", "intensity": "none", "spatial_size": None})
+        batch = default_collate([datamodule.build_dataset(datamodule.subjects(), "test")[0]])
+        outputs = {"volumes": {"seg": (batch["image"] > 300).long()}, "segments": {"brain": [1]}}
+        PredictionWriter(tmp_path / "out", output_format="dicom").write(outputs, batch)
+        logging.getLogger("medvol").info("predicted 1 subject")
+    finally:
+        for handler in handlers:
+            root.removeHandler(handler)
+            handler.close()
+        root.setLevel(level)
+    assert (tmp_path / "out" / "anon04_seg.dcm").is_file()
+    assert console.getvalue() == "predicted 1 subject\n"
+    assert "copy attributes of module" in log.read_text() and "nvImageCodec is not available" in log.read_text()
 
 
 def test_config_tree_shows_the_groups_resolved():

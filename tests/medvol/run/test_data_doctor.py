@@ -126,6 +126,15 @@ def test_missing_columns_and_folders_are_one_clear_error(tmp_path):
         BratsDataModule(root=str(tmp_path))
 
 
+def test_a_misspelt_key_or_option_is_one_line_and_exit_2_not_a_traceback(capsys):
+    """Issue 49 item 7: data.md promises exit 2 for a bad command; Hydra's composition error was a traceback."""
+    assert check_main(["dataset=brats", "dataset.roots=/data"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("medvol: error: `dataset.roots=/data`: cannot set this key") and err.count("\n") == 1
+    assert check_main(["dataset=bratz"]) == 2
+    assert "`dataset=bratz`: no such option in the `dataset` group" in capsys.readouterr().err
+
+
 # check.py as a subprocess (~11 s): the slow suite; the checks themselves are tested in-process above.
 @pytest.mark.slow
 def test_check_command_line(tmp_path, capsys):

@@ -135,11 +135,20 @@ def test_predict_and_test_true_write_the_same_files(trained_run, tmp_path):
                         f"output_dir={out}"))
     tested = sorted(p.name for p in (trained_run / "predictions").glob("*.nii.gz"))
     assert tested and sorted(p.name for p in out.glob("*.nii.gz")) == tested
+    tested_subjects = {name.rsplit("_", 1)[0] for name in tested}
     for name in tested:
         a, b = nib.load(str(out / name)), nib.load(str(trained_run / "predictions" / name))
         assert a.shape == b.shape == SHAPE and np.array_equal(a.affine, b.affine)
         assert a.get_data_dtype() == b.get_data_dtype()
         np.testing.assert_allclose(a.get_fdata(), b.get_fdata(), rtol=0, atol=1e-3)
+    # Issue 49 item 12: the VQ-GAN's test=true wrote no per-subject metrics; they are predict.py's, subject by subject.
+    with (trained_run / "predictions" / "metrics.csv").open() as a, (out / "metrics.csv").open() as b:
+        tested, predicted = list(csv.DictReader(a)), list(csv.DictReader(b))
+    assert [r["subject"] for r in tested] == [r["subject"] for r in predicted] and len(tested) == len(tested_subjects)
+    for t, p in zip(tested, predicted, strict=True):
+        assert list(t) == ["subject", "psnr", "ssim"]
+        assert float(t["psnr"]) == pytest.approx(float(p["psnr"]), abs=1e-3)
+        assert float(t["ssim"]) == pytest.approx(float(p["ssim"]), abs=1e-4)
 
 
 def test_a_dataset_chosen_by_name_lists_every_subject_and_keeps_the_runs_preprocessing(trained_run, tmp_path):

@@ -75,6 +75,22 @@ def test_a_condition_only_prediction_equals_the_test_true_sample_of_the_same_sub
         np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4)
 
 
+def test_a_t1_to_t2_model_trained_on_the_phantoms_reads_brats_folders_holding_only_the_t1(tmp_path):
+    """Issue 49 item 8: docs/predict.md's `dataset=brats dataset.root=/data/t1_only` for the default DDPM (phantom T1
+    -> T2) was refused ("no `dataset.cond_modalities`"): BraTS's group file lists four image channels and no condition,
+    the model one of each, named as BraTS names them."""
+    run_dir = saved_run(tmp_path / "run", compose_cfg(tmp_path / "run", [
+        "model=ddpm", *TINY_MODEL["ddpm"], "logger=none", "callbacks.volume_slices=null"]))
+    t1_only = copy_modalities(write_brats_lps(tmp_path / "brats", 2), tmp_path / "t1_only", ("t1",))
+    out = tmp_path / "out"
+    predict(predict_cfg(f"ckpt_path={run_dir}/checkpoints/last.ckpt", "dataset=brats", f"dataset.root={t1_only}",
+                        f"output_dir={out}"))
+    for case in ("BraTS2021_00000", "BraTS2021_00001"):
+        sample, t1 = nib.load(str(out / f"{case}_sample.nii.gz")), nib.load(str(t1_only / case / f"{case}_t1.nii.gz"))
+        assert sample.shape == t1.shape and np.allclose(sample.affine, t1.affine)
+        assert np.isfinite(sample.get_fdata()).all() and np.ptp(sample.get_fdata()) > 0
+
+
 def test_t1_files_give_n_seeded_samples_with_their_mean_and_spread_on_each_files_grid(translation_run, tmp_path):
     inputs = tmp_path / "t1"
     inputs.mkdir()

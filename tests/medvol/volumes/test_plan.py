@@ -11,8 +11,11 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
+from omegaconf import DictConfig
 
 from datamodules.pipeline.transforms import PlannedNormalized
+from datamodules.sources.brats import BratsDataModule
+from datamodules.sources.example_data import write_brats
 from datamodules.sources.nifti import NiftiDataModule
 from medvol.core.build import build_model
 from medvol.core.errors import MedvolError
@@ -328,3 +331,40 @@ def test_a_label_value_outside_the_classes_is_refused_naming_its_file(tmp_path, 
     with pytest.raises(MedvolError, match=message):
         planned(cfg, built, "cpu")
     assert not (tmp_path / "run" / "plan.json").exists()
+
+
+def _brats_planned(tmp_path: Path, root: Path, *overrides: str) -> DictConfig:
+    cfg = compose_cfg(tmp_path / "run", [
+        "model=segmentation", "dataset=brats", f"dataset.root={root}", "dataset.num_workers=0", *overrides,
+    ], tiny=False)
+    built = BratsDataModule(**{k: v for k, v in cfg.dataset.items() if k != "_target_"})
+    return planned(cfg, built, "cpu")[0]
+
+
+@pytest.mark.parametrize("num_classes", [None, 4])
+def test_brats_plans_its_four_classes_named_as_brats_names_them_even_where_one_is_absent(tmp_path, num_classes):
+    """Issue 49 item 11: BraTS training labels without a necrotic core ({0, 2, 4}: what the example data wrote)
+    stopped the plan ("label value 3 ... outside consecutive classes"), and `model.num_classes=4` named the classes
+    class1..3: BraTS declares its classes, 1 necrotic core (NCR), 2 oedema (ED), 3 enhancing tumour (ET)."""
+    root = write_brats(tmp_path / "brats", 4, 2021, 16)
+    for seg in root.glob("*/*_seg.nii.gz"):
+        image = nib.load(str(seg))
+        values = np.asarray(image.dataobj).copy()
+        values[values == 1] = 4
+        nib.save(nib.Nifti1Image(values, image.affine), str(seg))
+    overrides = [] if num_classes is None else [f"model.num_classes={num_classes}"]
+    cfg = _brats_planned(tmp_path, root, *overrides)
+    assert cfg.model.num_classes == 4 and list(cfg.model.class_names) == ["NCR", "ED", "ET"]
+    assert json.loads((tmp_path / "run" / "plan.json").read_text())["labels"].keys() == {"0", "2", "3"}
+
+
+def test_a_label_value_beyond_the_classes_brats_declares_is_refused(tmp_path):
+    root = write_brats(tmp_path / "brats", 3, 2023, 16)
+    seg = next(root.glob("*/*-seg.nii.gz"))
+    image = nib.load(str(seg))
+    values = np.asarray(image.dataobj).copy()
+    values[0, 0, 0] = 5
+    nib.save(nib.Nifti1Image(values, image.affine), str(seg))
+    with pytest.raises(MedvolError, match=r"label value 5 in \S+-seg.nii.gz is outside the classes 0..3 of the "
+                                          r"dataset's classes"):
+        _brats_planned(tmp_path, root)
