@@ -23,11 +23,12 @@ class DiceBCELoss(torch.nn.Module):
     Args:
         lambda_dice: weight of the Dice term.
         lambda_bce: weight of the binary cross-entropy term.
+        batch: the Dice over the whole batch (nnU-Net's `batch_dice`) rather than per sample.
     """
 
-    def __init__(self, lambda_dice: float = 1.0, lambda_bce: float = 1.0) -> None:
+    def __init__(self, lambda_dice: float = 1.0, lambda_bce: float = 1.0, batch: bool = False) -> None:
         super().__init__()
-        self.dice = DiceLoss(sigmoid=True)
+        self.dice = DiceLoss(sigmoid=True, batch=batch)
         self.lambda_dice = lambda_dice
         self.lambda_bce = lambda_bce
 
@@ -37,17 +38,19 @@ class DiceBCELoss(torch.nn.Module):
         return self.lambda_dice * self.dice(logits, target) + self.lambda_bce * bce
 
 
-def build_loss(name: str, regions: bool) -> torch.nn.Module:
+def build_loss(name: str, regions: bool, batch_dice: bool = False) -> torch.nn.Module:
     """The loss `name` (dice_ce or dice_focal) for overlapping regions (sigmoid) or exclusive classes (softmax).
 
     Class targets are (B, 1, ...) label maps, one-hot encoded inside the loss; region targets are
     (B, R, ...) binary channels. As nnU-Net's `DC_and_CE_loss` / `DC_and_BCE_loss`: the classes' Dice leaves the
-    background out (the cross-entropy keeps it), regions keep every channel; both smoothed by 1e-5.
+    background out (the cross-entropy keeps it), regions keep every channel; both smoothed by 1e-5; with
+    `batch_dice` each channel's Dice sums its overlap and sizes over the whole batch before the ratio (nnU-Net's
+    `MemoryEfficientSoftDiceLoss(batch_dice=True)`), else per sample.
     """
     if name not in LOSSES:
         raise MedvolError(f"`model.loss` is {name!r}; expected one of {list(LOSSES)}")
     if regions:
-        return DiceBCELoss() if name == "dice_ce" else DiceFocalLoss(sigmoid=True)
+        return DiceBCELoss(batch=batch_dice) if name == "dice_ce" else DiceFocalLoss(sigmoid=True, batch=batch_dice)
     if name == "dice_ce":
-        return DiceCELoss(include_background=False, softmax=True, to_onehot_y=True)
-    return DiceFocalLoss(include_background=False, softmax=True, to_onehot_y=True)
+        return DiceCELoss(include_background=False, softmax=True, to_onehot_y=True, batch=batch_dice)
+    return DiceFocalLoss(include_background=False, softmax=True, to_onehot_y=True, batch=batch_dice)

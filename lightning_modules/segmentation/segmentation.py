@@ -26,7 +26,7 @@ from lightning_modules.segmentation.label_scheme import LabelScheme
 from lightning_modules.segmentation.losses import build_loss
 from lightning_modules.segmentation.networks import build_network, check_size, size_multiple, supervised_heads
 from lightning_modules.segmentation.patch_sampling import SAMPLINGS, cut_patches, patch_origins
-from lightning_modules.segmentation.postprocessing import Postprocessing, candidates
+from lightning_modules.segmentation.postprocessing import Postprocessing, candidates, postprocessing_switch
 from lightning_modules.segmentation.subject_scores import SubjectScores, subject_scores
 from medvol.core.errors import MedvolError
 from medvol.volumes.mirroring import SPATIAL_AXES, MirrorAveraged
@@ -72,6 +72,10 @@ class Segmenter(MedvolModule):
         deep_supervision: dynunet: also score the coarser decoder levels while training (weights halving
             per level, the lowest 0, as nnU-Net).
         res_block: dynunet: residual blocks (false: two plain convolutions per stage, nnU-Net's PlainConvUNet).
+        transposed_bias: dynunet: a bias on the upsampling transposed convolutions, as nnU-Net's PlainConvUNet (whose
+            other convolution biases feed an instance norm, which removes them; a plan sets it).
+        batch_dice: the Dice loss over the whole batch rather than per sample (nnU-Net's `batch_dice`, which its
+            planner sets where it adds a low-resolution configuration; a plan sets it alike).
         feature_size: SwinUNETR embedding size (multiple of 12).
         loss: dice_ce or dice_focal.
         patch_size: training patch and sliding window; null trains on whole volumes.
@@ -81,8 +85,12 @@ class Segmenter(MedvolModule):
         sw_batch_size: windows per network call.
         stitch_on_cpu: keep the blended whole-volume output on the CPU (windows still run on the device).
         threshold: sigmoid probability for a region voxel.
-        largest_component: keep only the largest connected component of every class/region (by hand; a run's
-            post-processing chosen on its validation predictions, `postprocessing.json`, replaces it).
+        largest_component: keep only the largest connected component of every class/region (by hand; a
+            post-processing that applies, `postprocessing`, replaces it).
+        postprocessing: auto, true or false: which recorded post-processing (`postprocessing.json`, chosen on
+            validation predictions) test=true and predict.py apply. auto: one chosen on cross-validation folds (a
+            sweep's, nnU-Net's rule); a single split's is written, not applied; true: the recorded one, also a single
+            split's; false: none (`medvol.run.fold_records.applied_postprocessing`).
         tta: at test time and in predict.py, average each window's probabilities over its copies mirrored along
             every spatial axis (8 network calls a window).
         optimizer: partial optimizer.
@@ -104,6 +112,8 @@ class Segmenter(MedvolModule):
         strides: Sequence[Sequence[int]] | None = None,
         deep_supervision: bool = False,
         res_block: bool = True,
+        transposed_bias: bool = False,
+        batch_dice: bool = False,
         feature_size: int = 24,
         loss: str = "dice_ce",
         patch_size: Sequence[int] | None = None,
@@ -114,6 +124,7 @@ class Segmenter(MedvolModule):
         stitch_on_cpu: bool = False,
         threshold: float = 0.5,
         largest_component: bool = False,
+        postprocessing: str | bool = "auto",
         tta: bool = True,
         optimizer: Callable[..., torch.optim.Optimizer] | None = None,
         scheduler: Callable[..., Any] | None = None,
@@ -141,15 +152,18 @@ class Segmenter(MedvolModule):
             )
         self.net = build_network(
             net, in_channels, self.scheme.out_channels, self.features, feature_size, kernels, strides, deep_supervision,
-            res_block,
+            res_block, transposed_bias,
         )
         self.supervision_weights = supervision_weights(len(self.features)) if deep_supervision else None
         self.pad_value = pad_value_of(pad_value)
-        self.loss = build_loss(loss, self.scheme.is_regions)
+        self.loss = build_loss(loss, self.scheme.is_regions, batch_dice)
         self.optimizer_factory = optimizer or (lambda params: torch.optim.Adam(params, lr=1e-3))
         self.scheduler_factory = scheduler
         # Set by the run from its validation predictions (`postprocessing.json`), or every structure by hand.
+        postprocessing_switch(postprocessing, "model.postprocessing")
         self.postprocessing = Postprocessing(tuple(candidates(self.scheme)[1]) if largest_component else ())
+        # Which recorded decision applies, and why, in one line (set where a run or predict.py applies one).
+        self.postprocessing_note = ""
         self.tta = bool(tta)
         # Per structure, the [smallest, largest] training volume in ml (the run's record): the report flags outliers.
         self.volume_range: dict[str, list[float]] = {}

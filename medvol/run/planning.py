@@ -38,7 +38,7 @@ GRADIENT_CLIP = 12.0
 # Plan keys a user may give instead (`model.plan.<key>=...`); the others of the node steer how it is made.
 GIVEN_KEYS = (
     "spacing", "patch_size", "batch_size", "features", "foreground_ratio", "deep_supervision", "poly_power",
-    "crop_foreground", "iterations_per_epoch", "augmentation",
+    "crop_foreground", "iterations_per_epoch", "augmentation", "batch_dice",
 )
 USES = ("auto", True, False)
 # Lightning's own default when neither max_epochs nor max_steps is set.
@@ -197,6 +197,7 @@ def with_plan(cfg: DictConfig, plan: dict[str, Any]) -> DictConfig:
         cfg.dataset.val_batch_size = 1
         cfg.model.net = "dynunet"
         cfg.model.res_block = False
+        cfg.model.transposed_bias = True
         cfg.model.in_channels = plan.get("channels", cfg.model.get("in_channels"))
         cfg.model.features = plan["features"]
         cfg.model.strides = plan["strides"]
@@ -204,6 +205,7 @@ def with_plan(cfg: DictConfig, plan: dict[str, Any]) -> DictConfig:
         cfg.model.patch_size = patch
         cfg.model.patch_sampling = "random"
         cfg.model.deep_supervision = plan["deep_supervision"]
+        cfg.model.batch_dice = bool(plan.get("batch_dice", False))
         cfg.model.pad_value = background_values(plan["normalization"])
         if cfg.model.get("regions") is None and plan.get("regions"):
             cfg.model.regions = plan["regions"]

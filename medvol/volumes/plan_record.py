@@ -68,6 +68,8 @@ class SegmentationPlan(_Strict):
     augmentation: Augmentation
     foreground_ratio: Fraction
     deep_supervision: bool
+    # Written since issue 50; a plan without it took the Dice per sample.
+    batch_dice: bool = False
     poly_power: Annotated[float, Field(gt=0, le=100, allow_inf_nan=False)]
     iterations_per_epoch: Annotated[int, Field(ge=1, le=10**7)]
     memory_budget_mib: Annotated[float, Field(gt=0, allow_inf_nan=False)]

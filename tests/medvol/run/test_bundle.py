@@ -90,7 +90,10 @@ def segmentation_run(tmp_path_factory) -> tuple[Path, Path]:
     ])
     # Keep the largest component of label 1 (TC outside ET), which the perturbed model scatters in some 50 pieces:
     # that step changes about 4% of the voxels (ET's or all foreground's would change none, one blob each).
-    (run_dir / "postprocessing.json").write_text(json.dumps({"steps": [{"name": "label 1", "values": [1]}]}))
+    # Recorded as chosen on cross-validation folds, so that it applies by default (a single split's would not).
+    (run_dir / "postprocessing.json").write_text(
+        json.dumps({"steps": [{"name": "label 1", "values": [1]}], "folds": 5})
+    )
     scans = base / "scans"
     scans.mkdir()
     for path in sorted(root.glob("*/*_flair.nii.gz"))[:2]:

@@ -94,6 +94,34 @@ def test_predict_with_the_sweep_averages_the_folds(sweep, tmp_path):
         predict(predict_cfg(f"run_dir={tmp_path}", "split=test", f"output_dir={out}"))
 
 
+def test_predict_applies_a_choice_made_on_the_folds_and_not_one_made_on_a_single_split(sweep, tmp_path):
+    """A fold run predicted alone: its own decision (chosen on its one validation fold) is written, not applied;
+    the sweep's ensemble: the decision chosen on both folds applies (nnU-Net's rule); `postprocessing=` overrides."""
+    record = {"steps": [{"name": "all foreground", "values": [1, 2]}]}
+    own = sweep / "0" / "postprocessing.json"
+    kept = own.read_text()
+    (sweep / "postprocessing.json").write_text(json.dumps({**record, "folds": 2}))
+    try:
+        own.write_text(json.dumps({**record, "folds": 1}))
+        checkpoint = fold_checkpoints(sweep)[0]
+        lines = {}
+        for name, overrides in (("single", [f"ckpt_path={checkpoint}"]), ("asked", [f"ckpt_path={checkpoint}",
+                                "postprocessing=true"]), ("folds", [f"run_dir={sweep}"]),
+                                ("off", [f"run_dir={sweep}", "postprocessing=false"])):
+            out = tmp_path / name
+            predict(predict_cfg(*overrides, "split=test", f"output_dir={out}"))
+            lines[name] = next(x for x in (out / "predict.log").read_text().splitlines() if "post-processing" in x)
+    finally:
+        own.write_text(kept)
+    assert "not applied" in lines["single"] and "all foreground" in lines["single"]
+    assert "chosen on one validation split, postprocessing=true" in lines["asked"]
+    assert "chosen on 2 cross-validation folds" in lines["folds"]
+    assert "post-processing: off" in lines["off"]
+    with pytest.raises(MedvolError, match="`postprocessing` is 'sometimes'; expected auto"):
+        predict(predict_cfg(f"run_dir={sweep}", "postprocessing=sometimes", "split=test",
+                            f"output_dir={tmp_path / 'bad'}"))
+
+
 def test_a_sweep_without_folds_is_left_alone(tmp_path):
     assert summarise_sweep(tmp_path) is None and not (tmp_path / "cross_validation.json").exists()
 
