@@ -100,10 +100,11 @@ def candidates(scheme: LabelScheme) -> tuple[tuple[int, ...], list[tuple[str, tu
 
 def label_map_dice(scheme: LabelScheme, prediction: np.ndarray, truth: np.ndarray) -> np.ndarray:
     """Dice per scored structure of two label maps; NaN for a structure absent from both (left out of the means, as
-    nnU-Net's `compute_metrics` and the training metrics)."""
+    nnU-Net's `compute_metrics` and the training metrics); voxels of the ignore label in `truth` left out."""
     scores = []
+    annotated = truth != scheme.ignore_label if scheme.ignore_label is not None else True
     for _, values in candidates(scheme)[1]:
-        predicted, expected = np.isin(prediction, values), np.isin(truth, values)
+        predicted, expected = np.isin(prediction, values) & annotated, np.isin(truth, values) & annotated
         total = int(predicted.sum()) + int(expected.sum())
         scores.append(float("nan") if total == 0 else 2.0 * int((predicted & expected).sum()) / total)
     return np.asarray(scores)

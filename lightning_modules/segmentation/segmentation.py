@@ -76,6 +76,8 @@ class Segmenter(MedvolModule):
             other convolution biases feed an instance norm, which removes them; a plan sets it).
         batch_dice: the Dice loss over the whole batch rather than per sample (nnU-Net's `batch_dice`, which its
             planner sets where it adds a low-resolution configuration; a plan sets it alike).
+        ignore_label: the label value of voxels without truth (nnU-Net's dataset.json `ignore`, above every class or
+            region value; a run takes it from the dataset): left out of the loss and of every metric, never predicted.
         feature_size: SwinUNETR embedding size (multiple of 12).
         loss: dice_ce or dice_focal.
         patch_size: training patch and sliding window; null trains on whole volumes.
@@ -114,6 +116,7 @@ class Segmenter(MedvolModule):
         res_block: bool = True,
         transposed_bias: bool = False,
         batch_dice: bool = False,
+        ignore_label: int | None = None,
         feature_size: int = 24,
         loss: str = "dice_ce",
         patch_size: Sequence[int] | None = None,
@@ -133,7 +136,7 @@ class Segmenter(MedvolModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(logger=False)
-        self.scheme = LabelScheme(num_classes, regions, threshold, class_names)
+        self.scheme = LabelScheme(num_classes, regions, threshold, class_names, ignore_label)
         self.features = [int(f) for f in features]
         self.patch_size = [int(p) for p in patch_size] if patch_size else None
         if self.patch_size is not None:
@@ -156,7 +159,7 @@ class Segmenter(MedvolModule):
         )
         self.supervision_weights = supervision_weights(len(self.features)) if deep_supervision else None
         self.pad_value = pad_value_of(pad_value)
-        self.loss = build_loss(loss, self.scheme.is_regions, batch_dice)
+        self.loss = build_loss(loss, self.scheme.is_regions, batch_dice, self.scheme.ignore_label)
         self.optimizer_factory = optimizer or (lambda params: torch.optim.Adam(params, lr=1e-3))
         self.scheduler_factory = scheduler
         # Set by the run from its validation predictions (`postprocessing.json`), or every structure by hand.
@@ -207,31 +210,44 @@ class Segmenter(MedvolModule):
                 "dataset volume size (model.patch_size is null)",
                 self.hparams.strides,
             )
-        loss = self.training_loss(self(image), self.scheme.target(label))
+        loss = self.training_loss(self(image), self.scheme.target(label), self.scheme.annotated(label))
         self.log("train/loss", loss.detach(), on_step=True, on_epoch=True, prog_bar=True, batch_size=image.shape[0])
         return loss
 
-    def training_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def training_loss(
+        self, output: torch.Tensor, target: torch.Tensor, annotated: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The loss of the full-resolution output, plus with deep supervision the weighted losses of the coarser heads,
         as nnU-Net scores them: each head at its own resolution against the target downsampled to it
-        (`nearest-exact`, batchgeneratorsv2's `DownsampleSegForDSTransform`), heads of weight 0 skipped.
+        (`nearest-exact`, batchgeneratorsv2's `DownsampleSegForDSTransform`), heads of weight 0 skipped. With an
+        ignore label, `annotated` (the voxels with a truth) is downsampled alike and the loss sees only those.
 
         DynUNet returns its heads nearest-upsampled to the patch (stacked on dim 1), where a head of 1/8 the
         resolution is scored on blocks of 8^3 voxels against the full-resolution target; nnU-Net scores it on its own
         grid. The heads at their own resolution are in `net.heads`. (Measured on BraTS-layout brains, 320 steps:
         either way the nested regions were not learned with deep supervision on; docs/BENCHMARKS.md.)"""
         if self.supervision_weights is None or output.dim() == target.dim():
-            return self.loss(output, target)
+            return self.scored_loss(output, target, annotated)
         heads = [output[:, 0], *self.net.heads]  # one per weight: zip(strict=True) below checks it
         total = output.new_zeros(())
         for weight, head in zip(self.supervision_weights, heads, strict=True):
             if weight == 0.0:
                 continue
-            scaled = target
+            scaled, mask = target, annotated
             if tuple(head.shape[2:]) != tuple(target.shape[2:]):
                 scaled = F.interpolate(target.float(), size=head.shape[2:], mode="nearest-exact").to(target.dtype)
-            total = total + weight * self.loss(head, scaled)
+                if annotated is not None:
+                    mask = F.interpolate(annotated.float(), size=head.shape[2:], mode="nearest-exact").bool()
+            total = total + weight * self.scored_loss(head, scaled, mask)
         return total
+
+    def scored_loss(self, output: torch.Tensor, target: torch.Tensor, annotated: torch.Tensor | None) -> torch.Tensor:
+        """The loss of one output; with an ignore label on the annotated voxels only."""
+        if self.scheme.ignore_label is None:
+            return self.loss(output, target)
+        if annotated is None:
+            annotated = torch.ones_like(target[:, :1], dtype=torch.bool)
+        return self.loss(output, target, annotated)
 
     def window(self, image: torch.Tensor) -> SlidingWindow:
         """Windows of the training patch (or the whole volume), overlap, Gaussian blending; windows past a small
@@ -272,8 +288,9 @@ class Segmenter(MedvolModule):
         self.scheme.check_label(label, batch.get("source_file"))
         probabilities = self.probabilities(image, tta=stage == "test" and self.tta)
         target = self.scheme.target(label).to(probabilities.device)
+        annotated = self.scheme.annotated(label.to(probabilities.device))
         loss_metric: MeanMetric = getattr(self, f"{stage}_loss")
-        loss = self.loss(self.scheme.as_logits(probabilities), target)
+        loss = self.scored_loss(self.scheme.as_logits(probabilities), target, annotated)
         loss_metric.update(loss.detach().to(self.device), weight=image.shape[0])
         if stage == "test" and on_source_grid(batch):
             outputs = self.outputs_of(batch, probabilities)
@@ -286,7 +303,7 @@ class Segmenter(MedvolModule):
                     "label": self.scheme.label_map(target_masks).to(image.device),
                 },
                 "segments": self.scheme.segments,
-                "subject_metrics": self.subject_metrics(label_map, target_masks, batch.get("affine")),
+                "subject_metrics": self.subject_metrics(label_map, target_masks, batch.get("affine"), annotated),
             }
         metrics = outputs["subject_metrics"]
         getattr(self, f"{stage}_dice").update(torch.stack([metrics[f"dice_{n}"] for n in self.scheme.names], 1))
@@ -294,11 +311,16 @@ class Segmenter(MedvolModule):
         return outputs
 
     def subject_metrics(
-        self, label_map: torch.Tensor, target_masks: torch.Tensor, affine: torch.Tensor | None
+        self, label_map: torch.Tensor, target_masks: torch.Tensor, affine: torch.Tensor | None,
+        annotated: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Dice and HD95 (mm where the grid's affine is known) per subject and scored structure."""
+        """Dice and HD95 (mm where the grid's affine is known) per subject and scored structure; with `annotated`
+        (B, 1, ...) only those voxels count in either mask (nnU-Net's `compute_metrics` with an ignore label)."""
         spacing = voxel_spacing(affine) if affine is not None else None
         masks = self.masks_of(label_map).to(target_masks.device)
+        if annotated is not None:
+            kept = annotated.to(target_masks.device)
+            masks, target_masks = masks * kept, target_masks * kept
         dice, hd95 = subject_scores(self.scheme.scored(masks), self.scheme.scored(target_masks), spacing)
         return {
             **{f"dice_{n}": dice[:, i] for i, n in enumerate(self.scheme.names)},
@@ -327,7 +349,9 @@ class Segmenter(MedvolModule):
             if label is not None:
                 target = self.scheme.target(label.to(probabilities.device))
                 target_masks = target if self.scheme.is_regions else self.scheme.one_hot(target)
-                outputs["subject_metrics"] = self.subject_metrics(label_map, target_masks, batch.get("affine"))
+                outputs["subject_metrics"] = self.subject_metrics(
+                    label_map, target_masks, batch.get("affine"), self.scheme.annotated(label.to(target.device))
+                )
                 if "reference" in extras:
                     outputs["volumes"]["reference"] = self.scheme.label_map(target_masks)
             return outputs
@@ -342,10 +366,12 @@ class Segmenter(MedvolModule):
             if "probabilities" in extras:
                 kept.append(source)
             if label is not None:
-                truth = self.source_truth(batch, i, grid)
-                references.append(truth[None])
-                target_masks = self.masks_of(truth[None, None])
-                rows.append(self.subject_metrics(label_map, target_masks, batch["source_affine"][i : i + 1]))
+                truth = self.source_truth(batch, i, grid)[None, None]
+                references.append(truth[0])
+                target_masks = self.masks_of(self.scheme.target(truth) if not self.scheme.is_regions else truth)
+                rows.append(self.subject_metrics(
+                    label_map, target_masks, batch["source_affine"][i : i + 1], self.scheme.annotated(truth)
+                ))
         outputs = {
             "volumes": {
                 "input": image, "seg": maps, **({"probabilities": kept} if kept else {}),

@@ -124,7 +124,7 @@ def validate(cfg: DictConfig, checkpoint: str, device: torch.device) -> dict[str
     fold = cfg.dataset.get("fold")
     scheme = module.scheme
     labels = {"num_classes": scheme.num_classes, "regions": scheme.regions or None, "class_names": scheme.class_names,
-              "threshold": scheme.threshold}
+              "threshold": scheme.threshold, "ignore_label": scheme.ignore_label}
     # Relative to the run, so that a moved sweep still finds it (and a record read back names nothing outside).
     write_json(out / FOLD_FILE, {
         "fold": fold, "checkpoint": os.path.relpath(Path(checkpoint).resolve(), run_dir.resolve()), "labels": labels,

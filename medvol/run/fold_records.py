@@ -45,6 +45,7 @@ class FoldLabels(_Record):
     regions: dict[str, list[Annotated[int, Field(ge=0, le=10**6)]]] | None
     class_names: list[Annotated[str, Field(max_length=256)]] | None
     threshold: Annotated[float, Field(allow_inf_nan=False)] | None
+    ignore_label: Annotated[int, Field(ge=1, le=2**16)] | None = None
 
 
 class FoldRecord(_Record):

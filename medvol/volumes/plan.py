@@ -174,10 +174,13 @@ def normalization(
     return plan
 
 
-def label_classes(fingerprint: DataFingerprint, num_classes: int | None, regions: bool) -> int | None:
+def label_classes(
+    fingerprint: DataFingerprint, num_classes: int | None, regions: bool, ignore_label: int | None = None
+) -> int | None:
     """The number of classes: `num_classes` where given (every label value must lie below it), else from the
-    label values present, which must run 0..K-1 as nnU-Net requires. None for regions."""
-    values = sorted(fingerprint.labels)
+    label values present, which must run 0..K-1 as nnU-Net requires (the ignore label is none of them). None for
+    regions."""
+    values = sorted(v for v in fingerprint.labels if v != ignore_label)
     if regions:
         return None
     if num_classes is not None:
@@ -321,6 +324,7 @@ def low_resolution_configuration(
 def make_plan(
     fingerprint: DataFingerprint, budget_mib: float, base: int, overrides: Mapping[str, Any] | None = None,
     kinds: Sequence[str] | None = None, regions: Mapping[str, Sequence[int]] | None = None,
+    ignore_label: int | None = None,
 ) -> dict[str, Any]:
     """The plan of `fingerprint` under a memory budget (MiB, nnU-Net's calibration) with `base` filters at full
     resolution.
@@ -334,6 +338,7 @@ def make_plan(
             for none, nnU-Net's `nnUNetTrainerNoDA`, batch_dice); None ignored.
         kinds: per channel mr/ct, instead of what the data suggests.
         regions: the model's regions (name -> label values), whose count sets the network's outputs.
+        ignore_label: the label value of voxels without truth (nnU-Net's `ignore`): not a class.
     """
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     spacing = [float(s) for s in given.get("spacing") or target_spacing(fingerprint.spacings, fingerprint.shapes)]
@@ -341,7 +346,7 @@ def make_plan(
     shapes = resampled_shapes(fingerprint.shapes, fingerprint.spacings, spacing)
     median = [float(m) for m in np.median(shapes, 0)]
     subjects = len(fingerprint.spacings)
-    classes = label_classes(fingerprint, given.get("num_classes"), bool(regions))
+    classes = label_classes(fingerprint, given.get("num_classes"), bool(regions), ignore_label)
     # nnU-Net counts its dataset.json labels: background and every class, or background and every region.
     outputs = len(regions) + 1 if regions else classes or 2
     fit = fitted(spacing, median, budget_mib, base, outputs, float(np.prod(median)) * subjects, given)
@@ -361,6 +366,7 @@ def make_plan(
         "channels": len(fingerprint.channels),
         "num_classes": classes,
         "labels": {str(k): int(v) for k, v in sorted(fingerprint.labels.items())},
+        "ignore_label": ignore_label,
         "augmentation": {**augmentation(fit["patch_size"], spacing), "enabled": bool(given.get("augmentation", True))},
         "foreground_ratio": float(given.get("foreground_ratio", FOREGROUND_RATIO)),
         # DynUNet supervises the decoder stages between the coarsest and the output: none with two stages.

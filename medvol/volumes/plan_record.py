@@ -65,6 +65,7 @@ class SegmentationPlan(_Strict):
     channels: Annotated[int, Field(ge=1, le=64)] | None = None
     num_classes: Annotated[int, Field(ge=2, le=1024)] | None = None
     labels: dict[Name, Count]
+    ignore_label: Annotated[int, Field(ge=1, le=2**16)] | None = None
     augmentation: Augmentation
     foreground_ratio: Fraction
     deep_supervision: bool

@@ -53,3 +53,81 @@ def test_labels_are_resampled_one_hot_linearly_as_batchgeneratorsv2_resamples_th
     # Nearest-neighbour resampling (medvol's rule before) gives another map on the same grid.
     nearest = sample(spatial["labels"].float(), "nearest").long()
     assert not torch.equal(nearest, spatial["out"]["labels"].long())
+
+
+@pytest.mark.parametrize("batch_dice", [False, True])
+def test_the_losses_with_an_ignore_label_are_nnunets(batch_dice):
+    """nnU-Net's losses with an ignore label (3): Dice and cross-entropy on the annotated voxels only; for regions its
+    binary cross-entropy summed over the regions per annotated voxel."""
+    from lightning_modules.segmentation.label_scheme import LabelScheme
+
+    logits, ignored = REFERENCE["logits"].float(), REFERENCE["ignored"]
+    losses = REFERENCE["losses"]
+    scheme = LabelScheme(num_classes=3, ignore_label=3)
+    annotated = scheme.annotated(ignored)
+    assert annotated is not None and not bool(annotated.all())
+    classes = build_loss("dice_ce", regions=False, batch_dice=batch_dice, ignore_label=3)
+    assert float(classes(logits, scheme.target(ignored), annotated)) - 1 == pytest.approx(
+        losses["classes_ignore"][str(batch_dice)], abs=1e-6)
+    regions = build_loss("dice_ce", regions=True, batch_dice=batch_dice, ignore_label=3)
+    assert float(regions(logits, region_channels(ignored), annotated)) - 1 == pytest.approx(
+        losses["regions_ignore"][str(batch_dice)], abs=1e-6)
+
+
+def test_an_ignore_label_is_left_out_of_the_metrics_and_never_predicted():
+    """A hand count: truth class 1 in a 2x2x2 cube and an ignored slab; the prediction is class 1 on the cube and on
+    the slab. nnU-Net's `compute_metrics` leaves the slab out: Dice 1 (8 of 8), where counting it would give
+    2 x 8 / (8 + 8 + 16) = 0.5."""
+    from lightning_modules.segmentation.segmentation import Segmenter
+    from medvol.core.errors import MedvolError
+
+    module = Segmenter(in_channels=1, num_classes=3, ignore_label=3, features=[4, 8], patch_size=[8, 8, 8],
+                       tta=False).eval()
+    truth = torch.zeros(1, 1, 8, 8, 8, dtype=torch.long)
+    truth[0, 0, :2, :2, :2] = 1
+    truth[0, 0, 6, :4, :4] = 3
+    predicted = torch.zeros_like(truth)
+    predicted[0, 0, :2, :2, :2] = 1
+    predicted[0, 0, 6, :4, :4] = 1
+    probabilities = F.one_hot(predicted[:, 0], 3).movedim(-1, 1).float()
+    outputs = module.outputs_of({"image": torch.zeros(1, 1, 8, 8, 8), "label": truth}, probabilities)
+    assert float(outputs["subject_metrics"]["dice_class1"][0]) == pytest.approx(1.0)
+    assert np.isnan(float(outputs["subject_metrics"]["dice_class2"][0]))
+    # The network predicts the classes only: three channels, never the ignore value.
+    assert module.scheme.out_channels == 3 and int(module.label_maps(probabilities).max()) <= 2
+    module.scheme.check_label(truth)
+    with pytest.raises(MedvolError, match="label value 4"):
+        module.scheme.check_label(truth + 1)
+    with pytest.raises(MedvolError, match="`model.ignore_label` is 2; expected a value above every class"):
+        Segmenter(in_channels=1, num_classes=3, ignore_label=2, features=[4, 8], patch_size=[8, 8, 8])
+    with pytest.raises(MedvolError, match="an ignore label needs model.loss=dice_ce"):
+        Segmenter(in_channels=1, num_classes=3, ignore_label=3, loss="dice_focal", features=[4, 8])
+    # A training step on a label map holding the ignore value: the loss of the annotated voxels.
+    module.train()
+    image = torch.randn(1, 1, 8, 8, 8)
+    loss = module.training_step({"image": image, "label": truth}, 0)
+    annotated = truth != 3
+    assert float(loss) == pytest.approx(float(module.loss(module(image), truth * annotated, annotated)))
+
+
+def test_the_spatial_augmentation_resamples_labels_one_hot_linearly_on_the_images_grid():
+    """SpatialAugmentd's label output is `one_hot_linear` (checked against batchgeneratorsv2 above) on the sampling
+    of MONAI's Affine with the drawn rotation and scale, the images' own; not its nearest neighbour."""
+    from monai.transforms import Affine
+
+    from datamodules.pipeline.augmentation import SpatialAugmentd
+
+    label = torch.zeros(1, 20, 18, 16)
+    label[0, 4:14, 5:13, 3:12] = 1
+    label[0, 7:11, 7:10, 5:9] = 2
+    spatial = SpatialAugmentd(["image"], ["label"], [16, 14, 12], 0.5, False, 2, [0.0]).set_random_state(0)
+    spatial.randomize = lambda data=None: None
+    spatial.angles, spatial.scale, spatial.transformed = [0.3, -0.2, 0.4], 1.2, True
+    out = spatial({"image": torch.randn(1, 20, 18, 16), "label": label})["label"]
+
+    def sample(volume, mode):
+        return Affine(rotate_params=[0.3, -0.2, 0.4], scale_params=[1.2] * 3, spatial_size=[16, 14, 12], mode=mode,
+                      padding_mode="zeros", image_only=True)(volume)
+
+    assert torch.equal(out.long(), one_hot_linear(label, sample))
+    assert not torch.equal(out.long(), sample(label, "nearest").round().long())
