@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/ddpm.py sampling [--size 64] [--channels 8 16]
     .venv/bin/python benchmarks/ddpm.py memory [--size 64] [--device cpu|cuda] [--precision 32|bf16-mixed]
-        [--checkpointing] [--repeats 5] [--json FILE]
+        [--checkpointing] [--low-precision-norm] [--repeats 5] [--json FILE]
     .venv/bin/python benchmarks/ddpm.py quality [--epochs 24] [--size 16] [hydra overrides ...]
 
 `sampling` times one volume through the DDIM update over Fast-DDPM's 10-step set and through
@@ -27,6 +27,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,24 +40,42 @@ sys.path.insert(0, str(ROOT))
 from lightning_modules.diffusion.fast_ddpm import ConditionalDiffusion  # noqa: E402
 
 
-def network_factory(channels: list[int], attention: list[bool], groups: int, head_channels: int):
+def network_factory(channels: list[int], attention: list[bool], groups: int, head_channels: int, fused: bool = True):
     from monai.networks.nets import DiffusionModelUNet
 
     def make(in_channels: int, out_channels: int) -> torch.nn.Module:
         return DiffusionModelUNet(
             spatial_dims=3, in_channels=in_channels, out_channels=out_channels, channels=channels,
             attention_levels=attention, num_res_blocks=1, norm_num_groups=groups, num_head_channels=head_channels,
+            use_flash_attention=fused,
         )
 
     return make
 
 
 def build_module(args: argparse.Namespace, **kwargs) -> ConditionalDiffusion:
+    """model=ddpm's module with the command's network: fused attention as model=ddpm has it (MONAI's explicit
+    attention with `--explicit-attention`), activation checkpointing with `--checkpointing`, GroupNorm in bf16 under
+    mixed precision with `--low-precision-norm` (both as experiment=fast_ddpm_brats sets them)."""
     attention = [False] * (len(args.channels) - 1) + [args.attention]
-    network = network_factory(args.channels, attention, args.groups, args.head_channels)
+    network = network_factory(args.channels, attention, args.groups, args.head_channels,
+                              not args.explicit_attention)
     return ConditionalDiffusion(
-        network, image_channels=1, cond_channels=1, activation_checkpointing=args.checkpointing, **kwargs
+        network, image_channels=1, cond_channels=1, activation_checkpointing=args.checkpointing,
+        low_precision_norm=args.low_precision_norm, **kwargs
     )
+
+
+def training_step(module: ConditionalDiffusion, optimizer: torch.optim.Optimizer, x0: torch.Tensor,
+                  cond: torch.Tensor, autocast: Callable[[], AbstractContextManager]) -> None:
+    """One Fast-DDPM training step: the diffusion loss under `autocast()`, backward, Adam, the EMA update."""
+    with autocast():
+        t = module.draw_timesteps(x0.shape[0], x0.device)
+        loss = module.diffusion_loss(module.network, x0, cond, t, torch.randn_like(x0))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    module.ema.update(module.network)
 
 
 def sampling(args: argparse.Namespace) -> None:
@@ -86,19 +107,16 @@ def memory_step(args: argparse.Namespace) -> None:
     shape = (args.batch, 1, args.size, args.size, args.size)
     x0, cond = torch.rand(shape, device=device) * 2 - 1, torch.rand(shape, device=device) * 2 - 1
     if device.type == "cuda":
+        # As hardware=gpu trains (trainer.benchmark): cuDNN picks its fastest kernels for the fixed size.
+        torch.backends.cudnn.benchmark = True
         torch.cuda.reset_peak_memory_stats()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    dtype = torch.bfloat16 if args.precision == "bf16-mixed" else torch.float32
+    bf16 = args.precision == "bf16-mixed"
+    autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=bf16)
 
     def step() -> float:
         start = time.perf_counter()
-        with torch.autocast(device.type, dtype=dtype, enabled=args.precision == "bf16-mixed"):
-            t = module.draw_timesteps(args.batch, device)
-            loss = module.diffusion_loss(module.network, x0, cond, t, torch.randn_like(x0))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        module.ema.update(module.network)
+        training_step(module, optimizer, x0, cond, autocast)
         if device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start
@@ -121,7 +139,8 @@ def memory(args: argparse.Namespace) -> None:
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     parameters = sum(p.numel() for p in build_module(args).network.parameters())
     print(f"one training step, batch {args.batch} at {args.size}^3, {args.device}, {args.precision}, "
-          f"checkpointing {args.checkpointing}, network channels {args.channels} ({parameters / 1e6:.2f} M parameters)")
+          f"checkpointing {args.checkpointing}, bf16 GroupNorm {args.low_precision_norm}, network channels "
+          f"{args.channels} ({parameters / 1e6:.2f} M parameters)")
     if "peak_gib" in figures:
         print(f"peak GPU memory: {figures['peak_gib']:.2f} GiB")
     else:
@@ -131,7 +150,8 @@ def memory(args: argparse.Namespace) -> None:
     if args.json:
         args.json.write_text(json.dumps({
             "size": args.size, "batch": args.batch, "device": args.device, "precision": args.precision,
-            "checkpointing": args.checkpointing, "channels": args.channels, "parameters": parameters, **figures,
+            "checkpointing": args.checkpointing, "low_precision_norm": args.low_precision_norm,
+            "channels": args.channels, "parameters": parameters, **figures,
         }, indent=1))
 
 
@@ -203,6 +223,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", default="32", choices=["32", "bf16-mixed"])
     parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--low-precision-norm", action="store_true", help="GroupNorm in bf16 under bf16-mixed")
+    parser.add_argument("--explicit-attention", action="store_true",
+                        help="MONAI's explicit attention matrix instead of fused attention (model=ddpm's default)")
     parser.add_argument("--repeats", type=int, default=0, help="memory: timed steps after the first (0: the first)")
     parser.add_argument("--json", type=Path, help="memory: also write the figures to this file")
     parser.add_argument("--epochs", type=int, default=24)

@@ -8,16 +8,18 @@ docs/BENCHMARKS.md that no GPU has filled yet, within 9 minutes (docs/BENCHMARKS
 The steps run in this order, each in its own process(es) with its own time limit (at the limit its whole
 process group is killed, so one hang costs that step alone), inside a budget for the whole round (`--budget`):
 
-1. tests: `pytest -m gpu`, then the fast tests of every family (tests/lightning_modules, tests/test_experiments.py)
-   with the GPU visible, on pytest-xdist workers where it is installed;
+1. tests: `pytest -m gpu`;
 2. families: each family's CPU-preset command (as its guide gives it) with `hardware=gpu
    trainer.precision=bf16-mixed test=true` for a few batches, then `predict.py` on the run's test subjects
    (the unconditional LDM: samples from noise); `--jobs` families at a time, each with its own limit;
-3. benchmarks at the seed scale, a few steps each, one at a time: the CTPA VQ-GAN's patches/s on 128^3 at batch 1
-   and 4, a Fast-DDPM step at 128^3 (memory, time), the X-ray-to-CT stages' training steps at the seed batches,
-   the CTPA LDM's training step at 64^3 and 128^3 latents and a whole 512x512x604 volume generated in 10 steps and
-   decoded, a planned BraTS segmentation step, and a whole 256^3 CT through the three X-ray-to-CT stages;
-4. environment: nvidia-smi, torch, CUDA and cuDNN, the packages' versions.
+3. benchmarks at the seed scale, a few steps each, one at a time, the issue's rows first: the CTPA LDM's training
+   step at 64^3 and 128^3 latents, a whole 512x512x604 volume generated in 10 steps and decoded, a whole 256^3 CT
+   through the three X-ray-to-CT stages, a planned BraTS segmentation step and nnU-Net's own step on the same card,
+   the CTPA VQ-GAN's patches/s on 128^3 at batch 1 and 4, a Fast-DDPM step at 128^3 (memory, time), the VQ-GAN step's
+   profile (its top kernels), and the X-ray-to-CT stages' training steps at the seed batches;
+4. the fast tests of every family (tests/lightning_modules, tests/test_experiments.py) with the GPU visible, on
+   pytest-xdist workers where it is installed;
+5. environment: nvidia-smi, torch, CUDA and cuDNN, the packages' versions.
 
 Each step leaves `<work>/steps/NN-name.log` (its output) and `NN-name.json` (its commands, exit codes, seconds,
 limit, status and figures). After every step, `<out>/steps.tar.gz` holds all of them, `<out>/summary.json` every
@@ -75,6 +77,8 @@ class Step:
     # Where the commands run (None: the round's work folder).
     cwd: Path | None = None
     record: dict[str, Any] = field(default_factory=dict)
+    # The figures the step is held to, (name, target): shown as not met when the step gives none.
+    targets: list[tuple[str, str]] = field(default_factory=list)
 
 
 # ---- the steps ----------------------------------------------------------------------------------------------------
@@ -170,44 +174,75 @@ TOY_XRAY2CT = ["model.channels=[16,16,16,16]", "model.encoder_channels=[8,8,8,8,
 
 
 def benchmark_steps(dry: bool, scratch: Path) -> list[Step]:
-    """The benchmarks: (name, script and arguments on a GPU, the dry run's instead, limit on a GPU, figures)."""
-    table: list[tuple[str, list[str], list[str], float, Callable[[Step], dict[str, Any]]]] = [
-        ("vqgan-b1", ["gpu_vqgan.py", "--batch", "1", "--steps", "10", "--warmup", "3", "--channels-last"],
-         ["gpu_vqgan.py", "--batch", "1", "--steps", "1", "--warmup", "1", "--channels-last", "--device", "cpu",
-          "--size", "32", "--precision", "32-true", *TOY_VQGAN], 60.0, vqgan_figures(25.0)),
-        ("vqgan-b4", ["gpu_vqgan.py", "--batch", "4", "--steps", "10", "--warmup", "3", "--channels-last"],
-         ["gpu_vqgan.py", "--batch", "4", "--steps", "1", "--warmup", "1", "--channels-last", "--device", "cpu",
-          "--size", "32", "--precision", "32-true", *TOY_VQGAN], 75.0, vqgan_figures(40.0)),
-        ("ddpm-seed", ["ddpm.py", "memory", "--size", "128", "--device", "cuda", "--precision", "bf16-mixed",
-                       "--checkpointing", "--channels", "32", "64", "128", "128", "--groups", "32", "--head-channels",
-                       "32", "--repeats", "5"],
-         ["ddpm.py", "memory", "--size", "16", "--device", "cpu", "--precision", "32", "--checkpointing",
-          "--channels", "8", "16", "16", "16", "--groups", "8", "--head-channels", "8", "--repeats", "1"],
-         60.0, ddpm_figures),
-        ("xray2ct-stages", ["xray2ct_memory.py", "--device", "cuda", "--reduce", "1", "--modes", "on", "--repeats", "2",
-                            "--parts", "train"],
-         ["xray2ct_memory.py", "--device", "cpu", "--reduce", "8", "--batch-divisor", "16", "--modes", "on",
-          "--repeats", "1", "--parts", "train", *TOY_XRAY2CT], 120.0, xray2ct_stage_figures),
-        ("ldm-ctpa", ["ldm.py", "--device", "cuda", "--preset", "ctpa", "--rows", "train", "generate", "--samplers",
-                      "fast_ddpm_10", "--repeats", "2"],
-         ["ldm.py", "--device", "cpu", "--preset", "cpu", "--rows", "train", "generate", "--samplers", "fast_ddpm_10",
-          "--repeats", "1"], 150.0, ldm_figures),
-        ("segmentation-planned", ["segmentation.py", "gpu", "--nets", "dynunet", "--steps", "5", "--batch", "2"],
-         ["segmentation.py", "gpu", "--nets", "dynunet", "--steps", "1", "--batch", "1", "--device", "cpu",
-          "--size", "32"], 60.0, segmentation_figures),
+    """The benchmarks, the issue's rows first (a round cut short by its budget loses the last): (name, script and
+    arguments on a GPU, the dry run's instead, limit on a GPU, figures, the targets it is held to)."""
+    table: list[tuple[str, list[str], list[str], float, Callable[[Step], dict[str, Any]], list[tuple[str, str]]]] = [
+        ("ldm-ctpa", ["ldm.py", "--device", "cuda", "--preset", "ctpa", "--rows", "train", "--repeats", "2"],
+         ["ldm.py", "--device", "cpu", "--preset", "cpu", "--rows", "train", "--repeats", "1"], 90.0, ldm_figures,
+         [("LDM training step at 128x128x128 latents (GiB)", f"<= 40 GB ({40 * GB:.1f} GiB)")]),
+        ("ldm-generate", ["ldm.py", "--device", "cuda", "--preset", "ctpa", "--rows", "generate", "--samplers",
+                          "fast_ddpm_10", "--repeats", "1"],
+         ["ldm.py", "--device", "cpu", "--preset", "cpu", "--rows", "generate", "--samplers", "fast_ddpm_10",
+          "--repeats", "1"], 100.0, ldm_figures,
+         [("LDM volume generated (10 steps) and decoded, 128x128x152 latent (s)", "<= 60")]),
         ("xray2ct-whole-ct", ["xray2ct_memory.py", "--device", "cuda", "--reduce", "1", "--parts", "whole",
                               "--steps", "10"],
          ["xray2ct_memory.py", "--device", "cpu", "--reduce", "8", "--parts", "whole", "--steps", "1",
-          "--overlap", "0", *TOY_XRAY2CT],
-         100.0, xray2ct_whole_figures),
+          "--overlap", "0", *TOY_XRAY2CT], 120.0, xray2ct_whole_figures,
+         [("X-ray-to-CT whole 256^3 CT, 10 steps a stage (s)", "<= 120")]),
+        ("segmentation-planned", ["segmentation.py", "gpu", "--nets", "dynunet", "--steps", "5", "--batch", "2"],
+         ["segmentation.py", "gpu", "--nets", "dynunet", "--steps", "1", "--batch", "1", "--device", "cpu",
+          "--size", "32"], 45.0, segmentation_figures, []),
+        ("nnunet-step", ["nnunet_plans.py", "gpu-step", "--size", "128", "--batch", "2", "--steps", "5"],
+         ["nnunet_plans.py", "gpu-step", "--size", "32", "--batch", "1", "--steps", "1", "--device", "cpu"], 45.0,
+         nnunet_figures, [("planned segmentation step / nnU-Net's, batch 2, 128^3 (time)", "<= 1")]),
+        ("vqgan-b1", ["gpu_vqgan.py", "--batch", "1", "--steps", "10", "--warmup", "3", "--channels-last"],
+         ["gpu_vqgan.py", "--batch", "1", "--steps", "1", "--warmup", "1", "--channels-last", "--device", "cpu",
+          "--size", "32", "--precision", "32-true", *TOY_VQGAN], 45.0, vqgan_figures(25.0),
+         [("CTPA VQ-GAN patches/s, 128^3, batch 1", ">= 25")]),
+        ("vqgan-b4", ["gpu_vqgan.py", "--batch", "4", "--steps", "10", "--warmup", "3", "--channels-last"],
+         ["gpu_vqgan.py", "--batch", "4", "--steps", "1", "--warmup", "1", "--channels-last", "--device", "cpu",
+          "--size", "32", "--precision", "32-true", *TOY_VQGAN], 60.0, vqgan_figures(40.0),
+         [("CTPA VQ-GAN patches/s, 128^3, batch 4", ">= 40")]),
+        ("ddpm-seed", ["ddpm.py", "memory", "--size", "128", "--device", "cuda", "--precision", "bf16-mixed",
+                       "--checkpointing", "--low-precision-norm", "--channels", "32", "64", "128", "128", "--groups",
+                       "32", "--head-channels", "32", "--repeats", "5"],
+         ["ddpm.py", "memory", "--size", "16", "--device", "cpu", "--precision", "32", "--checkpointing",
+          "--low-precision-norm", "--channels", "8", "16", "16", "16", "--groups", "8", "--head-channels", "8",
+          "--repeats", "1"],
+         60.0, ddpm_figures,
+         [("Fast-DDPM step memory, 128^3 (GiB)", f"<= 4 GB ({4 * GB:.2f} GiB)"),
+          ("Fast-DDPM step time, 128^3 (ms)", "<= 120")]),
+        ("profile-vqgan", ["profile_vqgan.py", "--batch", "1", "--steps", "3", "--warmup", "2",
+                           "model.channels_last=true"],
+         ["profile_vqgan.py", "--batch", "1", "--steps", "1", "--warmup", "1", "--device", "cpu", "--size", "32",
+          "--precision", "32-true", *TOY_VQGAN], 45.0, profile_figures, []),
+        ("xray2ct-stages", ["xray2ct_memory.py", "--device", "cuda", "--reduce", "1", "--modes", "on", "--repeats", "2",
+                            "--parts", "train"],
+         ["xray2ct_memory.py", "--device", "cpu", "--reduce", "8", "--batch-divisor", "16", "--modes", "on",
+          "--repeats", "1", "--parts", "train", *TOY_XRAY2CT], 110.0, xray2ct_stage_figures,
+         [(f"X-ray-to-CT stage {k} training step, batch {b} (GiB)", f"<= 40 GB ({40 * GB:.1f} GiB)")
+          for k, b in ((1, 16), (2, 8), (3, 4))]),
     ]
     steps = []
-    for name, gpu, toy, limit, figures in table:
+    for name, gpu, toy, limit, figures, targets in table:
+        if name == "nnunet-step" and dry and not Path(nnunet_python(dry)).is_file():
+            # A machine without nnU-Net's venv (a fresh clone's CI) dry-runs every other step.
+            continue
         output = scratch / f"{name}.json"
         arguments = toy if dry else gpu
-        command = [PY, str(ROOT / "benchmarks" / arguments[0]), *arguments[1:], "--json", str(output)]
-        steps.append(Step(name, "benchmarks", [command], DRY_LIMIT if dry else limit, figures, output))
+        python = nnunet_python(dry) if name == "nnunet-step" else PY
+        command = [python, str(ROOT / "benchmarks" / arguments[0]), *arguments[1:], "--json", str(output)]
+        step = Step(name, "benchmarks", [command], DRY_LIMIT if dry else limit, figures, output)
+        step.targets = targets
+        steps.append(step)
     return steps
+
+
+def nnunet_python(dry: bool) -> str:
+    """The Python that runs nnU-Net's step: on the GPU this one (the round's wheels bring nnU-Net's packages); in a dry
+    run nnU-Net's own venv (`NNUNET_PYTHON`, benchmarks/nnunet_plans.py), whose torch never enters the project's."""
+    return os.environ.get("NNUNET_PYTHON", "/work/nnunet-venv/bin/python") if dry else PY
 
 
 def all_steps(dry: bool, work: Path) -> list[Step]:
@@ -217,11 +252,12 @@ def all_steps(dry: bool, work: Path) -> list[Step]:
     steps = [
         Step("tests-gpu", "tests", [[*pytest, "-m", "gpu", "tests/test_gpu.py"]], DRY_LIMIT if dry else 60.0,
              pytest_figures, cwd=ROOT),
-        # The dry run collects the family tests (the fast suite runs them on the CPU anyway).
-        Step("tests-families", "tests", [[*pytest, *workers, *(["--collect-only"] if dry else []), *family_tests]],
-             DRY_LIMIT if dry else 120.0, pytest_figures, cwd=ROOT),
         *family_steps(dry, work),
         *benchmark_steps(dry, work / "scratch"),
+        # After the figures (a round cut short by its budget loses the last step): the fast suite runs these on the
+        # CPU anyway. The dry run collects them.
+        Step("tests-families", "tests", [[*pytest, *workers, *(["--collect-only"] if dry else []), *family_tests]],
+             DRY_LIMIT if dry else 120.0, pytest_figures, cwd=ROOT),
         Step("environment", "environment", [[PY, str(Path(__file__).resolve()), "--environment"]], ENVIRONMENT_LIMIT,
              environment_figures),
     ]
@@ -363,6 +399,25 @@ def segmentation_figures(step: Step) -> dict[str, Any]:
     return read_output(step)
 
 
+def nnunet_figures(step: Step) -> dict[str, Any]:
+    """nnU-Net's step, and medvol's planned step (the `segmentation-planned` step's figures, on the same card) against
+    it: "no slower than nnU-Net per step"."""
+    data = read_output(step)
+    assert step.output is not None
+    medvol = step.output.with_name("segmentation-planned.json")
+    if not data or not medvol.is_file():
+        return data
+    ours = json.loads(medvol.read_text())["rows"][0]["step_ms"]
+    ratio = ours / data["step_ms"]
+    data["checks"] = [check(f"planned segmentation step / nnU-Net's, batch {data['batch']}, {data['size']}^3 (time)",
+                            ratio, "<= 1", ratio <= 1.0, data["device"])]
+    return data
+
+
+def profile_figures(step: Step) -> dict[str, Any]:
+    return read_output(step)
+
+
 def environment_figures(step: Step) -> dict[str, Any]:
     text = Path(step.record["log"]).read_text(errors="replace")
     lines = [line for line in text.splitlines() if line.startswith("{")]
@@ -432,7 +487,8 @@ class Round:
         stem = f"{index:02d}-{step.name}"
         log = self.folder / f"{stem}.log"
         step.record = {"step": step.name, "phase": step.phase, "limit_s": step.limit, "log": str(log),
-                       "commands": [subprocess.list2cmdline(c) for c in step.commands], "exit_codes": []}
+                       "commands": [subprocess.list2cmdline(c) for c in step.commands], "exit_codes": [],
+                       "targets": step.targets}
         began = time.monotonic()
         with log.open("w") as handle:
             for command in step.commands:
@@ -552,6 +608,8 @@ def brief(step: Step) -> str:
         return f"{figures['device']}, torch {figures['versions'].get('torch')}, CUDA {figures.get('torch_cuda')}"
     if "rows" in figures:
         return "; ".join(f"{r.get('net')}: {r.get('step_ms', 0):.0f} ms a step" for r in figures["rows"])
+    if "top" in figures:
+        return "; ".join(f"{k['name'][:40]} {k['share']:.0%}" for k in figures["top"][:3])
     return figures.get("error", "")
 
 
@@ -569,7 +627,10 @@ def markdown(summary: dict[str, Any]) -> str:
              f"commit {summary['commit']}", "",
              "| figure | target | value | met |", "|---|---|---|---|"]
     for record in summary["steps"]:
-        for c in (record.get("figures") or {}).get("checks", []):
+        # A step that gave no figures (timed out, failed, skipped) misses its targets: listed, not met.
+        missing = [{"figure": name, "target": target, "value": None, "met": None if summary["dry_run"] else False}
+                   for name, target in record.get("targets", [])]
+        for c in (record.get("figures") or {}).get("checks") or missing:
             met = "-" if c["met"] is None else "yes" if c["met"] else "**no**"
             lines.append(f"| {c['figure']} | {c['target']} | {value(c['value'])} | {met} |")
     lines += ["", "| step | status | seconds | limit | figures |", "|---|---|---|---|---|"]

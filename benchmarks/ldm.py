@@ -7,7 +7,8 @@ memory do not depend on them), the denoiser the preset's UNet:
 - `ctpa` (experiment=ctpa_ldm): the same VQ-GAN (the CTPA seed's), UNet 128/256/512, 2 res blocks,
   attention at the coarsest level; training on 64^3 latents (256^3 crops), generation of a whole
   512x512x604 volume (a 128x128x152 latent, sampled by 64^3 Gaussian-blended windows, decoded by
-  depth slabs of 2^26 values, each layer's whole activation kept on the CPU on a GPU: `decode_offload`).
+  depth slabs of 2^26 values, each layer's whole activation in pinned host memory only where the GPU's free memory is
+  short of it: `decode_offload` null).
 
 Rows: `train` (encode the batch, the diffusion loss, backward, an Adam step; batch 1), `generate`
 (the sampler's walk from noise to a latent and its decoding: Fast-DDPM's 10-step DDIM set, DDIM
@@ -48,10 +49,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
 
@@ -72,6 +76,7 @@ PRESETS = {
         "generate": [8, 8, 8],
         "decode": [32, 32, 32],
         "window": None,
+        "checkpointing": False,
     },
     "ctpa": {
         "network": {"channels": [128, 256, 512], "attention_levels": [False, False, True], "num_res_blocks": 2,
@@ -80,6 +85,7 @@ PRESETS = {
         "generate": [128, 128, 152],
         "decode": [128, 128, 152],
         "window": [64, 64, 64],
+        "checkpointing": True,
     },
 }
 SAMPLERS = {"fast_ddpm_10": {"sampler": "ddim", "timesteps": 10, "timestep_spacing": "non_uniform"},
@@ -88,9 +94,15 @@ SAMPLERS = {"fast_ddpm_10": {"sampler": "ddim", "timesteps": 10, "timestep_spaci
 SLAB_ELEMENTS = 2**26
 
 
-def build(preset: str, device: torch.device, **settings) -> LatentDiffusion:
-    network = partial(DiffusionModelUNet, spatial_dims=3, **PRESETS[preset]["network"])
-    module = LatentDiffusion(network, first_stage_settings=FIRST_STAGE, ema_decay=None, **settings).to(device)
+def build(preset: str, device: torch.device, fused: bool = True, checkpointing: bool | None = None,
+          **settings) -> LatentDiffusion:
+    """The preset's latent model with random weights: fused attention (MONAI's explicit attention matrix with
+    `fused=False`) and the preset's activation checkpointing unless `checkpointing` says otherwise."""
+    network = partial(DiffusionModelUNet, spatial_dims=3, use_flash_attention=fused, **PRESETS[preset]["network"])
+    if checkpointing is None:
+        checkpointing = PRESETS[preset]["checkpointing"]
+    module = LatentDiffusion(network, first_stage_settings=FIRST_STAGE, ema_decay=None,
+                             activation_checkpointing=checkpointing, **settings).to(device)
     module.scale_factor.fill_(1.0)
     return module
 
@@ -114,23 +126,31 @@ def autocast(device: torch.device) -> torch.autocast:
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
-def train_row(preset: str, latent: list[int], device: torch.device, repeats: int) -> dict:
-    module = build(preset, device)
+def training_step(module: LatentDiffusion, optimizer: torch.optim.Optimizer, images: torch.Tensor,
+                  autocast: Callable[[], AbstractContextManager]) -> None:
+    """One training step as `LatentDiffusion.training_step` takes it (encode, the diffusion loss), then backward and
+    an Adam step; the forward under `autocast()`."""
+    with autocast():
+        z0 = module.latents(images)
+        t = module.draw_timesteps(1, images.device)
+        output, target, _ = module.training_prediction(module.network, z0, t, module.noise_like(z0),
+                                                       module.conditioning(None, None))
+        loss = module.regression_loss(output, target)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def train_row(preset: str, latent: list[int], device: torch.device, repeats: int, fused: bool = True,
+              checkpointing: bool | None = None) -> dict:
+    module = build(preset, device, fused, checkpointing)
     optimizer = torch.optim.Adam(module.network.parameters(), lr=1e-4)
     images = torch.randn(1, 1, *[4 * s for s in latent], device=device)
     start = peak_start(device)
     times = []
     for _ in range(repeats + 1):
         began = time.perf_counter()
-        with autocast(device):
-            z0 = module.latents(images)
-            t = module.draw_timesteps(1, device)
-            output, target, _ = module.training_prediction(module.network, z0, t, module.noise_like(z0),
-                                                           module.conditioning(None, None))
-            loss = module.regression_loss(output, target)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        training_step(module, optimizer, images, partial(autocast, device))
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - began)
@@ -138,26 +158,35 @@ def train_row(preset: str, latent: list[int], device: torch.device, repeats: int
 
 
 def generate_row(preset: str, sampler: str, device: torch.device) -> dict:
+    """A whole volume from noise: the sampler's walk by the preset's windows, then the decoding by depth slabs, each
+    logged as it goes (the steps and their windows, the decoder's parts and slabs); the decoder's whole activations
+    stay on the GPU unless its free memory is short of them (`model.decode_offload` null)."""
+    logging.basicConfig(level=logging.INFO, format="[%(relativeCreated)7.0f ms] %(message)s", stream=sys.stdout)
     module = build(preset, device, sampling_window=PRESETS[preset]["window"], decode_slab_elements=SLAB_ELEMENTS,
-                   decode_offload=device.type == "cuda", **SAMPLERS[sampler])
+                   **SAMPLERS[sampler])
     module.eval()
+    module.progress = True
     z_T = torch.randn(1, FIRST_STAGE["embedding_dim"], *PRESETS[preset]["generate"], device=device)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
     start = peak_start(device)
     began = time.perf_counter()
     with torch.no_grad(), autocast(device):
         latent = module.sample(z_T)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         sampled = time.perf_counter()
+        offload = module.decode_offload(latent, SLAB_ELEMENTS)
         module.images(latent)
     if device.type == "cuda":
         torch.cuda.synchronize()
     end = time.perf_counter()
     return {"sample_s": sampled - began, "decode_s": end - sampled, "total_s": end - began,
-            "peak_gib": peak_gib(device, start)}
+            "peak_gib": peak_gib(device, start), "decode_offloaded": offload}
 
 
 def decode_row(preset: str, slabs: bool, device: torch.device) -> dict:
-    module = build(preset, device, decode_slab_elements=SLAB_ELEMENTS if slabs else None,
-                   decode_offload=slabs and device.type == "cuda")
+    module = build(preset, device, decode_slab_elements=SLAB_ELEMENTS if slabs else None)
     latent = torch.randn(1, FIRST_STAGE["embedding_dim"], *PRESETS[preset]["decode"], device=device)
     start = peak_start(device)
     began = time.perf_counter()
@@ -425,12 +454,21 @@ def main() -> None:
 
 
 def run_one(args: argparse.Namespace, row: str) -> dict:
-    """One row in a fresh process (its peak memory its own): its figures, or the error it ended with."""
+    """One row in a fresh process (its peak memory its own): its figures, or the error it ended with; its progress
+    lines pass through as they come."""
     command = [sys.executable, __file__, "--one", row, "--device", args.device, "--preset", args.preset,
                "--repeats", str(args.repeats)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else {
-        "error": (done.stderr.strip().splitlines() or ["failed"])[-1][:120]}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stderr is not None
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if not line.startswith("{"):
+            print(line, end="", flush=True)
+    errors = process.stderr.read().strip().splitlines()
+    if process.wait() != 0 or not lines:
+        return {"error": (errors or ["failed"])[-1][:120]}
+    return json.loads(lines[-1])
 
 
 def pairs(result: dict) -> str:

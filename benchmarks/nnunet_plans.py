@@ -36,6 +36,10 @@ padding label -1 turned into 0 as its `RemoveLabelTansform` does), the predictor
 (`_internal_maybe_mirror_and_predict`) and the separate-z resampling of logits onto a finer grid
 (`resample_data_or_seg_to_shape` as its plans' `resampling_fn_probabilities`).
 
+`gpu-step` (nnU-Net's packages: its venv, or on the GPU the round's wheels) times nnU-Net's own training step at its
+BraTS plan (128^3, batch 2, bf16) on the card `benchmarks/segmentation.py gpu` times medvol's planned step on
+(`benchmarks/gpu_round.py`'s `nnunet-step`).
+
 `compare` (project venv; calls the nnU-Net venv for nnU-Net's side) writes four datasets as files (BraTS layout on
 the MNI152 brain at 4 mm and 2 mm, the same brains at 0.9x0.9x4 mm thick slices, and CT phantoms at 0.7x0.7x2.5
 mm with one lesion-free subject), runs nnU-Net's fingerprint extraction and planner on them
@@ -588,6 +592,77 @@ def rules(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}")
 
 
+def brats_architecture(size: int) -> dict[str, Any]:
+    """nnU-Net's 3d_fullres network for BraTS at 1 mm on a size^3 patch: its pooling and kernels
+    (`get_pool_and_conv_props`), 32 filters doubling to 320 a stage, two convolutions a stage, instance norm, leaky
+    ReLU (what `nnUNetv2_plan_and_preprocess` writes for BraTS; `benchmarks/segmentation.py gpu`'s DynUNet is
+    medvol's plan of the same)."""
+    from nnunetv2.experiment_planning.experiment_planners.network_topology import get_pool_and_conv_props
+
+    _, strides, kernels, _, _ = get_pool_and_conv_props([1.0, 1.0, 1.0], [size] * 3, 4, 999999)
+    stages = len(strides)
+    return {"network_class_name": "dynamic_network_architectures.architectures.unet.PlainConvUNet",
+            "_kw_requires_import": ["conv_op", "norm_op", "dropout_op", "nonlin"], "arch_kwargs": {
+                "n_stages": stages, "features_per_stage": [min(32 * 2**i, 320) for i in range(stages)],
+                "conv_op": "torch.nn.modules.conv.Conv3d", "kernel_sizes": [list(k) for k in kernels],
+                "strides": [list(s) for s in strides], "n_conv_per_stage": [2] * stages,
+                "n_conv_per_stage_decoder": [2] * (stages - 1), "conv_bias": True,
+                "norm_op": "torch.nn.modules.instancenorm.InstanceNorm3d",
+                "norm_op_kwargs": {"eps": 1e-5, "affine": True}, "dropout_op": None, "dropout_op_kwargs": None,
+                "nonlin": "torch.nn.LeakyReLU", "nonlin_kwargs": {"inplace": True}}}
+
+
+def gpu_step(args: argparse.Namespace) -> None:
+    """nnU-Net's own training step at its BraTS plan, timed as `benchmarks/segmentation.py gpu` times medvol's: the
+    PlainConvUNet and deep-supervision loss of `nnunet_network_and_loss`, 4 channels, 3 regions, on one fixed batch
+    (its targets pooled to every head by nearest-neighbour striding, as nnU-Net's loader pools them before the step),
+    `nnUNetTrainer.train_step`'s backward, clip_grad_norm_(12) and SGD (Nesterov 0.99, 1e-2), bf16 autocast on a
+    GPU, cuDNN benchmarking on as nnU-Net sets it; the median of `--steps` steps after 3."""
+    import statistics
+    import time
+
+    import torch
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    torch.backends.cudnn.benchmark = cuda
+    torch.manual_seed(0)
+    architecture = brats_architecture(args.size)
+    net, loss, scales = nnunet_network_and_loss(architecture, 4, batch_dice=True)
+    net = net.to(device)
+    optimizer = torch.optim.SGD(net.parameters(), 1e-2, momentum=0.99, nesterov=True, weight_decay=3e-5)
+    image = torch.randn(args.batch, 4, *[args.size] * 3, device=device)
+    regions = torch.from_numpy(nested_regions(args.batch, [args.size] * 3)).to(device)
+    targets = [regions[:, :, ::round(1 / s[0]), ::round(1 / s[1]), ::round(1 / s[2])].float() for s in scales]
+
+    def train_step() -> float:
+        began = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            value = loss(net(image), targets)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 12)
+        optimizer.step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - began
+
+    warmup = 3 if cuda else 1
+    for _ in range(warmup):
+        train_step()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds = statistics.median(train_step() for _ in range(args.steps))
+    result = {"net": "nnU-Net PlainConvUNet", "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+              "batch": args.batch, "size": args.size, "features": architecture["arch_kwargs"]["features_per_stage"],
+              "parameters_m": sum(p.numel() for p in net.parameters()) / 1e6, "step_ms": seconds * 1000,
+              "samples_per_s": args.batch / seconds,
+              "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None}
+    print(json.dumps(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
 # ---- compare: both planners on the same files (item 7) --------------------------------------------------------------
 
 COMPARED = {
@@ -759,6 +834,12 @@ def main() -> None:
     one.add_argument("--out", default=str(ROOT / "tests" / "data" / "nnunet_step.pt"))
     recorded = sub.add_parser("rules")
     recorded.add_argument("--out", default=str(ROOT / "tests" / "data" / "nnunet_rules.pt"))
+    gpu = sub.add_parser("gpu-step", help="nnU-Net's training step at its BraTS plan, timed (benchmarks/gpu_round.py)")
+    gpu.add_argument("--size", type=int, default=128)
+    gpu.add_argument("--batch", type=int, default=2)
+    gpu.add_argument("--steps", type=int, default=5)
+    gpu.add_argument("--device", default="cuda")
+    gpu.add_argument("--json", help="also write the figures to this file")
     raw = sub.add_parser("plan-raw")
     raw.add_argument("--raw", required=True)
     raw.add_argument("--preprocessed", required=True)
@@ -772,6 +853,8 @@ def main() -> None:
         rules(args)
     elif args.task == "compare":
         compare(args)
+    elif args.task == "gpu-step":
+        gpu_step(args)
     else:
         plan_raw(args)
 

@@ -115,16 +115,16 @@ def medvol_run(args: argparse.Namespace) -> tuple[float, float]:
 def gan_step(
     model: Any, opt_ae: torch.optim.Optimizer, opt_disc: torch.optim.Optimizer, x: torch.Tensor, gan_on: bool = True
 ) -> None:
-    """One VQ-GAN training step written by hand: the model's losses, the generator's update, then the
-    discriminators'."""
+    """One VQ-GAN training step written by hand, in `VQGAN.training_step`'s order: the model's losses, the
+    discriminators' update (their weights' gradients alone), then the generator's."""
     step = model.gan_losses(x, gan_on)
+    if step.discriminator_loss is not None:
+        step.discriminator_loss.backward(inputs=model.discriminator_parameters())
+        opt_disc.step()
+        opt_disc.zero_grad(set_to_none=True)
     step.generator_objective.backward()
     opt_ae.step()
     opt_ae.zero_grad(set_to_none=True)
-    if step.discriminator_loss is not None:
-        step.discriminator_loss.backward()
-        opt_disc.step()
-        opt_disc.zero_grad(set_to_none=True)
 
 
 def hand_worker(args: argparse.Namespace, out: Path) -> None:

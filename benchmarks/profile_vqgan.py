@@ -1,7 +1,8 @@
 """Where one CTPA VQ-GAN training step spends its time: a torch.profiler trace, summed by part.
 
     .venv/bin/python benchmarks/profile_vqgan.py [--size 128] [--batch 1] [--steps 3] [--warmup 1]
-        [--device cuda|cpu] [--precision bf16-mixed|32-true] [--trace trace.json] [hydra overrides ...]
+        [--device cuda|cpu] [--precision bf16-mixed|32-true] [--trace trace.json] [--json parts.json]
+        [hydra overrides ...]
 
 The model is `experiment=ctpa_vqgan`'s (16384 codes, downsample 4, 64-channel discriminators),
 built as `benchmarks/gpu_vqgan.py` builds it, with the discriminators on. Each profiled step is
@@ -14,12 +15,14 @@ on the CPU; on a GPU the CUDA kernel time too) and how often it ran per step; "l
 is `gan_losses` minus the networks' forward passes (the loss arithmetic and the gradient
 through the discriminators). On a GPU the host syncs (device-to-host copies and stream or
 device synchronisations) and kernel launches per step are counted as well: launches that
-the GPU outruns are the launch overhead `torch.compile` removes.
+the GPU outruns are the launch overhead `torch.compile` removes. `--json FILE` writes the parts and the top ops by
+their own time (on a GPU: the CUDA kernels'), per step and as a share of the whole (benchmarks/gpu_round.py keeps it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import defaultdict
 from contextlib import nullcontext
@@ -35,7 +38,9 @@ if str(ROOT) not in sys.path:
 from benchmarks.gpu_vqgan import build_model  # noqa: E402 - after the path set-up for direct runs
 
 NETWORKS = ("encoder", "codebook", "decoder", "image_discriminator", "video_discriminator")
-PHASES = ("losses", "generator backward", "generator Adam step", "discriminator backward", "discriminator Adam step")
+PHASES = ("losses", "discriminator backward", "discriminator Adam step", "generator backward", "generator Adam step")
+# Kernels (or, on the CPU, ops) listed by their own time in `--json`.
+TOP = 15
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::_local_scalar_dense")
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
 
@@ -58,19 +63,19 @@ def mark_forward_passes(model: torch.nn.Module) -> None:
 
 
 def profiled_step(model, opt_ae: torch.optim.Optimizer, opt_disc: torch.optim.Optimizer, x: torch.Tensor) -> None:
-    """`benchmarks.overhead.gan_step`, each phase in its own profiler range."""
+    """`benchmarks.overhead.gan_step` (`VQGAN.training_step`'s order), each phase in its own profiler range."""
     with record_function("losses"):
         step = model.gan_losses(x, True)
+    with record_function("discriminator backward"):
+        step.discriminator_loss.backward(inputs=model.discriminator_parameters())
+    with record_function("discriminator Adam step"):
+        opt_disc.step()
+        opt_disc.zero_grad(set_to_none=True)
     with record_function("generator backward"):
         step.generator_objective.backward()
     with record_function("generator Adam step"):
         opt_ae.step()
         opt_ae.zero_grad(set_to_none=True)
-    with record_function("discriminator backward"):
-        step.discriminator_loss.backward()
-    with record_function("discriminator Adam step"):
-        opt_disc.step()
-        opt_disc.zero_grad(set_to_none=True)
 
 
 def main() -> None:
@@ -82,11 +87,15 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--precision", choices=["bf16-mixed", "32-true"], default="bf16-mixed")
     parser.add_argument("--trace", help="also write the Chrome trace here")
+    parser.add_argument("--json", type=Path, help="also write the parts and the top kernels by own time here")
     args, overrides = parser.parse_known_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: pass --device cpu")
     torch.manual_seed(0)
+    if device.type == "cuda":
+        # As hardware=gpu trains (trainer.benchmark): cuDNN picks its fastest kernels for the fixed patch.
+        torch.backends.cudnn.benchmark = True
     model = build_model(overrides).to(device).train()
     model.accelerate(device)
     mark_forward_passes(model)
@@ -120,8 +129,10 @@ def main() -> None:
           f"overrides: {overrides or 'none'}\n")
     print("| part | CPU ms/step | CUDA ms/step | calls/step |\n|---|---|---|---|")
     forward = defaultdict(float)
+    parts = {}
     for name in PHASES:
         cpu, gpu, count = times(name)
+        parts[name] = {"cpu_ms": cpu, "cuda_ms": gpu}
         print(f"| {name} | {cpu:.1f} | {gpu:.1f} | {count / args.steps:g} |")
         if name == "losses":
             for network in NETWORKS:
@@ -137,6 +148,19 @@ def main() -> None:
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
     print("\nTop ops by self time (all profiled steps):\n")
     print(prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=40))
+    if args.json:
+        # The ops and kernels themselves, not this script's ranges around them.
+        ranges = {*PHASES, *(f"forward {name}" for name in NETWORKS)}
+        events = sorted((e for e in prof.key_averages() if e.key not in ranges), key=lambda e: getattr(e, sort),
+                        reverse=True)
+        total = sum(getattr(e, sort) for e in events) or 1.0
+        top = [{"name": e.key, "ms_per_step": getattr(e, sort) / 1e3 / args.steps, "share": getattr(e, sort) / total,
+                "calls_per_step": e.count / args.steps} for e in events[:TOP]]
+        args.json.write_text(json.dumps({
+            "device": torch.cuda.get_device_name(device) if cuda else "cpu", "batch": args.batch, "size": args.size,
+            "precision": args.precision, "steps": args.steps, "time": "CUDA kernels' own" if cuda else "ops' own CPU",
+            "parts": parts, "top": top,
+        }, indent=1))
 
 
 if __name__ == "__main__":

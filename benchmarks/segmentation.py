@@ -160,16 +160,28 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def train_steps(module, optimizer, image, target, steps: int) -> None:  # noqa: ANN001 - torch is imported lazily
-    """`steps` training steps of the segmentation network on one fixed batch (bf16 autocast on a GPU)."""
+def train_steps(module, optimizer, image, target, steps: int, autocast=None) -> None:  # noqa: ANN001 - lazy torch
+    """`steps` training steps of the segmentation network on one fixed batch, the forward under `autocast()` (default:
+    bf16 autocast on a GPU, none on the CPU)."""
     import torch
 
+    if autocast is None:
+        autocast = partial(torch.autocast, image.device.type, dtype=torch.bfloat16,
+                           enabled=image.device.type == "cuda")
     for _ in range(steps):
-        with torch.autocast(image.device.type, dtype=torch.bfloat16, enabled=image.device.type == "cuda"):
+        with autocast():
             loss = module.training_loss(module(image), target)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+
+
+def planned_segmenter(net: str, size: int):  # noqa: ANN201 - torch is imported lazily
+    """The BraTS segmenter of `net` for size^3 patches of 4 channels and 3 regions (`network_settings`)."""
+    from lightning_modules.segmentation.segmentation import Segmenter
+
+    return Segmenter(in_channels=4, regions={"WT": [1, 2, 3], "TC": [1, 3], "ET": [3]}, patch_size=[size] * 3,
+                     **network_settings(net, size))
 
 
 def network_settings(net: str, size: int) -> dict[str, Any]:
@@ -196,8 +208,6 @@ def network_settings(net: str, size: int) -> dict[str, Any]:
 def gpu(args: argparse.Namespace) -> None:
     import torch
 
-    from lightning_modules.segmentation.segmentation import Segmenter
-
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if cuda and not torch.cuda.is_available():
@@ -210,13 +220,13 @@ def gpu(args: argparse.Namespace) -> None:
     for net in args.nets:
         torch.manual_seed(0)
         settings = network_settings(net, args.size)
-        module = Segmenter(
-            in_channels=4, regions={"WT": [1, 2, 3], "TC": [1, 3], "ET": [3]}, patch_size=[args.size] * 3, **settings
-        ).to(device)
+        module = planned_segmenter(net, args.size).to(device)
         optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
         image = torch.randn(args.batch, 4, *[args.size] * 3, device=device)
         target = (torch.rand(args.batch, 3, *[args.size] * 3, device=device) > 0.9).to(torch.uint8)
         if cuda:
+            # As hardware=gpu trains (trainer.benchmark): cuDNN picks its fastest kernels for the fixed patch.
+            torch.backends.cudnn.benchmark = True
             torch.cuda.reset_peak_memory_stats()
         train_steps(module, optimizer, image, target, 3 if cuda else 1)
         if cuda:

@@ -10,6 +10,10 @@ k's grid. PSNR/SSIM over the cube and, over the body (true CT > -500 HU), PSNR, 
 HU, all on one HU scale (`COMMON_WINDOW`), so runs with other CT windows compare.
 
     python benchmarks/xray2ct_cascade.py [--out DIR] [extra train.py overrides ...]
+    python benchmarks/xray2ct_cascade.py --out DIR --report-only --overlaps 0 0.25 0.5 0.75   # the windows' overlap
+
+`--overlaps` then generates the last stage's test CTs through the whole cascade once per overlap of the sampling
+windows (every windowed stage's), and prints the windows a step, the CPU time (one thread) and the figures of each.
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ sys.path.insert(0, str(ROOT))
 
 import medvol.run.resolvers  # noqa: E402, F401 - the stage configs use medvol's resolvers
 from lightning_modules.xray2ct.body_metrics import BodyMAE, BodyPSNR, BodySSIM, to_hounsfield  # noqa: E402
-from lightning_modules.xray2ct.module import XrayToCT  # noqa: E402
+from lightning_modules.xray2ct.module import XrayToCT, as_size  # noqa: E402
+from lightning_modules.xray2ct.stage_settings import window_of  # noqa: E402
 from medvol.core.build import build  # noqa: E402
 from medvol.volumes.intensity import scale_to_range  # noqa: E402
 from medvol.volumes.projection import back_project, voxel_spacing  # noqa: E402
+from medvol.volumes.sliding_window import SlidingWindow  # noqa: E402
 
 # Every figure is taken on one HU scale, whatever window a run mapped onto [-1, 1], so runs with other windows
 # compare: the 12-bit CT range (PSNR's peak and SSIM's data range are its width, 4095 HU).
@@ -97,10 +103,48 @@ def stage_figures(stage_dir: Path) -> dict[str, Any]:
             "identity": identity, "floor": floor}
 
 
+def overlap_sweep(stage_dir: Path, overlaps: list[float], repeats: int) -> None:
+    """The last stage's test CTs generated through the whole cascade with sampling windows overlapping each of
+    `overlaps`: windows a step at each windowed stage, CPU seconds (one thread; the least of `repeats` runs) and the
+    figures against the true CTs."""
+    torch.set_num_threads(1)
+    cfg, batch = test_batch(stage_dir)
+    window = tuple(float(v) for v in cfg.model.window)
+    target = common_units(batch["image"], window)
+    module = XrayToCT.load_from_checkpoint(stage_dir / "best.ckpt", map_location="cpu", weights_only=True).eval()
+    sizes = [as_size(s["size"]) for s in module.previous_settings] + [list(target.shape[2:])]
+    windows = [window_of(s) for s in module.previous_settings] + [window_of(dict(module.hparams))]
+    subjects = [str(s) for s in batch["subject"]]
+    print(f"\n{len(subjects)} test subjects through stages {' -> '.join('x'.join(map(str, s)) for s in sizes)}, "
+          f"windows {' / '.join('x'.join(map(str, w)) for w in windows)}, {len(module.sampling_timesteps)} steps a "
+          "stage, one thread; figures on one HU scale as above\n")
+    print("| overlap | windows a step (each stage) | CPU seconds | PSNR | SSIM | body PSNR | body SSIM "
+          "| body MAE (HU) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for overlap in overlaps:
+        module.sampling_window_overlap = overlap
+        counts = [SlidingWindow.of(w, overlap=overlap).windows([1, 1, *s]) for s, w in zip(sizes, windows,
+                                                                                             strict=True)]
+        seconds = []
+        for _ in range(repeats):
+            # CPU time of the one thread: the work, whatever else the machine runs meanwhile.
+            start = time.process_time()
+            with torch.no_grad():
+                generated = module.generate(batch["xray"], list(target.shape[2:]), subjects)["ct"]
+            seconds.append(time.process_time() - start)
+        found = figures(common_units(generated, window), target)
+        print(f"| {overlap} | {' / '.join(map(str, counts))} | {min(seconds):.1f} | {found['psnr']:.3f} | "
+              f"{found['ssim']:.4f} | {found['body_psnr']:.3f} | {found['body_ssim']:.4f} | {found['mae']:.1f} |",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "outputs" / "benchmarks" / "xray2ct_cascade"))
     parser.add_argument("--report-only", action="store_true", help="only read an earlier run in --out")
+    parser.add_argument("--overlaps", type=float, nargs="+", help="then the last stage's test CTs at these window "
+                        "overlaps: windows, time and figures (the X-ray-to-CT preset's overlap)")
+    parser.add_argument("--repeats", type=int, default=2, help="--overlaps: timed runs each (the least counts)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     out = Path(args.out)
@@ -136,6 +180,8 @@ def main() -> None:
             f"| {cells('body_ssim', 3)} "
             f"| {cells('mae', 0)} |"
         )
+    if args.overlaps:
+        overlap_sweep(sorted(out.glob("stage*"))[-1], args.overlaps, args.repeats)
 
 if __name__ == "__main__":
     main()

@@ -43,12 +43,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import resource
 import subprocess
 import sys
-import tempfile
 import time
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +62,8 @@ sys.path.insert(0, str(ROOT))
 from lightning_modules.xray2ct.crops import coordinate_channels  # noqa: E402
 from lightning_modules.xray2ct.denoiser import NETWORK_SETTINGS, ViewConditionedDenoiser  # noqa: E402
 from lightning_modules.xray2ct.module import XrayToCT, as_size  # noqa: E402
+from lightning_modules.xray2ct.stage_settings import window_of  # noqa: E402
 from medvol.core.build import RUN_KEYS  # noqa: E402
-from medvol.core.plain_values import plain  # noqa: E402
 
 # Set here, not taken from the preset: the stage, the benchmark's sizes, the earlier stages, what the preset
 # leaves to the data or the cascade runner, and the run's keys that are no constructor argument (`RUN_KEYS`).
@@ -100,8 +102,8 @@ def stage_settings(
     preset, _ = STAGES[stage - 1]
     settings = {} if overlap is None else {"sampling_window_overlap": overlap}
     return {
-        **settings,
         **{key: value for key, value in preset.items() if key not in RUN_SETTINGS},
+        **settings,
         "stage": stage,
         "size": [s // reduce for s in as_size(preset["size"])],
         "crop_size": [c // reduce for c in as_size(preset["crop_size"])],
@@ -123,19 +125,33 @@ def crop_edge(stage: int) -> int:
     return volume_of(stage) if stage == 1 else min(as_size(settings["crop_size"])[0], volume_of(stage))
 
 
-def build(
-    stage: int, reduce: int, checkpointing: bool, steps: int, folder: Path, overlap: float | None = None
-) -> XrayToCT:
-    """Stage `stage` over the random-weight checkpoints of the stages before it in `folder` (written on first use)."""
-    previous = []
-    for earlier in range(1, stage):
-        path = folder / f"stage{earlier}.ckpt"
-        if not path.exists():
-            module = build(earlier, reduce, checkpointing, steps, folder, overlap)
-            torch.save({"hyper_parameters": plain(dict(module.hparams)), "state_dict": module.state_dict()}, path)
-        previous.append(str(path))
+def build(stage: int, reduce: int, checkpointing: bool, steps: int, overlap: float | None = None) -> XrayToCT:
+    """Stage `stage` with random weights, its earlier stages built in memory from their settings (as a stage restored
+    from its checkpoint rebuilds them: `previous_settings`), none written to disk and read back."""
+    earlier = [stage_settings(k, reduce, checkpointing, steps, overlap) for k in range(1, stage)]
     torch.manual_seed(stage)
-    return XrayToCT(**stage_settings(stage, reduce, checkpointing, steps, overlap), previous_stages=previous)
+    return XrayToCT(**stage_settings(stage, reduce, checkpointing, steps, overlap), previous_settings=earlier)
+
+
+def training_inputs(module: XrayToCT, stage: int, reduce: int, batch: int, device: torch.device) -> dict[str, Any]:
+    """A training batch of stage `stage`: random CTs of its (reduced) volume and random radiographs."""
+    size = volume_of(stage) // reduce
+    return {
+        "image": torch.rand(batch, 1, size, size, size, device=device) * 2 - 1,
+        "xray": torch.rand(batch, len(module.hparams.views), *module.hparams.xray_size, device=device) * 2 - 1,
+        "affine": torch.eye(4, device=device).expand(batch, 4, 4),
+    }
+
+
+def training_step(module: XrayToCT, optimizer: torch.optim.Optimizer, inputs: dict[str, Any],
+                  autocast: Callable[[], AbstractContextManager]) -> None:
+    """`XrayToCT.training_step` (the crop cut, the degraded condition, the diffusion loss) under `autocast()`, then
+    backward and an Adam step."""
+    with autocast():
+        loss = module.training_step(inputs, 0)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def peak_memory_mib(device: torch.device) -> float:
@@ -149,28 +165,21 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def train_step(args: argparse.Namespace, device: torch.device, folder: Path) -> dict[str, Any]:
-    module = build(args.stage, args.reduce, args.checkpointing, args.steps, folder).to(device)
+def train_step(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    module = build(args.stage, args.reduce, args.checkpointing, args.steps).to(device)
     module.log = module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
     optimizer = torch.optim.Adam(module.network.parameters(), lr=1e-4)
-    size, crop = volume_of(args.stage), crop_edge(args.stage)
+    crop = crop_edge(args.stage)
     batch = args.batch or max(1, STAGES[args.stage - 1][1] // args.batch_divisor)
-    views = list(module.hparams.xray_size)
-    inputs = {
-        "image": torch.rand(batch, 1, *[size // args.reduce] * 3, device=device) * 2 - 1,
-        "xray": torch.rand(batch, len(module.hparams.views), *views, device=device) * 2 - 1,
-        "affine": torch.eye(4, device=device).expand(batch, 4, 4),
-    }
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    inputs = training_inputs(module, args.stage, args.reduce, batch, device)
+    autocast = partial(torch.autocast, "cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext
 
     def step() -> None:
-        with autocast:
-            loss = module.training_step(inputs, 0)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        training_step(module, optimizer, inputs, autocast)
 
     if device.type == "cuda":
+        # As hardware=gpu trains (trainer.benchmark): cuDNN picks its fastest kernels for the fixed crop.
+        torch.backends.cudnn.benchmark = True
         torch.cuda.reset_peak_memory_stats(device)
     before = peak_memory_mib(device)
     step()
@@ -188,19 +197,60 @@ def train_step(args: argparse.Namespace, device: torch.device, folder: Path) -> 
             "samples_per_s": batch / seconds, "step_s": seconds, "parameters": parameters}
 
 
-def sample_whole(args: argparse.Namespace, device: torch.device, folder: Path) -> dict[str, Any]:
+def sample_whole(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """A whole CT from one pair of random radiographs through every stage (`XrayToCT.generate`), the earlier stages
+    built in memory, each stage's progress logged as it starts (and each step's windows); on a GPU the windows go
+    through the network in batches sized to its free memory (`window_batch`)."""
+    logging.basicConfig(level=logging.INFO, format="[%(relativeCreated)7.0f ms] %(message)s", stream=sys.stdout)
     last = len(STAGES)
-    module = build(last, args.reduce, args.checkpointing, args.steps, folder, args.overlap).to(device).eval()
+    module = build(last, args.reduce, args.checkpointing, args.steps, args.overlap).to(device).eval()
+    module.progress = True
     xray = torch.rand(1, len(module.hparams.views), *module.hparams.xray_size, device=device) * 2 - 1
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    autocast = partial(torch.autocast, "cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext
     size = [volume_of(last) // args.reduce] * 3
-    with autocast:
+    probe: dict[str, Any] = {}
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+        probe = window_batch(module, xray, autocast)
+        module.sampling_window_batch_size = probe["batch"]
+        print(f"window batch {probe['batch']}: {probe['per_window_mib']:.0f} MiB a window, "
+              f"{probe['free_mib']:.0f} MiB free", flush=True)
+    with autocast():
         synchronize(device)
         start = time.perf_counter()
         ct = module.generate(xray, size, ["bench"])["ct"]
         synchronize(device)
     return {"size": size, "seconds": time.perf_counter() - start, "peak_mib": peak_memory_mib(device),
-            "finite": bool(torch.isfinite(ct).all())}
+            "finite": bool(torch.isfinite(ct).all()), "window_batch": module.sampling_window_batch_size,
+            "overlap": module.sampling_window_overlap, **probe}
+
+
+# The share of the free memory a window batch may plan to fill (the rest: the allocator's fragmentation).
+WINDOW_SHARE = 0.8
+
+
+def window_batch(module: XrayToCT, xray: torch.Tensor, autocast: Callable[[], AbstractContextManager]
+                 ) -> dict[str, Any]:
+    """The most sampling windows a network call can take on the device: the memory one window adds, measured by
+    calling the stage's network on one and on two windows (no gradient), into the free memory."""
+    device = xray.device
+    window = window_of(dict(module.hparams))
+    peaks = []
+    for count in (1, 2):
+        inputs = [torch.randn(count, channels, *window, device=device) for channels in (1, 1, 3)]
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        with torch.no_grad(), autocast():
+            module.sampling_network(inputs[0], torch.full((count,), 500, device=device), xray.expand(count, -1, -1, -1),
+                                    inputs[1], inputs[2])
+        torch.cuda.synchronize(device)
+        peaks.append(torch.cuda.max_memory_allocated(device) - before)
+    per_window = max(peaks[1] - peaks[0], 1)
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    batch = max(1, int((WINDOW_SHARE * free - peaks[0]) // per_window))
+    return {"batch": batch, "per_window_mib": per_window / 2**20, "free_mib": free / 2**20}
 
 
 def saved_mib(size: int, checkpointing: bool) -> float:
@@ -252,21 +302,26 @@ def activations() -> None:
         )
 
 
-def measure(
-    args: argparse.Namespace, what: str, stage: int, checkpointing: bool, folder: Path, batch: int = 0
-) -> dict[str, Any]:
-    """One measurement in a fresh process (so the CPU's peak resident set is this measurement's own)."""
+def measure(args: argparse.Namespace, what: str, stage: int, checkpointing: bool, batch: int = 0) -> dict[str, Any]:
+    """One measurement in a fresh process (so the CPU's peak resident set is this measurement's own); its progress
+    lines pass through."""
     command = [sys.executable, __file__, *args.overrides, "--one", what, "--stage", str(stage), "--device", args.device,
                "--reduce", str(args.reduce), "--batch-divisor", str(args.batch_divisor), "--steps", str(args.steps),
-               "--repeats", str(args.repeats), "--folder", str(folder), "--batch", str(batch)]
+               "--repeats", str(args.repeats), "--batch", str(batch)]
     if args.overlap is not None:
         command += ["--overlap", str(args.overlap)]
     if checkpointing:
         command.append("--checkpointing")
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    if done.returncode != 0:
-        raise SystemExit(f"{what} at stage {stage} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    done = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    lines = []
+    assert done.stdout is not None
+    for line in done.stdout:
+        lines.append(line)
+        if not line.startswith("{"):
+            print(line, end="", flush=True)
+    if done.wait() != 0:
+        raise SystemExit(f"{what} at stage {stage} failed (exit {done.returncode})")
+    return json.loads(lines[-1])
 
 
 def main() -> None:
@@ -288,7 +343,6 @@ def main() -> None:
     parser.add_argument("--one", choices=["train", "sample"], help=argparse.SUPPRESS)
     parser.add_argument("--stage", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=0, help=argparse.SUPPRESS)
     args, args.overrides = parser.parse_known_args()
     STAGES[:] = preset_stages(args.overrides)
@@ -304,7 +358,7 @@ def main() -> None:
         return
     if args.one:
         try:
-            result = (train_step if args.one == "train" else sample_whole)(args, device, Path(args.folder))
+            result = (train_step if args.one == "train" else sample_whole)(args, device)
         except torch.cuda.OutOfMemoryError as error:
             result = {"out_of_memory": str(error).splitlines()[0]}
         print(json.dumps(result))
@@ -314,20 +368,18 @@ def main() -> None:
         raise SystemExit(f"--parts is {args.parts!r}; expected train, whole or train,whole")
     rows: list[dict[str, Any]] = []
     whole: dict[str, Any] | None = None
-    with tempfile.TemporaryDirectory() as folder:
-        print(
-            f"device {args.device}, sizes / {args.reduce}, batches / {args.batch_divisor}, "
-            f"{args.steps} sampling steps a stage"
-        )
-        if "whole" in parts:
-            whole = measure(args, "sample", len(STAGES), False, Path(folder))
-        if "train" in parts:
-            rows = train_rows(args, Path(folder))
+    print(f"device {args.device}, sizes / {args.reduce}, batches / {args.batch_divisor}, {args.steps} sampling steps "
+          "a stage", flush=True)
+    if "whole" in parts:
+        whole = measure(args, "sample", len(STAGES), False)
+    if "train" in parts:
+        rows = train_rows(args)
     if whole is not None and "out_of_memory" in whole:
         print(f"\nwhole CT through all {len(STAGES)} stages: out of memory ({whole['out_of_memory']})")
     elif whole is not None:
-        print(f"\nwhole CT {whole['size'][0]}^3 through all {len(STAGES)} stages, {args.steps} steps each: "
-              f"{whole['seconds']:.1f} s (peak {whole['peak_mib']:.0f} MiB, finite: {whole['finite']})")
+        print(f"\nwhole CT {whole['size'][0]}^3 through all {len(STAGES)} stages, {args.steps} steps each, windows "
+              f"overlapping {whole['overlap']}, {whole['window_batch']} a call: {whole['seconds']:.1f} s (peak "
+              f"{whole['peak_mib']:.0f} MiB, finite: {whole['finite']})")
     if args.json:
         overlap = STAGES[-1][0]["sampling_window_overlap"] if args.overlap is None else args.overlap
         settings = {"device": args.device, "reduce": args.reduce, "batch_divisor": args.batch_divisor,
@@ -335,7 +387,7 @@ def main() -> None:
         args.json.write_text(json.dumps({**settings, "stages": rows, "whole": whole}, indent=1))
 
 
-def train_rows(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
+def train_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One training row per stage and activation-checkpointing mode, printed as a table and returned."""
     cpu = args.device == "cpu"
     print("| stage | volume | trained on | batch | activation checkpointing | peak memory | samples/s | "
@@ -347,7 +399,7 @@ def train_rows(args: argparse.Namespace, folder: Path) -> list[dict[str, Any]]:
         size, crop = volume_of(stage), crop_edge(stage)
         trained = crop // args.reduce
         for checkpointing in args.modes:
-            row = measure(args, "train", stage, checkpointing, folder)
+            row = measure(args, "train", stage, checkpointing)
             rows.append({"stage": stage, "volume": size // args.reduce, "trained_edge": trained,
                          "checkpointing": checkpointing, **row})
             if "out_of_memory" in row:

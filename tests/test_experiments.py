@@ -96,6 +96,12 @@ def test_fast_ddpm_ct_denoising_trains_on_a_ct_folder(tmp_path):
 MODELS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
 
 
+
+@pytest.mark.parametrize("hardware", ["gpu", "a100x4", "h200x4", "multinode", "cpu"])
+def test_gpu_hardware_lets_cudnn_time_its_kernels_for_the_fixed_training_size(tmp_path, hardware):
+    cfg = compose_cfg(tmp_path, [f"hardware={hardware}"], tiny=False)
+    assert cfg.trainer.benchmark is (hardware != "cpu")
+
 @pytest.mark.parametrize("name", MODELS)
 def test_a_model_file_touches_only_model_and_the_root_reads_its_monitor(tmp_path, name):
     text = (CONF_DIR / "model" / f"{name}.yaml").read_text()
@@ -208,7 +214,7 @@ def test_ctpa_ldm_trains_on_scans_at_their_own_spacing_and_samples_from_noise_at
     assert sample.shape == (16, 16, 16)
     np.testing.assert_allclose(sample.header.get_zooms()[:3], [median] * 3, rtol=1e-6)
     stage2 = OmegaConf.load(run_dir / "stage2" / "config.yaml").model
-    assert stage2.spacing_conditioning and stage2.position_channels
+    assert stage2.spacing_conditioning and stage2.position_channels and stage2.activation_checkpointing
 
 
 @pytest.mark.slow

@@ -26,10 +26,13 @@ def round_args(tmp_path: Path, budget: float = 600.0) -> Namespace:
 
 def test_the_gpu_round_runs_the_issues_steps_in_order_with_the_gpu_settings(tmp_path):
     steps = all_steps(dry=False, work=tmp_path)
-    assert [s.phase for s in steps] == sorted((s.phase for s in steps), key=["tests", "families", "benchmarks",
-                                                                            "environment"].index)
     names = [s.name for s in steps]
-    assert names[:2] == ["tests-gpu", "tests-families"] and names[-1] == "environment"
+    # The GPU tests, the families, the benchmarks (the issue's rows first), then what the fast suite also covers.
+    assert [s.phase for s in steps[:-2]] == sorted((s.phase for s in steps[:-2]), key=["tests", "families",
+                                                                                      "benchmarks"].index)
+    assert names[0] == "tests-gpu" and names[-2:] == ["tests-families", "environment"]
+    assert [s.name for s in steps if s.phase == "benchmarks"][:5] == [
+        "ldm-ctpa", "ldm-generate", "xray2ct-whole-ct", "segmentation-planned", "nnunet-step"]
     assert "-m gpu" in " ".join(steps[0].commands[0])
     families = [s for s in steps if s.phase == "families"]
     assert [s.name for s in families] == [f"family-{f}" for f in FAMILIES]
@@ -158,6 +161,25 @@ def test_benchmark_figures_are_checked_against_the_issues_targets(tmp_path):
     assert [c["met"] for c in figures_of(tmp_path, gpu_round.xray2ct_whole_figures, whole)["checks"]] == [False]
 
 
+def test_the_planned_segmentation_step_is_held_against_nnunets_on_the_same_card(tmp_path):
+    (tmp_path / "segmentation-planned.json").write_text(json.dumps({"rows": [{"net": "dynunet", "step_ms": 90.0}]}))
+    output = tmp_path / "nnunet-step.json"
+    for nnunet_ms, met in ((100.0, True), (80.0, False)):
+        output.write_text(json.dumps({"step_ms": nnunet_ms, "batch": 2, "size": 128, "device": "NVIDIA H200"}))
+        checks = gpu_round.nnunet_figures(Step("nnunet-step", "benchmarks", [], 1.0, output=output))["checks"]
+        assert [(round(c["value"], 3), c["met"]) for c in checks] == [(round(90.0 / nnunet_ms, 3), met)]
+
+
+def test_a_step_that_gave_no_figures_shows_its_targets_not_met(tmp_path):
+    steps = {s.name: s for s in all_steps(dry=False, work=tmp_path)}
+    record = {"step": "ldm-generate", "phase": "benchmarks", "limit_s": 100.0, "status": "timed out", "seconds": 100.0,
+              "figures": {}, "targets": steps["ldm-generate"].targets}
+    summary = {"started": "now", "dry_run": False, "budget_s": 530.0, "seconds": 1.0, "commit": None,
+               "steps": [record]}
+    assert "| LDM volume generated (10 steps) and decoded, 128x128x152 latent (s) | <= 60 | - | **no** |" in (
+        gpu_round.markdown(summary))
+
+
 def test_cpu_figures_are_not_held_against_the_gpu_targets(tmp_path):
     stages = {"device": "cpu", "stages": [{"stage": 1, "batch": 1, "peak_mib": 99 * 1024}]}
     assert [c["met"] for c in figures_of(tmp_path, gpu_round.xray2ct_stage_figures, stages)["checks"]] == [None]
@@ -262,8 +284,11 @@ def test_the_dry_run_runs_every_step_at_toy_size_on_the_cpu(tmp_path):
         figures = steps[f"family-{family}"]["figures"]
         assert figures["runs"] and figures["predicted_files"] >= 1, (family, figures)
         assert all(run["test"] for run in figures["runs"].values()), (family, figures)
-    for name in ("vqgan-b1", "vqgan-b4", "ddpm-seed", "xray2ct-stages", "ldm-ctpa", "xray2ct-whole-ct"):
+    nnunet = ["nnunet-step"] if Path(gpu_round.nnunet_python(True)).is_file() else []
+    for name in ("vqgan-b1", "vqgan-b4", "ddpm-seed", "xray2ct-stages", "ldm-ctpa", "ldm-generate",
+                 "xray2ct-whole-ct", *nnunet):
         assert steps[name]["figures"]["checks"], name
+    assert steps["profile-vqgan"]["figures"]["top"], "the VQ-GAN step's top kernels"
     assert steps["segmentation-planned"]["figures"]["rows"][0]["settings"]["net"] == "dynunet"
     assert steps["environment"]["figures"]["device"] == "cpu"
     assert "| vqgan-b1 | passed |" in (out / "summary.md").read_text()

@@ -9,8 +9,6 @@ import ast
 import importlib.metadata
 import re
 
-import pytest
-
 from tests.conftest import ROOT
 
 # The dev extra's runner and linter: without them no test runs at all.

@@ -141,6 +141,8 @@ class StoreSourceGridd(MapTransform):
 # Labelled voxels the plan's intensity statistics keep over the whole training split, shared evenly by the subjects
 # (nnU-Net samples 10^8; every labelled voxel of a dataset of this size).
 FOREGROUND_SAMPLE = 10_000_000
+# The fingerprint's record of the label values the dataset changed on loading: model value -> the files' value.
+LABEL_FILE_VALUES = "label_file_values"
 
 
 def read_voxels(path: str, series: str | None = None) -> np.ndarray:
@@ -375,6 +377,8 @@ class NiftiDataModule(VolumeDataModule):
         says which (a model trained on each subject's own grid predicts on each input's own grid). The
         intensity ends: the window in `window` mode; in `percentile` mode the per-channel median of
         the training subjects' percentile ends (of `FINGERPRINT_INTENSITY_SUBJECTS` of them, evenly spread).
+        Where the dataset changes label values on loading (`label_value_map`), `label_file_values` gives the
+        files' value of each changed model value.
         """
         records = self.training_records()
         orientation = self.settings.orientation
@@ -384,11 +388,14 @@ class NiftiDataModule(VolumeDataModule):
             if spacing is None
             else []
         )
+        # Masks predicted for files take the values the training files used (BraTS 2021's enhancing tumour: 4).
+        changed = {str(used): int(raw) for raw, used in self.label_value_map().items()}
         return {
             "spacing": [float(s) for s in spacing or np.median(np.asarray(spacings), axis=0)],
             # False when training kept every subject's own grid: predict.py then keeps each input's own too.
             "resampled": spacing is not None, "orientation": orientation,
             "intensity": self.intensity_fingerprint(records), "subjects": len(records),
+            **({LABEL_FILE_VALUES: changed} if changed else {}),
         }
 
     def plan_fingerprint(self) -> DataFingerprint:

@@ -10,6 +10,8 @@ windowed sampling. A family adds its network (`attach_network`), says how the ne
 
 from __future__ import annotations
 
+import itertools
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ from medvol.core.errors import MedvolError
 from medvol.volumes.sliding_window import SlidingWindow
 
 LOSS_REDUCTIONS = ("mean", "sum")
+log = logging.getLogger("medvol")
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,9 @@ class DiffusionModule(MedvolModule, ABC):
         self.sampling_window_batch_size = int(sampling_window_batch_size)
         self.optimizer_factory = optimizer or partial(torch.optim.Adam, lr=self.default_lr)
         self.scheduler_factory = scheduler
+        # Whether sampling (and a family's decoding) log their progress: predict.py turns it on; validation's
+        # samples stay quiet.
+        self.progress = False
 
     # ---- what a family provides ----------------------------------------------------------
 
@@ -425,12 +431,27 @@ class DiffusionModule(MedvolModule, ABC):
             call = partial(self.network_output, network)
             return window(call, x_t, conditioning.volumes, {"t": t, **conditioning.per_sample})
 
+        steps = plan.schedule.num_train_timesteps if plan.sampler == "ddpm" else len(plan.timesteps)
+        taken = itertools.count(1)
+
         def denoise(x_t: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if self.progress:
+                self.log_step(next(taken), steps, x_t.shape, window)
             alpha_bar = plan.schedule.alpha_bar(t)
             x0, eps = to_x0_and_epsilon(plan.prediction_type, predict(x_t, t), x_t, alpha_bar)
             return clip_x0(x0, x_t, alpha_bar) if plan.clip_sample else (x0, eps)
 
         return denoise
+
+    @staticmethod
+    def log_step(step: int, steps: int, shape: Sequence[int], window: SlidingWindow | None) -> None:
+        """`sampling step k/K` and what it runs (the first, the last and every tenth of the walk)."""
+        if step not in (1, steps) and step % max(1, steps // 10):
+            return
+        grid = "x".join(map(str, shape[2:]))
+        calls = "the whole volume" if window is None or tuple(shape[2:]) == window.roi else (
+            f"{window.windows(shape)} windows of {'x'.join(map(str, window.roi))}, {window.batch_size} a call")
+        log.info("sampling %s: step %d/%d, %s", grid, step, steps, calls)
 
     @torch.no_grad()
     def sample(

@@ -21,13 +21,14 @@ from torch import nn
 from torchmetrics import MeanMetric, MetricCollection
 
 from lightning_modules.base import DYNAMIC_AXES
-from lightning_modules.diffusion.checkpointing import checkpoint_blocks, unet_blocks
+from lightning_modules.diffusion.checkpointing import checkpoint_unet
 from lightning_modules.diffusion.diffusion_module import Conditioning, DiffusionModule
 from lightning_modules.diffusion.generation_metrics import (
     generation_metrics,
     load_feature_network,
     update_generation_metrics,
 )
+from lightning_modules.diffusion.low_precision_norm import low_precision_group_norms
 from lightning_modules.diffusion.samplers import Denoise
 from lightning_modules.diffusion.subject_noise import SubjectNoise, subject_names
 from medvol.core.errors import MedvolError
@@ -44,7 +45,9 @@ class ConditionalDiffusion(DiffusionModule):
         image_channels: channels of the generated volume (`image`).
         cond_channels: channels of the batch's `cond` (0: the dataset gives none).
         task: `translation`, `denoising`, `super_resolution` or `unconditional`.
-        activation_checkpointing: recompute the UNet blocks' activations in the backward pass.
+        activation_checkpointing: recompute each residual and attention block's activations in the backward pass.
+        low_precision_norm: the network's GroupNorms in the autocast dtype (bf16) instead of float32 under mixed
+            precision (`low_precision_norm.py`; MAISI's half-precision norms).
         noise_std: std of the Gaussian noise that makes a denoising condition from the image.
         downsample_factor: pooling factor that makes a super-resolution condition from the image.
         image_key: batch key of the target volume.
@@ -66,6 +69,7 @@ class ConditionalDiffusion(DiffusionModule):
         cond_channels: int = 0,
         task: str = "translation",
         activation_checkpointing: bool = False,
+        low_precision_norm: bool = False,
         noise_std: float = 0.1,
         downsample_factor: int = 2,
         image_key: str = "image",
@@ -97,7 +101,9 @@ class ConditionalDiffusion(DiffusionModule):
             network(in_channels=self.cond_channels + self.image_channels, out_channels=self.image_channels)
         )
         if activation_checkpointing:
-            checkpoint_blocks(unet_blocks(self.network))
+            checkpoint_unet(self.network)
+        if low_precision_norm:
+            low_precision_group_norms(self.network)
         generation = generation_metrics(mmd_size, diversity_size, ssim_kernel_size, fid_network, fid_network_2d)
         self.set_metrics(ssim_kernel_size, loss=MeanMetric(), **generation)
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lightning_modules.base import MODEL_KEY
-from lightning_modules.ldm.slab_decoding import run_in_slabs
+from lightning_modules.ldm.slab_decoding import Report, run_in_slabs, to_storage
 from lightning_modules.vqgan.codebook import EMACodebook
 from lightning_modules.vqgan.vq_autoencoder import Decoder3d, Encoder3d
 from medvol.core.checkpoint_read import load_checkpoint
@@ -110,16 +110,16 @@ class FirstStage(nn.Module):
 
     @torch.no_grad()
     def decode(
-        self, z: torch.Tensor, quantized: bool, slab_elements: int | None = None, offload: bool = False
+        self, z: torch.Tensor, quantized: bool, slab_elements: int | None = None, offload: bool = False,
+        report: Report | None = None,
     ) -> torch.Tensor:
         """Images from latents `z`, snapped to the codebook first when `quantized`; with `slab_elements`, layer by
         layer in depth slabs of at most that many values on `z`'s device (`slab_decoding`: the same output),
-        the whole activations kept on the CPU with `offload`."""
+        the whole activations kept in pinned host memory with `offload`; `report` hears of the decoder's parts."""
         z = self.snap(z.float()) if quantized else z.float()
         if slab_elements is None:
             return self.decoder(z)
-        storage = z.cpu() if offload else z
-        return run_in_slabs(self.decoder, storage, slab_elements, z.device).to(z.device)
+        return run_in_slabs(self.decoder, to_storage(z, offload), slab_elements, z.device, report).to(z.device)
 
     def snap(self, z: torch.Tensor) -> torch.Tensor:
         """Every latent vector replaced by its nearest code (exactly the code: no straight-through arithmetic).

@@ -18,6 +18,7 @@ ranks), and kept in the checkpoint as a buffer.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from torchmetrics import MeanMetric, MetricCollection
 from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 
 from lightning_modules.base import DYNAMIC_AXES, ExportedNetwork
+from lightning_modules.diffusion.checkpointing import checkpoint_unet
 from lightning_modules.diffusion.diffusion_module import Conditioning, DiffusionModule
 from lightning_modules.diffusion.generation_metrics import (
     VolumeSetMMD,
@@ -39,10 +41,13 @@ from lightning_modules.diffusion.generation_metrics import (
 from lightning_modules.diffusion.subject_noise import SubjectNoise, subject_names
 from lightning_modules.ldm.first_stage import EncodeLatent, FirstStage, read_first_stage, weights_digest
 from lightning_modules.ldm.positions import latent_coordinates
+from lightning_modules.ldm.slab_decoding import fits_on_device
 from lightning_modules.ldm.spacing_embedding import with_spacing_embedding
 from lightning_modules.vqgan.codebook import snapped_to_codes
 from medvol.core.errors import MedvolError
 from medvol.volumes.volume_budget import check_volume_size
+
+log = logging.getLogger("medvol")
 
 
 def voxel_spacings(affine: torch.Tensor) -> torch.Tensor:
@@ -90,11 +95,15 @@ class LatentDiffusion(DiffusionModule):
         position_channels: give the network each latent voxel's place in its whole volume as three coordinate
             channels (PatchDDM), from the batch's `patch_origin` and `volume_shape` (a crop of the patches
             dataset) or the whole volume: a model trained on crops then puts the anatomy where it belongs.
+        activation_checkpointing: recompute each residual and attention block's activations in the backward pass
+            instead of keeping them (the same gradients, less memory, about a third more compute).
         decode_quantized: snap generated latents to the nearest codes before decoding.
         decode_slab_elements: decode layer by layer in depth slabs of at most this many values on the
             device (`slab_decoding`: exactly the whole-volume output, for volumes whose decoder
             activations do not fit at once); null decodes the whole volume in one call.
-        decode_offload: with slabs, keep each layer's whole activation on the CPU (only slabs on the GPU).
+        decode_offload: with slabs, keep each layer's whole activation in pinned host memory (only slabs on the GPU);
+            null: only on a CUDA device whose free memory is less than the whole activations need
+            (`slab_decoding.decoding_bytes`).
         sample_size: image size (D, H, W) of unconditional samples (null: the training volume's).
         mmd_size: volumes are pooled to at most this many voxels per axis for the MMD and the training-set
             metrics (`generation_metrics`).
@@ -117,9 +126,10 @@ class LatentDiffusion(DiffusionModule):
         cond_channels: int = 0,
         spacing_conditioning: bool = False,
         position_channels: bool = False,
+        activation_checkpointing: bool = False,
         decode_quantized: bool = True,
         decode_slab_elements: int | None = None,
-        decode_offload: bool = False,
+        decode_offload: bool | None = None,
         sample_size: Sequence[int] | None = None,
         mmd_size: int = 16,
         diversity_size: int = 32,
@@ -157,6 +167,8 @@ class LatentDiffusion(DiffusionModule):
             unet = with_spacing_embedding(network(in_channels=inputs, out_channels=latent, num_class_embeds=1))
         else:
             unet = network(in_channels=inputs, out_channels=latent)
+        if activation_checkpointing:
+            checkpoint_unet(unet)
         self.attach_network(unet)
         image = {
             "psnr": PeakSignalNoiseRatio(data_range=2.0, reduction="elementwise_mean", dim=(1, 2, 3, 4)),
@@ -215,11 +227,33 @@ class LatentDiffusion(DiffusionModule):
     def images(self, latents: torch.Tensor) -> torch.Tensor:
         """Images decoded from scaled latents (snapped to the codebook with `decode_quantized`), in [-1, 1]."""
         slab = self.hparams.decode_slab_elements
+        slab = None if slab is None else int(slab)
+        offload = self.decode_offload(latents, slab)
+        report = None
+        if self.progress and slab is not None:
+            log.info("decoding a %s latent by depth slabs of %d values, whole activations %s",
+                     "x".join(map(str, latents.shape[2:])), slab, "in pinned host memory" if offload else
+                     f"on {latents.device}")
+
+            def report(part: str, slabs: int) -> None:
+                log.info("decoding: %s in %d slabs", part, slabs)
+
         decoded = self.first_stage.decode(
-            latents / self.scale, bool(self.hparams.decode_quantized), None if slab is None else int(slab),
-            bool(self.hparams.decode_offload),
+            latents / self.scale, bool(self.hparams.decode_quantized), slab, offload, report
         )
         return decoded.clamp(-1.0, 1.0)
+
+    def decode_offload(self, latents: torch.Tensor, slab: int | None) -> bool:
+        """Whether decoding keeps its whole activations in host memory: `decode_offload` where set, else only on a
+        CUDA device whose free memory (`torch.cuda.mem_get_info`, plus what PyTorch's allocator holds unused) is
+        less than they need (`slab_decoding.decoding_bytes`)."""
+        if self.hparams.decode_offload is not None:
+            return bool(self.hparams.decode_offload)
+        if slab is None or latents.device.type != "cuda":
+            return False
+        free, _ = torch.cuda.mem_get_info(latents.device)
+        free += torch.cuda.memory_reserved(latents.device) - torch.cuda.memory_allocated(latents.device)
+        return not fits_on_device(self.first_stage.decoder, latents.shape, slab, free)
 
     @torch.no_grad()
     def set_scale_factor(self, batches: Any) -> None:

@@ -76,7 +76,9 @@ def build_network(
         )
     if feature_size % 12:
         raise MedvolError(f"`model.feature_size` is {feature_size}; SwinUNETR needs a multiple of 12")
-    return SwinUNETR(in_channels=in_channels, out_channels=out_channels, feature_size=feature_size, spatial_dims=3)
+    # Fused attention (PyTorch's SDPA) where MONAI runs it, without gradients: the same windowed attention.
+    return SwinUNETR(in_channels=in_channels, out_channels=out_channels, feature_size=feature_size, spatial_dims=3,
+                     use_flash_attention=True)
 
 
 def supervised_heads(levels: int) -> int:

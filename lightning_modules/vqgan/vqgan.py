@@ -200,8 +200,7 @@ class VQGAN(MedvolModule):
 
     def configure_optimizers(self) -> Any:
         autoencoder = [*self.encoder.parameters(), *self.decoder.parameters()]
-        discriminators = [*self.image_discriminator.parameters(), *self.video_discriminator.parameters()]
-        optimizers = [self.optimizer_factory(autoencoder), self.optimizer_factory(discriminators)]
+        optimizers = [self.optimizer_factory(autoencoder), self.optimizer_factory(self.discriminator_parameters())]
         if self.scheduler_factory is None:
             return optimizers
         return optimizers, [self.scheduler_factory(opt) for opt in optimizers]
@@ -317,6 +316,11 @@ class VQGAN(MedvolModule):
         )
         return GANStep(terms, generator_objective, discriminator_loss, quantized)
 
+    def discriminator_parameters(self) -> list[nn.Parameter]:
+        """What the discriminator loss's backward pass computes gradients for: the discriminators' weights alone,
+        not the reconstruction's detached copy they judged (nothing reads its gradient)."""
+        return [*self.image_discriminator.parameters(), *self.video_discriminator.parameters()]
+
     def _loss_scale(self, device: torch.device) -> torch.Tensor | None:
         """The AMP gradient scaler's scale as a tensor on `device` (no host sync), or None without a scaler."""
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
@@ -331,20 +335,20 @@ class VQGAN(MedvolModule):
         step_now = self.is_accumulation_boundary(batch_idx)
         scale = 1.0 / self.accumulate_grad_batches
 
-        # The two objectives share no graph (GANStep), so neither optimizer's parameters need freezing.
+        # The two objectives share no graph (GANStep), so neither optimizer's parameters need freezing, and their
+        # order changes no number: the discriminators' first frees their graphs before the autoencoder's backward.
         step = self.gan_losses(x, gan_on, self._loss_scale(x.device))
-        self.manual_backward(step.generator_objective * scale)
-        if step_now:
-            opt_ae.step()
-            opt_ae.zero_grad(set_to_none=True)
-
         losses = dict(step.terms)
         if step.discriminator_loss is not None:
-            self.manual_backward(step.discriminator_loss * scale)
+            self.manual_backward(step.discriminator_loss * scale, inputs=self.discriminator_parameters())
             if step_now:
                 opt_disc.step()
                 opt_disc.zero_grad(set_to_none=True)
             losses["disc_loss"] = step.discriminator_loss
+        self.manual_backward(step.generator_objective * scale)
+        if step_now:
+            opt_ae.step()
+            opt_ae.zero_grad(set_to_none=True)
 
         generator_loss = step.generator_loss
         self._log_training(losses, generator_loss, step.quantized.perplexity, x.shape[0])

@@ -8,34 +8,11 @@ from typing import Any
 
 import torch
 from monai.networks.nets import DiffusionModelUNet
-from monai.networks.nets.diffusion_model_unet import DiffusionUNetResnetBlock, SpatialTransformer
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from lightning_modules.diffusion.checkpointing import checkpoint_unet
 from lightning_modules.xray2ct.view_encoder import ViewEncoder
 from medvol.core.errors import MedvolError
-
-_CHECKPOINTED: dict[type, type] = {}
-
-
-def checkpointed(block: nn.Module) -> None:
-    """Make `block` recompute its activations in the backward pass instead of keeping them (in training only).
-
-    The block's class becomes a subclass whose `forward` runs under `torch.utils.checkpoint`, so its
-    parameters, state-dict keys and copies (the EMA's deepcopy) stay as they were.
-    """
-    cls = type(block)
-    if cls not in _CHECKPOINTED:
-
-        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            if self.training and torch.is_grad_enabled():
-                return checkpoint(super(subclass, self).forward, *args, use_reentrant=False, **kwargs)
-            return super(subclass, self).forward(*args, **kwargs)
-
-        subclass = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward})
-        _CHECKPOINTED[cls] = subclass
-    block.__class__ = _CHECKPOINTED[cls]
-
 
 # The condition channels of a stage >= 2 before x_t: the upsampled previous stage, then z, y, x coordinates.
 CONDITION_CHANNELS = 4
@@ -113,9 +90,7 @@ class ViewConditionedDenoiser(nn.Module):
         )
         self.downsampling = 2 ** (len(channels) - 1)
         if activation_checkpointing:
-            for layer in self.unet.modules():
-                if isinstance(layer, (DiffusionUNetResnetBlock, SpatialTransformer)):
-                    checkpointed(layer)
+            checkpoint_unet(self.unet)
 
     def forward(
         self, x_t: torch.Tensor, t: torch.Tensor, views: torch.Tensor, previous: torch.Tensor | None = None,

@@ -25,6 +25,7 @@ recovered from the network's output, plus the base at a residual stage) with the
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -59,6 +60,8 @@ from lightning_modules.xray2ct.earlier_stages import (
 from lightning_modules.xray2ct.physics import ProjectionLoss
 from lightning_modules.xray2ct.stage_settings import as_size, check_grids, check_stage, crop_of, window_of
 from medvol.core.errors import MedvolError
+
+log = logging.getLogger("medvol")
 
 # The diffusion core's settings where X-ray-to-CT's defaults differ from Fast-DDPM's.
 DIFFUSION_DEFAULTS = {"beta_schedule": "cosine", "prediction_type": "v", "timestep_spacing": "uniform"}
@@ -366,6 +369,10 @@ class XrayToCT(DiffusionModule):
         previous = None
         for index, (settings, network, (plan, noise_level)) in enumerate(stages, start=1):
             stage_size = as_size(settings["size"])
+            if self.progress:
+                window = window_of(settings)
+                log.info("X-ray-to-CT stage %d/%d: a %s CT, %s", index, len(stages), "x".join(map(str, stage_size)),
+                         "whole" if list(window) == list(stage_size) else f"by {'x'.join(map(str, window))} windows")
             plan.schedule.to(views.device)
             volumes: dict[str, torch.Tensor] = {}
             if previous is not None:

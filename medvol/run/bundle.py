@@ -2,48 +2,60 @@
 
 `write_bundle` writes the bundle layout of MONAI's specification:
 
-    configs/metadata.json    every key the specification makes mandatory, the inputs' channels, spacing and
-                             units, the outputs' classes or units; the run's plan and label names under `medvol`
+    configs/metadata.json    every key the specification makes mandatory (`required_packages_version`: every
+                             package the config imports beyond MONAI's own requirements), the inputs' channels,
+                             spacing and units, the outputs' classes or units; the run's plan, label names and the
+                             label values written under `medvol`
     configs/inference.json   `python -m monai.bundle run --config_file configs/inference.json --bundle_root DIR
                              --dataset_dir SCANS --output_dir OUT`: every NIfTI file of SCANS through the run's
                              preprocessing (orientation, spacing, crop, normalization), the sliding window of
                              predict.py (window, overlap, Gaussian blending, padding), the output resampled onto
-                             the scan's own grid, and for segmentation the argmax or threshold and the run's
-                             post-processing; `<scan>_seg.nii.gz` or `<scan>_reconstruction.nii.gz` in OUT
+                             the scan's own grid, and for segmentation the argmax or threshold, the run's
+                             post-processing and the training files' label values; `<scan>_seg.nii.gz` or
+                             `<scan>_reconstruction.nii.gz` in OUT
     models/model.ts          the window network (`MedvolModule.bundle_network`: mirroring and the softmax or
                              sigmoid inside for segmentation), TorchScript: no medvol class is needed to load it
     README.md                the command
 
-The preprocessing is built in one place (`preprocessing`) from the run's `dataset.transforms` after the plan
-(`<run>/plan.json`) was applied, exactly the settings predict.py's dataset gets.
+The settings are those predict.py reads an input file with (`inference_settings`: the run's `dataset.transforms`
+after the plan, `<run>/plan.json`, was applied). MONAI's transforms do what they can; nnU-Net's steps that MONAI
+has none for (the filled non-zero mask of the z-score, the separate resampling of an anisotropic axis decided per
+scan, the largest connected component) are helper expressions in the config (`HELPERS`), each the one medvol
+runs, written with numpy, scipy and torch.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import re
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import nibabel
 import numpy
 import torch
 from monai import __version__ as monai_version
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from datamodules.pipeline.transforms import TransformSettings
 from lightning_modules.base import MedvolModule
 from medvol.core.errors import MedvolError
 from medvol.run.predict_config import input_geometry, with_geometry
-from medvol.run.predict_inputs import WHOLE_VOLUME
+from medvol.run.predict_inputs import file_transforms
+from medvol.run.predicting import label_file_values
 from medvol.run.resolvers import run_dir_of_checkpoint
-from medvol.volumes.plan import PLAN_FILE, read_plan, separate_axis
+from medvol.volumes.plan import ANISOTROPY, PLAN_FILE, read_plan
 
+# The packages a bundle imports beyond MONAI's own requirements, with their versions: MONAI 1.6's name for what
+# earlier specifications called `optional_packages_version` (MONAI reads that old name as this one).
+PACKAGES_KEY = "required_packages_version"
 # Keys the bundle specification makes mandatory in configs/metadata.json, and in each of network_data_format's
 # inputs and outputs (MONAI's "MONAI Bundle Specification", metadata.json).
 METADATA_KEYS = (
-    "version", "monai_version", "pytorch_version", "numpy_version", "optional_packages_version", "task",
+    "version", "monai_version", "pytorch_version", "numpy_version", "required_packages_version", "task",
     "description", "authors", "copyright", "network_data_format",
 )
 TENSOR_KEYS = (
@@ -51,10 +63,13 @@ TENSOR_KEYS = (
     "channel_def",
 )
 SOURCE_KEY = "source"
-# `dataset.transforms` keys that only training applies (random crops, flips, affine); predict.py never does.
+# `dataset.transforms` keys that only training applies (random crops, flips, affine, nnU-Net's augmentation);
+# predict.py never does.
 TRAINING_ONLY = ("random_crop", "foreground_crop", "foreground_ratio", "flip_prob", "affine_prob", "rotate_range",
-                 "scale_range")
+                 "scale_range", "augmentation")
 MODEL_FILE = "models/model.ts"
+# How each transform's `_desc_` names the step of predict.py it does.
+DESCRIPTION_PREFIX = "as predict.py's "
 
 
 def traced(network: torch.nn.Module, inputs: Mapping[str, torch.Tensor]) -> torch.jit.ScriptModule:
@@ -78,9 +93,11 @@ def write_bundle(
     example = torch.randn(1, channels, *[int(s) for s in size], generator=torch.Generator().manual_seed(0))
     traced(network, {"image": example}).save(str(folder / MODEL_FILE))
     segmentation = hasattr(module, "probabilities")
-    config = inference_config(module, settings, size, segmentation)
+    steps = BundleSteps()
+    config = inference_config(module, settings, size, segmentation, steps)
     (folder / "configs" / "inference.json").write_text(json.dumps(config, indent=2) + "\n")
-    metadata = bundle_metadata(module, run, ckpt, settings, size, channels, segmentation)
+    packages = {name: importlib.metadata.version(name) for name in sorted(steps.packages)}
+    metadata = bundle_metadata(module, run, ckpt, settings, size, channels, segmentation, packages)
     metadata["authors"], metadata["copyright"] = authors, owner
     problem = metadata_problem(metadata)
     if problem:
@@ -91,101 +108,205 @@ def write_bundle(
 
 
 def inference_settings(module: MedvolModule, run: DictConfig) -> dict[str, Any]:
-    """The run's `dataset.transforms` as predict.py applies them by default: at the spacing the model was trained
-    at, on whole volumes, without the training-only random steps."""
+    """The `dataset.transforms` predict.py reads an input file with (`file_transforms`: the run's own, at the
+    spacing the model was trained at, on whole volumes), every setting the run left out at its default, without
+    the training-only steps."""
     geometry = input_geometry(None, module.training_data, module.refines_resolution)
-    transforms = with_geometry(run, geometry).dataset.get("transforms")
-    settings = {**(OmegaConf.to_container(transforms, resolve=True) if transforms is not None else {}), **WHOLE_VOLUME}
+    settings = asdict(TransformSettings.from_config(file_transforms(with_geometry(run, geometry), geometry)))
     return {k: v for k, v in settings.items() if k not in TRAINING_ONLY}
 
 
-def preprocessing(settings: Mapping[str, Any], channels: int) -> list[dict[str, Any]]:
-    """predict.py's preprocessing of one scan as MONAI transforms (bundle config entries), from the run's
-    `dataset.transforms` with the plan applied: load, the source grid kept for the inverse, orientation, then spacing
-    (linear), the crop to the non-zero region and the intensity step, or with `resampling: nnunet` (the planned
-    default) nnU-Net's order: crop, normalize, resample (cubic splines; a target over 3x anisotropic has its coarse
-    axis resampled apart, by nearest neighbour), and last the padding up to the window."""
-    steps: list[dict[str, Any]] = [
-        {"_target_": "LoadImaged", "keys": "image", "image_only": True, "ensure_channel_first": True,
-         "dtype": "$numpy.float32"},
-        {"_target_": "CopyItemsd", "keys": "image", "names": SOURCE_KEY},
-    ]
-    nnunet = settings.get("resampling") == "nnunet"
-    if settings.get("orientation"):
-        steps.append({"_target_": "Orientationd", "keys": "image", "axcodes": settings["orientation"], "labels": None})
-    if settings.get("spacing") and not nnunet:
-        steps.append({"_target_": "Spacingd", "keys": "image", "pixdim": [float(s) for s in settings["spacing"]],
-                      "mode": "bilinear"})
-    if settings.get("crop_foreground"):
-        steps.append({"_target_": "CropForegroundd", "keys": "image", "source_key": "image",
-                      "select_fn": "$lambda x: (x != 0).any(0, keepdim=True)", "allow_smaller": True})
-    steps += intensity_steps(settings, channels)
-    if settings.get("spacing") and nnunet:
-        steps += planned_spacing_steps([float(s) for s in settings["spacing"]])
-    if settings.get("pad_to"):
-        value = single(background(settings, channels), "the padding's background")
-        steps.append({"_target_": "SpatialPadd", "keys": "image", "spatial_size": [int(s) for s in settings["pad_to"]],
-                      "mode": "constant", "value": value})
-    return steps
+class BundleSteps:
+    """The transforms of inference.json, each described (`_desc_`) by the step of predict.py it does, and what
+    they need: the helper functions (config ids -> expressions) they call, and the packages beyond PyTorch, numpy
+    and MONAI that they import (`metadata.json`'s `required_packages_version`)."""
 
+    def __init__(self) -> None:
+        # LoadImaged and SaveImaged read and write NIfTI through nibabel.
+        self.packages: set[str] = {"nibabel"}
+        self.helpers: dict[str, str] = {}
 
-def planned_spacing_steps(spacing: list[float]) -> list[dict[str, Any]]:
-    """`PlannedSpacingd` for an image: cubic splines (edges repeated); where the target spacing is over 3x
-    anisotropic, first the other axes (a pixdim of 0 keeps the scan's own), then its coarse axis by nearest
-    neighbour. A scan anisotropic beyond the target's rule (predict resamples its own coarse axis apart) is the
-    one case the bundle resamples otherwise (docs/export.md)."""
-    axis = separate_axis(spacing, spacing)
-    if axis is None:
-        return [{"_target_": "Spacingd", "keys": "image", "pixdim": spacing, "mode": 3, "padding_mode": "nearest"}]
-    in_plane = [0.0 if i == axis else s for i, s in enumerate(spacing)]
-    return [
-        {"_target_": "Spacingd", "keys": "image", "pixdim": in_plane, "mode": 3, "padding_mode": "nearest"},
-        {"_target_": "Spacingd", "keys": "image", "pixdim": spacing, "mode": "nearest", "padding_mode": "nearest"},
-    ]
+    def helper(self, name: str) -> str:
+        """A reference to the helper `name`, added with the helpers it calls and the packages it imports."""
+        expression, packages = HELPERS[name]
+        self.packages |= set(packages)
+        for called in re.findall(r"@(\w+)", expression):
+            self.helper(called)
+        self.helpers[name] = expression
+        return f"@{name}"
 
+    def imports(self) -> list[str]:
+        """inference.json's `imports`: what its expressions name, the packages its helpers use among them."""
+        return [*BASE_IMPORTS, *(IMPORTS[p] for p in sorted(self.packages) if p in IMPORTS)]
 
-def intensity_steps(settings: Mapping[str, Any], channels: int) -> list[dict[str, Any]]:
-    """The intensity step: the plan's per-channel z-score (MR over the non-zero voxels; CT clipped, then the
-    dataset's z-score), or a percentile or window scaling onto the output range whose per-scan ends are kept in
-    the item (`intensity_low`, `intensity_high`) for the inverse."""
-    mode = settings.get("intensity", "percentile")
-    low, high = (float(v) for v in settings.get("output_range", [-1.0, 1.0]))
-    if mode == "zscore":
-        plan = settings.get("normalization") or [{"kind": "mr"}] * channels
-        kinds = {c["kind"] for c in plan}
-        if kinds == {"mr"}:
-            # The plan's mask rule: over the non-zero voxels where cropping to them removes a quarter of the volume.
-            masked = any(c.get("use_mask", True) for c in plan)
-            return [{"_target_": "NormalizeIntensityd", "keys": "image", "nonzero": masked, "channel_wise": True}]
-        if kinds == {"ct"} and len(plan) == 1:
-            clip_low, clip_high = (float(v) for v in plan[0]["clip"])
-            mean, std = float(plan[0]["mean"]), float(plan[0]["std"])
-            return [{"_target_": "ScaleIntensityRanged", "keys": "image", "a_min": clip_low, "a_max": clip_high,
-                     "b_min": (clip_low - mean) / std, "b_max": (clip_high - mean) / std, "clip": True}]
-        raise MedvolError(
-            f"`format=bundle`: the plan normalizes its channels as {[c['kind'] for c in plan]}; a bundle exports "
-            "MR channels or one CT channel (export format=onnx for the network)"
-        )
-    if mode == "percentile":
-        lower, upper = (float(v) for v in settings.get("percentiles", [0.5, 99.5]))
-        ends = (f"$lambda d: {{**d, 'intensity_low': [float(numpy.percentile(c, {lower})) for c in "
-                f"d['image'].numpy()], 'intensity_high': [float(numpy.percentile(c, {upper})) for c in "
-                "d['image'].numpy()]}")
-        return [
-            {"_target_": "Lambda", "func": ends},
-            {"_target_": "ScaleIntensityRangePercentilesd", "keys": "image", "lower": lower, "upper": upper,
-             "b_min": low, "b_max": high, "clip": True, "channel_wise": True},
+    def preprocessing(self, settings: Mapping[str, Any], channels: int) -> list[dict[str, Any]]:
+        """predict.py's preprocessing of one scan as MONAI transforms: load, the source grid kept for the inverse,
+        orientation, then spacing (linear), the crop to the non-zero region and the intensity step, or with
+        `resampling: nnunet` (the planned default) nnU-Net's order: crop, normalize, resample (cubic splines; a
+        coarse axis over 3x the others, in the scan's spacing or else the target's, apart by nearest neighbour),
+        and last the padding up to the window."""
+        steps: list[dict[str, Any]] = [
+            step("LoadVolumed", "LoadImaged", keys="image", image_only=True, ensure_channel_first=True,
+                 dtype="$numpy.float32"),
+            step("StoreSourceGridd", "CopyItemsd", keys="image", names=SOURCE_KEY),
         ]
-    if mode == "window":
-        window_low, window_high = (float(v) for v in settings.get("window", [-1000.0, 1000.0]))
-        ends = (f"$lambda d: {{**d, 'intensity_low': [{window_low}] * d['image'].shape[0], "
-                f"'intensity_high': [{window_high}] * d['image'].shape[0]}}")
-        return [
-            {"_target_": "Lambda", "func": ends},
-            {"_target_": "ScaleIntensityRanged", "keys": "image", "a_min": window_low, "a_max": window_high,
-             "b_min": low, "b_max": high, "clip": True},
+        nnunet = settings.get("resampling") == "nnunet"
+        if settings.get("orientation"):
+            steps.append(step("Orientationd", "Orientationd", keys="image", axcodes=settings["orientation"],
+                              labels=None))
+        if settings.get("spacing") and not nnunet:
+            steps.append(step("Spacingd", "Spacingd", keys="image", pixdim=[float(s) for s in settings["spacing"]],
+                              mode="bilinear"))
+        if settings.get("crop_foreground"):
+            steps.append(step("CropForegroundd", "CropForegroundd", keys="image", source_key="image",
+                              select_fn="$lambda x: (x != 0).any(0, keepdim=True)", allow_smaller=True))
+        steps += self.intensity(settings, channels)
+        if settings.get("spacing") and nnunet:
+            spacing = [float(s) for s in settings["spacing"]]
+            steps.append(step("PlannedSpacingd", "Lambdad", keys="image",
+                              func=f"$lambda x: {self.helper('planned_spacing')}(x, {spacing})"))
+            self.packages.add("scipy")  # MONAI's spline resampling is scipy.ndimage's
+        if settings.get("pad_to"):
+            value = single(background(settings, channels), "the padding's background")
+            steps.append(step("BackgroundPadd", "SpatialPadd", keys="image",
+                              spatial_size=[int(s) for s in settings["pad_to"]], mode="constant", value=value))
+        return steps
+
+    def intensity(self, settings: Mapping[str, Any], channels: int) -> list[dict[str, Any]]:
+        """The intensity step: the plan's per-channel normalization (`PlannedNormalized`: MR a z-score, over the
+        filled non-zero mask of all channels where the plan says; CT clipped, then the dataset's z-score), or a
+        percentile or window scaling onto the output range whose per-scan ends are kept in the item
+        (`intensity_low`, `intensity_high`) for the inverse."""
+        mode = settings.get("intensity")
+        low, high = (float(v) for v in settings.get("output_range", [-1.0, 1.0]))
+        if mode == "zscore":
+            plan = [dict(c) for c in settings.get("normalization") or [{"kind": "mr", "use_mask": True}] * channels]
+            masked = any(c["kind"] == "mr" and c.get("use_mask", True) for c in plan)
+            mask = f"{self.helper('nonzero_mask')}(v)" if masked else "None"
+            return [step("PlannedNormalized", "Lambdad", keys="image", func=(
+                f"$lambda x: (lambda v: monai.utils.convert_to_dst_type({self.helper('normalized')}(v, {plan!r}, "
+                f"{mask}), x, dtype=torch.float32)[0])(torch.nan_to_num(x.as_tensor().double()))"))]
+        if mode == "percentile":
+            lower, upper = (float(v) for v in settings.get("percentiles", [0.5, 99.5]))
+            ends = (f"$lambda d: {{**d, 'intensity_low': [float(numpy.percentile(c, {lower})) for c in "
+                    f"d['image'].numpy()], 'intensity_high': [float(numpy.percentile(c, {upper})) for c in "
+                    "d['image'].numpy()]}")
+            return [
+                step("SafeScaleIntensityd", "Lambda", func=ends),
+                step("SafeScaleIntensityd", "ScaleIntensityRangePercentilesd", keys="image", lower=lower,
+                     upper=upper, b_min=low, b_max=high, clip=True, channel_wise=True),
+            ]
+        if mode == "window":
+            window_low, window_high = (float(v) for v in settings.get("window", [-1000.0, 1000.0]))
+            ends = (f"$lambda d: {{**d, 'intensity_low': [{window_low}] * d['image'].shape[0], "
+                    f"'intensity_high': [{window_high}] * d['image'].shape[0]}}")
+            return [
+                step("SafeScaleIntensityd", "Lambda", func=ends),
+                step("SafeScaleIntensityd", "ScaleIntensityRanged", keys="image", a_min=window_low,
+                     a_max=window_high, b_min=low, b_max=high, clip=True),
+            ]
+        return []
+
+    def postprocessing(self, module: MedvolModule, settings: Mapping[str, Any],
+                       segmentation: bool) -> list[dict[str, Any]]:
+        """The window's output back onto the scan's grid, linearly and filling what the model grid does not cover
+        as predict.py does (`to_source_grid`); then for segmentation the threshold or argmax, the run's
+        post-processing and the training files' label values; for an image, the scan's units first."""
+        if not segmentation:
+            return [*self.units(settings), step("to_source_grid", "Lambda", func=(
+                "$lambda d: {**d, 'pred': (lambda p, low: monai.transforms.ResampleToMatch(mode='bilinear', "
+                "padding_mode='zeros', dtype=torch.float32)(p - low, d['" + SOURCE_KEY + "']) + low)(d['pred'], "
+                "float(d['pred'].min()))}")), save("reconstruction", "$numpy.float32")]
+        scheme = module.scheme  # type: ignore[attr-defined]
+        # Voxels the model grid does not cover are background: probability 1 for the background class, 0 for
+        # every region; interpolated towards it at the grid's edge (resampled as offsets from it, padded with 0).
+        fill = [float(v) for v in scheme.background()]
+        offset = [] if not any(fill) else [
+            step("to_source_grid", "Lambdad", keys="pred",
+                 func=f"$lambda p: p {sign} torch.tensor({fill}).reshape(-1, 1, 1, 1)") for sign in "-+"]
+        resample = step("to_source_grid", "ResampleToMatchd", keys="pred", key_dst=SOURCE_KEY, mode="bilinear",
+                        padding_mode="zeros", dtype="$torch.float32")
+        if scheme.is_regions:
+            order = sorted(range(len(scheme.regions)), key=lambda i: -len(list(scheme.regions.values())[i]))
+            paint = [(i, int(scheme.region_values[list(scheme.regions)[i]])) for i in order]
+            threshold = float(scheme.threshold)
+            labels = step("label_maps", "Lambdad", keys="pred", func=(
+                f"$lambda p: functools.reduce(lambda m, cv: torch.where(p[cv[0]:cv[0] + 1] > {threshold}, cv[1], m), "
+                f"{paint}, torch.zeros_like(p[:1], dtype=torch.int64))"))
+        else:
+            labels = step("label_maps", "AsDiscreted", keys="pred", argmax=True, dtype="$torch.int64")
+        largest = [
+            step("Postprocessing", "Lambdad", keys="pred",
+                 func=f"$lambda m: {self.helper('keep_largest')}(m, {[int(v) for v in values]})")
+            for _, values in module.postprocessing.steps  # type: ignore[attr-defined]
         ]
-    return []
+        lookup = label_file_values(module)
+        values = [] if lookup is None else [step("label_values", "Lambdad", keys="pred", func=(
+            f"$lambda m: monai.utils.convert_to_dst_type(torch.tensor({lookup})[m.as_tensor().long()], m)[0]"))]
+        return [*offset[:1], resample, *offset[1:], labels, *largest, *values, save("seg", "$numpy.int16")]
+
+    @staticmethod
+    def units(settings: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """A reconstruction back into the scan's units: the percentile or window scaling inverted per channel with
+        the scan's own ends, as predict.py's writer does (`to_source_units`); z units stay."""
+        if settings.get("intensity") not in ("percentile", "window"):
+            return []
+        low, high = (float(v) for v in settings.get("output_range", [-1.0, 1.0]))
+        return [step("to_source_units", "Lambda", func=(
+            f"$lambda d: {{**d, 'pred': torch.stack([(c.clamp({low}, {high}) - {low}) / {high - low} * (hi - lo) "
+            "+ lo for c, lo, hi in zip(d['pred'], d['intensity_low'], d['intensity_high'])])}"))]
+
+
+def step(medvol_step: str, target: str, **arguments: Any) -> dict[str, Any]:
+    """A transform of inference.json, described (`_desc_`, which MONAI does not pass on) by the step of predict.py
+    it does: a transform of medvol's dataset (`PlannedNormalized`), or a function its model or writer calls."""
+    return {"_target_": target, "_desc_": f"{DESCRIPTION_PREFIX}{medvol_step}", **arguments}
+
+
+def save(postfix: str, dtype: str) -> dict[str, Any]:
+    return step("save_volume", "SaveImaged", keys="pred", output_dir="@output_dir", output_postfix=postfix,
+                separate_folder=False, resample=False, output_dtype=dtype, print_log=False)
+
+
+# inference.json's helper functions (config id -> expression, the packages it imports beyond PyTorch, numpy and
+# MONAI): the steps of predict.py that MONAI has no transform for, written as medvol runs them.
+HELPERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    # `datamodules.pipeline.transforms.nonzero_mask` (nnU-Net's `create_nonzero_mask`): the voxels non-zero in any
+    # channel, holes filled.
+    "nonzero_mask": ("$lambda v: torch.from_numpy(ndimage.binary_fill_holes((v != 0).any(0).numpy()))", ("scipy",)),
+    # `PlannedNormalized` on (C, D, H, W) float64 values: per channel its plan's z-score (masked MR, MR, CT).
+    "normalized": ("$lambda v, plans, mask: torch.stack([@normalized_channel(c, p, mask) for c, p in zip(v, plans)])",
+                   ()),
+    "normalized_channel": (
+        "$lambda c, p, mask: ((c.clamp(p['clip'][0], p['clip'][1]) - p['mean']) / max(p['std'], 1e-8)) "
+        "if p['kind'] == 'ct' else ((c - c.mean()) / max(float(c.std(unbiased=False)), 1e-8)) "
+        "if not p.get('use_mask', True) else torch.where(mask, (c - c[mask].mean()) / "
+        "max(float(c[mask].std(unbiased=False)), 1e-8), torch.zeros_like(c)) if bool(mask.any()) "
+        "else torch.zeros_like(c)", ()),
+    # `medvol.volumes.plan.separate_axis`: the coarse axis resampled apart, of the scan's spacing or else the
+    # target's where over 3x anisotropic; None where neither is, or no axis is alone.
+    "separate_axis": (
+        "$lambda current, target: next((int(numpy.nonzero(numpy.asarray(s).max() / numpy.asarray(s) == 1)[0][0]) "
+        "if int((numpy.asarray(s).max() / numpy.asarray(s) == 1).sum()) == 1 else None for s in (current, target) "
+        f"if max(s) / min(s) > {ANISOTROPY}), None)", ()),
+    # `PlannedSpacingd` on an image: cubic splines (edges repeated) to the target, or with a separate axis the
+    # others first (that axis kept), then that axis by nearest neighbour.
+    "planned_spacing": (
+        "$lambda x, target: (lambda current: (lambda axis: functools.reduce(lambda v, step: "
+        "monai.transforms.Spacing(step[0], mode=step[1], padding_mode='nearest')(v), [(target, 3)] if axis is None "
+        "else [([c if i == axis else t for i, (c, t) in enumerate(zip(current, target))], 3), (target, 'nearest')], "
+        "x))(@separate_axis(current, target)))([float(s) for s in x.pixdim[:3]])", ()),
+    # `lightning_modules.segmentation.postprocessing.keep_largest` on a (1, D, H, W) label map: the voxels of
+    # `values` outside their largest 26-connected component set to 0.
+    "keep_largest": (
+        "$lambda m, values: (lambda mask: (lambda found: m if found[1] < 2 else m.masked_fill(torch.from_numpy(mask "
+        "& (found[0] != numpy.bincount(found[0].ravel())[1:].argmax() + 1))[None], 0))(ndimage.label(mask, "
+        "structure=numpy.ones((3, 3, 3), dtype=bool))))(numpy.isin(m.as_tensor()[0].numpy(), values))", ("scipy",)),
+}
+# The modules inference.json's expressions name (the standard library's, and MONAI's own requirements), and how
+# it imports each package a helper uses.
+BASE_IMPORTS = ("$import functools", "$import glob", "$import os", "$import numpy", "$import torch", "$import monai")
+IMPORTS = {"scipy": "$import scipy.ndimage as ndimage"}
 
 
 def background(settings: Mapping[str, Any], channels: int) -> list[float]:
@@ -203,54 +324,21 @@ def single(values: Sequence[float], what: str) -> float:
     return float(values[0])
 
 
-def postprocessing(module: MedvolModule, settings: Mapping[str, Any], segmentation: bool) -> list[dict[str, Any]]:
-    """The window's output back onto the scan's grid (linear, as predict.py), then for segmentation the argmax
-    or threshold into label values and the run's post-processing; for an image, the scan's units first."""
-    resample = {"_target_": "ResampleToMatchd", "keys": "pred", "key_dst": SOURCE_KEY, "mode": "bilinear",
-                "padding_mode": "zeros" if segmentation else "border", "dtype": "$torch.float32"}
-    if not segmentation:
-        low, high = (float(v) for v in settings.get("output_range", [-1.0, 1.0]))
-        units = []
-        if settings.get("intensity") in ("percentile", "window"):
-            units = [{"_target_": "Lambda", "func": (
-                f"$lambda d: {{**d, 'pred': torch.stack([(c.clamp({low}, {high}) - {low}) / {high - low} * (hi - lo) "
-                "+ lo for c, lo, hi in zip(d['pred'], d['intensity_low'], d['intensity_high'])])}")}]
-        return [*units, resample,
-                {"_target_": "SaveImaged", "keys": "pred", "output_dir": "@output_dir",
-                 "output_postfix": "reconstruction", "separate_folder": False, "resample": False,
-                 "output_dtype": "$numpy.float32", "print_log": False}]
-    scheme = module.scheme  # type: ignore[attr-defined]
-    if scheme.is_regions:
-        order = sorted(range(len(scheme.regions)), key=lambda i: -len(list(scheme.regions.values())[i]))
-        paint = [(i, int(scheme.region_values[list(scheme.regions)[i]])) for i in order]
-        labels = {"_target_": "Lambdad", "keys": "pred", "func": (
-            f"$lambda p: functools.reduce(lambda m, cv: torch.where(p[cv[0]:cv[0] + 1] > {float(scheme.threshold)}, "
-            f"cv[1], m), {paint}, torch.zeros_like(p[:1], dtype=torch.int64))")}
-    else:
-        labels = {"_target_": "AsDiscreted", "keys": "pred", "argmax": True}
-    largest = [
-        {"_target_": "KeepLargestConnectedComponentd", "keys": "pred", "applied_labels": [int(v) for v in values],
-         "independent": False, "connectivity": 3}
-        for _, values in module.postprocessing.steps  # type: ignore[attr-defined]
-    ]
-    return [resample, labels, *largest,
-            {"_target_": "SaveImaged", "keys": "pred", "output_dir": "@output_dir", "output_postfix": "seg",
-             "separate_folder": False, "resample": False, "output_dtype": "$numpy.int16", "print_log": False}]
-
-
 def inference_config(
-    module: MedvolModule, settings: Mapping[str, Any], size: Sequence[int], segmentation: bool
+    module: MedvolModule, settings: Mapping[str, Any], size: Sequence[int], segmentation: bool, steps: BundleSteps
 ) -> dict[str, Any]:
     """configs/inference.json: the model zoo's ids (`bundle_root`, `dataset_dir`, `output_dir`, `network`,
-    `preprocessing`, `inferer`, `postprocessing`, `run`), a plain loop over the scans (no ignite needed)."""
+    `preprocessing`, `inferer`, `postprocessing`, `run`), a plain loop over the scans (no ignite needed), and the
+    helper functions its steps call (`steps` collects them and the packages they import)."""
     channels = int(module.hparams.get("in_channels", 1))
+    preprocessing = steps.preprocessing(settings, channels)
+    postprocessing = steps.postprocessing(module, settings, segmentation)
     pad = single(list(getattr(module, "pad_value", None) or [0.0]), "the window padding") if segmentation else 0.0
     overlap = float(module.hparams.get("overlap", 0.25)) if segmentation else 0.25
     each = ("$[@postprocessing({**item, 'pred': monai.data.MetaTensor(@inferer(item['image'][None].to(@device), "
             "@network)[0].float().cpu(), meta=item['image'].meta)}) for item in @dataset]")
     return {
-        "imports": ["$import functools", "$import glob", "$import os", "$import numpy", "$import torch",
-                    "$import monai"],
+        "imports": steps.imports(),
         "bundle_root": ".",
         "dataset_dir": "scans",
         "output_dir": "$@bundle_root + '/eval'",
@@ -258,12 +346,13 @@ def inference_config(
         "datalist": "$sorted(glob.glob(os.path.join(@dataset_dir, '*.nii')) + "
                     "glob.glob(os.path.join(@dataset_dir, '*.nii.gz')))",
         "network": f"$torch.jit.load(os.path.join(@bundle_root, '{MODEL_FILE}'), map_location=@device).eval()",
-        "preprocessing": {"_target_": "Compose", "transforms": preprocessing(settings, channels)},
+        **steps.helpers,
+        "preprocessing": {"_target_": "Compose", "transforms": preprocessing},
         "dataset": {"_target_": "Dataset", "data": "$[{'image': f} for f in @datalist]",
                     "transform": "@preprocessing"},
         "inferer": {"_target_": "SlidingWindowInferer", "roi_size": [int(s) for s in size], "sw_batch_size": 4,
                     "overlap": overlap, "mode": "gaussian", "padding_mode": "constant", "cval": pad},
-        "postprocessing": {"_target_": "Compose", "transforms": postprocessing(module, settings, segmentation)},
+        "postprocessing": {"_target_": "Compose", "transforms": postprocessing},
         "initialize": ["$torch.set_grad_enabled(False)", "$os.makedirs(@output_dir, exist_ok=True)"],
         "run": [each],
         "finalize": [],
@@ -272,9 +361,10 @@ def inference_config(
 
 def bundle_metadata(
     module: MedvolModule, run: DictConfig, ckpt: str, settings: Mapping[str, Any], size: Sequence[int],
-    channels: int, segmentation: bool,
+    channels: int, segmentation: bool, packages: Mapping[str, str],
 ) -> dict[str, Any]:
-    """configs/metadata.json: the specification's mandatory keys, and medvol's record (plan, labels, units)."""
+    """configs/metadata.json: the specification's mandatory keys (`packages`: what the config imports beyond
+    MONAI's own requirements, with their versions), and medvol's record (plan, labels, units)."""
     dataset = run.dataset
     names = list(dataset.get("image_modalities") or [f"channel{c}" for c in range(channels)])
     spacing = settings.get("spacing")
@@ -303,9 +393,10 @@ def bundle_metadata(
             "num_channels": len(classes), "spatial_shape": window, "dtype": "float32", "value_range": [0, 1],
             "is_patch_data": True, "channel_def": {str(i): f"probability of {n}" for i, n in enumerate(classes)},
         }}
+        lookup = label_file_values(module) or list(range(scheme.num_classes))
         written = {"file": "<scan>_seg.nii.gz", "dtype": "int16", "grid": "the scan's own", "labels": (
-            {n: [int(v) for v in values] for n, values in scheme.regions.items()} if scheme.is_regions else
-            {str(i): n for i, n in enumerate(classes)}),
+            {n: [lookup[v] for v in values] for n, values in scheme.segments.items()} if scheme.is_regions else
+            {str(lookup[i]): n for i, n in enumerate(classes)}),
             "rule": f"regions painted largest first where their probability > {float(scheme.threshold)}"
             if scheme.is_regions else "argmax of the probabilities"}
         task = f"3D segmentation of {', '.join(scheme.names)}"
@@ -326,7 +417,7 @@ def bundle_metadata(
         "monai_version": monai_version,
         "pytorch_version": torch.__version__.split("+")[0],
         "numpy_version": numpy.__version__,
-        "optional_packages_version": {"nibabel": nibabel.__version__},
+        PACKAGES_KEY: dict(packages),
         "name": f"medvol_{type(module).__name__.lower()}",
         "task": task,
         "description": f"{task}, trained with medvol; the whole predict.py pipeline (preprocessing, sliding window"
@@ -361,10 +452,12 @@ def metadata_problem(metadata: Mapping[str, Any]) -> str | None:
 
 def readme(metadata: Mapping[str, Any], segmentation: bool) -> str:
     output = "<scan>_seg.nii.gz (label map)" if segmentation else "<scan>_reconstruction.nii.gz"
+    packages = list(metadata[PACKAGES_KEY])
     return (
         f"# {metadata['name']}\n\n{metadata['description']}.\n\n"
-        "Needs MONAI, PyTorch, numpy and nibabel (not medvol), and fire for MONAI's command line "
-        "(`pip install monai nibabel fire`):\n\n"
+        f"Needs MONAI, PyTorch, numpy and {', '.join(packages)} (not medvol; `{PACKAGES_KEY}` in "
+        "`configs/metadata.json` gives the versions it was exported with), and fire for MONAI's command line "
+        f"(`pip install monai {' '.join(packages)} fire`):\n\n"
         "```bash\npython -m monai.bundle run --config_file configs/inference.json --bundle_root . "
         "--dataset_dir scans/ --output_dir out/\n```\n\n"
         f"Every `.nii`/`.nii.gz` file in `scans/` (one subject per file; a 4D file's last axis holds the channels) "

@@ -52,6 +52,7 @@ def export(cfg: DictConfig) -> dict[str, Any]:
 
 def _exported(cfg: DictConfig) -> dict[str, Any]:
     chosen = check_format(cfg.get("format"))
+    check_exporter(chosen)
     output_dir = check_output_dir(cfg.get("output_dir"))
     opset = check_opset(cfg.get("opset", MIN_OPSET))
     if cfg.get("ckpt_path") is None:
@@ -97,6 +98,16 @@ def check_format(value: Any) -> str:
     if value not in FORMATS:
         raise MedvolError(f"`format` is {value!r}; expected one of {', '.join(FORMATS)}")
     return str(value)
+
+
+def check_exporter(chosen: str) -> None:
+    """Refuse ONNX where the onnx package PyTorch's exporter writes with is missing (the `[export]` extra), before
+    anything is read; its check, through onnxruntime, is only noted as not run where that alone is missing."""
+    if chosen == "onnx" and importlib.util.find_spec("onnx") is None:
+        raise MedvolError(
+            "`format=onnx` needs the onnx package (PyTorch's ONNX exporter writes with it), which is not installed: "
+            "pip install -e '.[export]'; format=torchscript and format=bundle need neither"
+        )
 
 
 def check_output_dir(value: Any) -> Path:

@@ -187,9 +187,6 @@ def file_dataset(
         writer.writerow(["subject", *channels, *names])
         writer.writerows([subject, *(str(f.resolve()) for f in group), *(covariates or {}).get(subject, [])]
                          for subject, group in subjects.items())
-    own = run.dataset.get("transforms")
-    transforms = OmegaConf.to_container(own, resolve=True) if own is not None else {}
-    assert isinstance(transforms, dict)
     listed = (
         {"_target_": COVARIATE_DATASET, "csv_path": str(listing), "time_column": None, "event_column": None,
          "covariate_columns": names}
@@ -198,7 +195,7 @@ def file_dataset(
     config = OmegaConf.create({
         **listed, "image_modalities": channels if key == "image" else [],
         "cond_modalities": channels if key == "cond" else [],
-        "transforms": {**transforms, **geometry, **prediction_transforms(run, False)}, "num_workers": 0,
+        "transforms": file_transforms(run, geometry), "num_workers": 0,
         "split_file": None,
         "series": series,
     })
@@ -206,6 +203,15 @@ def file_dataset(
     datamodule = build(config)
     records = datamodule.subjects()
     return Inputs(datamodule.build_dataset(records, "test"), config, records, condition_only=key != "image")
+
+
+def file_transforms(run: DictConfig, geometry: Mapping[str, Any]) -> dict[str, Any]:
+    """The `dataset.transforms` input files are read with: the run's own, resampled to `geometry`, on whole
+    volumes (what an exported bundle's preprocessing is built from too)."""
+    own = run.dataset.get("transforms")
+    transforms = OmegaConf.to_container(own, resolve=True) if own is not None else {}
+    assert isinstance(transforms, dict)
+    return {**transforms, **geometry, **prediction_transforms(run, False)}
 
 
 def dataset_subjects(

@@ -12,6 +12,7 @@ code that writes `test=true` outputs: the source grid and units, the source head
 from __future__ import annotations
 
 import logging
+import resource
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from datamodules.sources.nifti import LABEL_FILE_VALUES
 from lightning_modules.base import MedvolModule
 from lightning_modules.segmentation.postprocessing import postprocessing_switch
 from medvol.core.checkpoint_read import TRUST_KEY, checkpoints_trusted
@@ -71,10 +73,13 @@ def _predicted(cfg: DictConfig) -> dict[str, float]:
     output_dir = Path(str(cfg.output_dir)).expanduser()
     device = pick_device(str(cfg.device))
     module = load_module(run, str(cfg.ckpt_path), device)
+    if hasattr(module, "progress"):
+        # A generative model logs its walk (steps, windows) and its decoding (slabs) as it goes.
+        module.progress = True
     predictor = segmentation_predictor(cfg, module, run, checkpoints, decided_in, device)
     num_samples = int(cfg.get("num_samples", 1))
     if from_noise(cfg):
-        return noise_samples(module, cfg.get("spacing"), output_dir, num_samples)
+        return noise_samples(module, cfg.get("spacing"), output_dir, num_samples, device)
     check_samples(module, num_samples)
     if cfg.input is not None and "xray" in module.generation_inputs():
         return from_radiographs(module, run, Path(str(cfg.input)).expanduser(), output_dir, num_samples, device)
@@ -97,10 +102,13 @@ def _predicted(cfg: DictConfig) -> dict[str, float]:
             log.info("predict: %s on %d subject(s) from %s", ", ".join(checkpoints), len(inputs.dataset), inputs.where)
             if hasattr(module, "postprocessing"):
                 log.info("%s", module.postprocessing_note or module.postprocessing.describe())
-            count = predict_subjects(predictor, inputs, window, writer, num_samples, refine, extras)
+            count = predict_subjects(
+                predictor, inputs, window, writer, num_samples, refine, extras, label_file_values(module)
+            )
             writer.write_metrics()
             writer.write_predictions()
             log.info(summary_line(writer.rows, count, output_dir))
+            log.info(peak_memory(device))
     return mean_metrics(writer.rows)
 
 
@@ -172,11 +180,23 @@ def segmentation_predictor(
     return Ensemble(members)
 
 
+def label_file_values(module: MedvolModule) -> list[int] | None:
+    """Per label value a segmentation model writes (0..K-1), the value its training files used, where its dataset
+    changed them on loading (BraTS 2021's enhancing tumour: 3 in the model, 4 in the files; the checkpoint's
+    `training_data` records it); None where they are the model's own."""
+    changed = (module.training_data or {}).get(LABEL_FILE_VALUES)
+    scheme = getattr(module, "scheme", None)
+    if not changed or scheme is None:
+        return None
+    return [int(changed.get(str(value), value)) for value in range(scheme.num_classes)]
+
+
 def predict_subjects(
     module: Any, inputs: Inputs, window: SlidingWindow, writer: PredictionWriter, num_samples: int,
-    refine: bool, extras: Sequence[str],
+    refine: bool, extras: Sequence[str], label_values: list[int] | None = None,
 ) -> int:
-    """Each subject's outputs, written as they come, under a progress bar; return how many subjects."""
+    """Each subject's outputs, written as they come, under a progress bar; return how many subjects. Masks of
+    subjects whose batch does not say its files' label values (input files) are written with `label_values`."""
     target_units = intensity_record(module) if inputs.condition_only else None
     with Progress(
         TextColumn("[bold]predict"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
@@ -193,6 +213,8 @@ def predict_subjects(
                     outputs = module.predict_volumes(batch, window, extras)
                     if num_samples > 1:
                         outputs = sampled_outputs(module, batch, num_samples, first=outputs)
+            if label_values is not None and batch.get("label_values") is None:
+                batch = {**batch, "label_values": torch.tensor([label_values] * len(batch["subject"]))}
             writer.write(outputs, on_model_grid(batch) if refine else batch)
             progress.advance(task)
     return len(inputs.dataset)  # type: ignore[arg-type]
@@ -207,15 +229,26 @@ def from_radiographs(
     with log_file(output_dir / LOG_FILE):
         count = ct_from_radiographs(module, run, source, output_dir, device, num_samples)
         log.info(summary_line([], count, output_dir))
+        log.info(peak_memory(device))
     return {}
 
 
-def noise_samples(module: MedvolModule, spacing: Any, output_dir: Path, num_samples: int) -> dict[str, float]:
+def noise_samples(
+    module: MedvolModule, spacing: Any, output_dir: Path, num_samples: int, device: torch.device
+) -> dict[str, float]:
     """`num_samples` volumes from noise alone, for an unconditional generator given no input (`noise_samples`)."""
     with log_file(output_dir / LOG_FILE):
         count = write_noise_samples(module, noise_geometry(spacing, module.training_data), num_samples, output_dir)
         log.info("generated %d sample%s -> %s", count, "s" if count != 1 else "", output_dir)
+        log.info(peak_memory(device))
     return {}
+
+
+def peak_memory(device: torch.device) -> str:
+    """The most memory the prediction held: on a GPU its allocated peak, else the process's peak resident set."""
+    if device.type == "cuda":
+        return f"peak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+    return f"peak host memory: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
 
 
 def summary_line(rows: list[dict[str, Any]], count: int, output_dir: Path) -> str:

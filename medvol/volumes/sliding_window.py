@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from monai.data.utils import dense_patch_slices
 from monai.inferers import sliding_window_inference
 
 from medvol.volumes.volume_budget import check_volume_size
@@ -71,6 +72,13 @@ class SlidingWindow:
     @classmethod
     def of(cls, roi: Sequence[int], **kwargs: Any) -> SlidingWindow:
         return cls(tuple(int(r) for r in roi), **kwargs)  # type: ignore[arg-type]
+
+    def windows(self, shape: Sequence[int]) -> int:
+        """How many windows cover a (B, C, D, H, W) volume of `shape`, as MONAI places them (steps of `roi` x (1 -
+        `overlap`), the last flush with the far edge; one along an axis the window spans), for every sample."""
+        sizes = [max(int(s), r) for s, r in zip(shape[2:], self.roi, strict=True)]
+        steps = [r if s == r else max(int(r * (1 - self.overlap)), 1) for s, r in zip(sizes, self.roi, strict=True)]
+        return int(shape[0]) * len(dense_patch_slices(sizes, self.roi, steps))
 
     def __call__(
         self,

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import math
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from monai.networks.schedulers import DDPMScheduler
 from torch import nn
 
-from lightning_modules.diffusion.checkpointing import checkpoint_blocks, unet_blocks
+from lightning_modules.diffusion.checkpointing import checkpoint_unet
 from lightning_modules.diffusion.ema import EMA
 from lightning_modules.diffusion.prediction import PREDICTION_TYPES, to_x0_and_epsilon, training_target
 from lightning_modules.diffusion.samplers import ddim_step, ddpm_posterior, sample_ddim, sample_ddpm
@@ -182,31 +185,100 @@ def test_ema_follows_the_decay_and_copies_buffers():
     assert warm.current_decay() == pytest.approx(0.1)
 
 
-def test_activation_checkpointing_keeps_names_outputs_and_gradients():
+def saved_values(network: nn.Module, *inputs: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
+    """(values autograd keeps for the backward pass of `network(*inputs)`, the parameters' gradients)."""
+    sizes: list[int] = []
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        sizes.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        loss = network(*inputs).square().sum()
+    return sum(sizes), list(torch.autograd.grad(loss, list(network.parameters())))
+
+
+def test_activation_checkpointing_recomputes_each_block_with_the_same_names_and_gradients():
     from monai.networks.nets import DiffusionModelUNet
 
+    settings = {"spatial_dims": 3, "in_channels": 2, "out_channels": 1, "channels": (8, 8),
+                "attention_levels": (False, True), "num_res_blocks": 1, "norm_num_groups": 4, "num_head_channels": 4}
     torch.manual_seed(0)
-    plain = DiffusionModelUNet(
-        spatial_dims=3, in_channels=2, out_channels=1, channels=(8, 8), attention_levels=(False, True),
-        num_res_blocks=1, norm_num_groups=4, num_head_channels=4,
-    )
-    wrapped = DiffusionModelUNet(
-        spatial_dims=3, in_channels=2, out_channels=1, channels=(8, 8), attention_levels=(False, True),
-        num_res_blocks=1, norm_num_groups=4, num_head_channels=4,
-    )
+    plain = DiffusionModelUNet(**settings)
+    for weight in plain.parameters():
+        if not weight.any():  # MONAI zeroes the output convolutions: gradients would not reach the blocks before
+            torch.nn.init.normal_(weight, std=0.1)
+    wrapped = DiffusionModelUNet(**settings)
     wrapped.load_state_dict(plain.state_dict())
-    checkpoint_blocks(unet_blocks(wrapped))
-    assert len(unet_blocks(wrapped)) == 5
+    # Counted by hand: residual blocks 1 + 1 down, 2 middle, 2 + 2 up; attention 1 down, 1 middle, 2 up.
+    assert checkpoint_unet(wrapped) == 12
     assert plain.state_dict().keys() == wrapped.state_dict().keys()
     x, t = torch.randn(1, 2, 8, 8, 8), torch.tensor([10])
     calls = []
-    next(wrapped.middle_block.children()).register_forward_hook(lambda *args: calls.append(1))
-    plain(x, t).square().sum().backward()
-    wrapped(x, t).square().sum().backward()
-    # Checkpointing runs the middle block again in the backward pass.
-    assert len(calls) == 2
-    for (name, a), b in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
-        assert torch.allclose(a.grad, b.grad, atol=1e-5), name
+    # A residual block of the full-resolution up block runs again in the backward pass; the blocks are checkpointed
+    # one by one, never a whole down or up block at once.
+    wrapped.up_blocks[-1].resnets[-1].conv1.register_forward_hook(lambda *args: calls.append("block"))
+    assert not any(type(b).__name__.startswith("Checkpointed") for b in [*wrapped.down_blocks, *wrapped.up_blocks])
+    kept_plain, plain_gradients = saved_values(plain, x, t)
+    kept_wrapped, wrapped_gradients = saved_values(wrapped, x, t)
+    assert calls == ["block", "block"]
+    assert kept_wrapped < kept_plain / 2
+    for (name, _), a, b in zip(plain.named_parameters(), plain_gradients, wrapped_gradients, strict=True):
+        torch.testing.assert_close(b, a, msg=name)
+    # Without gradients (sampling) and in eval mode (the EMA copy) nothing is recomputed.
+    calls.clear()
+    with torch.no_grad():
+        wrapped(x, t)
+    wrapped.eval()
+    wrapped(x, t).sum().backward()
+    assert calls == ["block", "block"]
+
+
+@pytest.mark.parametrize("model", ["ddpm", "ldm", "xray2ct"])
+def test_the_denoisers_attend_fused_by_default_and_equal_monais_explicit_attention(model, tmp_path):
+    from hydra.utils import instantiate
+    from monai.networks.blocks import CrossAttentionBlock, SABlock
+
+    from tests.conftest import compose_cfg
+
+    cfg = compose_cfg(tmp_path, [f"model={model}"], tiny=False)
+    settings = dict(cfg.model.network) if model != "xray2ct" else {}
+    if model == "xray2ct":
+        from lightning_modules.xray2ct.denoiser import ViewConditionedDenoiser, network_settings
+
+        settings = network_settings(cfg.model)
+        assert settings["use_flash_attention"] is True
+        torch.manual_seed(0)
+        settings.update(num_views=2, xray_size=(16, 16))
+        fused = ViewConditionedDenoiser(**settings)
+        explicit = ViewConditionedDenoiser(**{**settings, "use_flash_attention": False})
+        inputs = (torch.randn(2, 1, 16, 16, 16), torch.tensor([3, 700]), torch.rand(2, 2, 16, 16))
+    else:
+        assert settings["use_flash_attention"] is True
+        torch.manual_seed(0)
+        fused = instantiate(cfg.model.network)(in_channels=2, out_channels=1)
+        explicit = instantiate(cfg.model.network, use_flash_attention=False)(in_channels=2, out_channels=1)
+        inputs = (torch.randn(2, 2, 16, 16, 16), torch.tensor([3, 700]))
+    attention = [m for m in fused.modules() if isinstance(m, (SABlock, CrossAttentionBlock))]
+    assert attention and all(m.use_flash_attention for m in attention)
+    # One set of weights serves both: the same state-dict keys, each network's checkpoint loads in the other.
+    for weight in fused.parameters():
+        if not weight.any():  # MONAI zeroes the output convolutions: an all-zero output would compare nothing
+            torch.nn.init.normal_(weight, std=0.1)
+    assert fused.state_dict().keys() == explicit.state_dict().keys()
+    explicit.load_state_dict(fused.state_dict())
+    fused.load_state_dict(explicit.state_dict())
+    outputs, gradients = [], []
+    for network in (fused, explicit):
+        output = network(*inputs)
+        outputs.append(output.detach())
+        gradients.append(torch.autograd.grad(output.square().sum(), list(network.parameters())))
+    assert outputs[0].abs().max() > 0.1
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-5)
+    # Float sums over every voxel in another order: equal to a thousandth of the gradients' scale.
+    scale = max(float(gradient.abs().max()) for gradient in gradients[1])
+    for fused_gradient, explicit_gradient in zip(*gradients, strict=True):
+        torch.testing.assert_close(fused_gradient, explicit_gradient, rtol=1e-3, atol=1e-3 * scale)
 
 
 def test_schedules_equal_monais_and_the_v_target_is_monais_velocity():
@@ -308,3 +380,32 @@ def test_loss_reductions_are_the_voxel_mean_and_the_per_sample_voxel_sum_average
     assert float(_fast_ddpm().regression_loss(output, target)) == pytest.approx(sum(squared) / 128, rel=1e-5)
     assert float(_fast_ddpm(loss_reduction="sum").regression_loss(output, target)) == pytest.approx(sum(squared) / 2,
                                                                                                     rel=1e-5)
+
+
+def test_low_precision_group_norm_normalises_in_the_autocast_dtype_and_is_groupnorm_outside():
+    from monai.networks.nets import DiffusionModelUNet
+
+    from lightning_modules.diffusion.fast_ddpm import ConditionalDiffusion
+    from lightning_modules.diffusion.low_precision_norm import LowPrecisionGroupNorm
+
+    torch.manual_seed(0)
+    norm = nn.GroupNorm(2, 4)
+    nn.init.normal_(norm.weight)
+    nn.init.normal_(norm.bias)
+    low = copy.deepcopy(norm)
+    low.__class__ = LowPrecisionGroupNorm
+    x = torch.randn(2, 4, 3, 3, 3) * 3 + 1
+    assert torch.equal(low(x), norm(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        # A float32 input: nn.GroupNorm keeps it float32 there; this one normalises it in bf16, as by hand.
+        assert norm(x).dtype == torch.float32
+        out = low(x)
+    by_hand = F.group_norm(x.bfloat16(), 2, norm.weight.bfloat16(), norm.bias.bfloat16(), norm.eps)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, by_hand)
+    unet = partial(DiffusionModelUNet, spatial_dims=3, channels=(8, 8), attention_levels=(False, True),
+                   num_res_blocks=1, norm_num_groups=4, num_head_channels=4)
+    module = ConditionalDiffusion(unet, image_channels=1, cond_channels=1, low_precision_norm=True)
+    norms = [m for m in module.network.modules() if isinstance(m, nn.GroupNorm)]
+    assert norms and all(type(m) is LowPrecisionGroupNorm for m in norms)
+    plain = ConditionalDiffusion(unet, image_channels=1, cond_channels=1)
+    assert module.state_dict().keys() == plain.state_dict().keys()

@@ -93,6 +93,27 @@ def test_the_scale_factor_makes_training_latents_unit_variance_and_is_undone_bef
     torch.testing.assert_close(module.images(scaled), expected, rtol=0, atol=1e-5)
 
 
+def test_activation_checkpointing_gives_the_denoiser_the_same_gradients_and_keeps_its_weights_names(vqgan_ckpt):
+    plain, recomputing = tiny_ldm(vqgan_ckpt), tiny_ldm(vqgan_ckpt, activation_checkpointing=True)
+    assert plain.state_dict().keys() == recomputing.state_dict().keys()
+    for weight in plain.network.parameters():
+        if not weight.any():  # MONAI zeroes the output convolution: gradients would not reach the blocks before it
+            torch.nn.init.normal_(weight, std=0.1)
+    recomputing.load_state_dict(plain.state_dict())
+    calls = []
+    recomputing.network.up_blocks[-1].resnets[-1].conv1.register_forward_hook(lambda *args: calls.append(1))
+    x = phantoms(2)
+    gradients = []
+    for module in (plain, recomputing):
+        module.set_scale_factor([{"image": x}])
+        torch.manual_seed(3)
+        loss = module.training_step({"image": x}, 0)
+        gradients.append(torch.autograd.grad(loss, list(module.network.parameters())))
+    assert calls == [1, 1]  # the block ran again in the backward pass
+    for (name, _), a, b in zip(plain.network.named_parameters(), *gradients, strict=True):
+        torch.testing.assert_close(b, a, msg=name)
+
+
 def test_decoding_quantized_snaps_every_latent_vector_to_its_nearest_code(vqgan_ckpt):
     module = tiny_ldm(vqgan_ckpt)
     z = torch.randn(1, 4, 3, 3, 3)
@@ -322,6 +343,14 @@ def test_predict_with_no_input_writes_n_samples_at_the_spacing_asked_in_hounsfie
         moved.rename(first_stage)
     written = sorted(p.name for p in out.glob("*.nii.gz"))
     assert written == ["sample_0.nii.gz", "sample_1.nii.gz"] and (out / "predict.log").is_file()
+    # Its progress: each draw's walk (every step of Fast-DDPM's ten, on the whole 4^3 latent), its decoding by slabs
+    # (the decoder's parts), and at the end the peak memory.
+    log = (out / "predict.log").read_text()
+    assert log.count("sampling 4x4x4: step 1/10, the whole volume") == 2 and log.count("step 10/10") == 2
+    assert log.count("decoding a 4x4x4 latent by depth slabs of 67108864 values, whole activations on cpu") == 2
+    for part in ("conv_in from 4x4x4", "upsampling from 4x4x4", "upsampling from 8x8x8", "out from 16x16x16"):
+        assert log.count(f"decoding: {part} in 1 slabs") == 2, part
+    assert "peak host memory:" in log.splitlines()[-1]
     images = [nib.load(str(out / name)) for name in written]
     for image in images:
         assert image.shape == (16, 16, 16)

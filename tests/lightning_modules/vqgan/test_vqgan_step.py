@@ -71,17 +71,18 @@ def old_step(model: VQGAN, opt_ae, opt_disc, x: torch.Tensor, gan_on: bool) -> d
 
 
 def new_step(model: VQGAN, opt_ae, opt_disc, x: torch.Tensor, gan_on: bool) -> dict[str, torch.Tensor]:
-    """The step as `VQGAN.training_step` takes it, without Lightning."""
+    """The step as `VQGAN.training_step` takes it, without Lightning: the discriminators' update first (their weights'
+    gradients alone), then the generator's."""
     step = model.gan_losses(x, gan_on)
-    step.generator_objective.backward()
-    opt_ae.step()
-    opt_ae.zero_grad(set_to_none=True)
     out = {k: v.detach() for k, v in step.terms.items()}
     if step.discriminator_loss is not None:
-        step.discriminator_loss.backward()
+        step.discriminator_loss.backward(inputs=model.discriminator_parameters())
         opt_disc.step()
         opt_disc.zero_grad(set_to_none=True)
         out["disc_loss"] = step.discriminator_loss.detach()
+    step.generator_objective.backward()
+    opt_ae.step()
+    opt_ae.zero_grad(set_to_none=True)
     out["generator_loss"] = step.generator_loss
     out["codes"] = step.quantized.encodings
     return out
@@ -292,3 +293,25 @@ def test_gpu_speedups_apply_on_a_cuda_device_only_and_keep_the_checkpoint_names(
     with torch.no_grad():
         # Same arithmetic in another memory order: float32 summation order only.
         torch.testing.assert_close(model(x)[0], eager, rtol=1e-5, atol=1e-5)
+
+
+def test_the_training_step_updates_the_discriminators_first_from_their_weights_gradients_alone(monkeypatch, tmp_path):
+    from torch.utils.data import DataLoader
+
+    from tests.tiny_trainer import tiny_trainer
+
+    backward_passes: list[list[torch.nn.Parameter] | None] = []
+    original = VQGAN.manual_backward
+
+    def recording(self, loss, *args, **kwargs):  # noqa: ANN001, ANN202 - Lightning's signature
+        backward_passes.append(kwargs.get("inputs"))
+        return original(self, loss, *args, **kwargs)
+
+    monkeypatch.setattr(VQGAN, "manual_backward", recording)
+    model = tiny_vqgan(discriminator_iter_start=0)
+    data = DataLoader([{"image": volume} for volume in volumes()], batch_size=2)
+    tiny_trainer(tmp_path, max_steps=1).fit(model, data)
+    # The discriminators' backward pass first (their graphs freed before the autoencoder's pass), computing gradients
+    # for their weights alone (none for the reconstruction's detached copy they judged), then the generator's.
+    assert len(backward_passes) == 2 and backward_passes[1] is None
+    assert [id(p) for p in backward_passes[0]] == [id(p) for p in model.discriminator_parameters()]

@@ -170,3 +170,19 @@ def test_gaussian_blending_of_a_position_dependent_network_equals_a_hand_blend()
     np.testing.assert_allclose(out[0].numpy(), expected, atol=1e-4)
     # Constant weights would give a visibly different blend of the ramps (not a float-noise difference).
     assert np.abs(hand_blend(volume[0].numpy(), np.ones(ROI)) - expected).max() > 0.5
+
+
+@pytest.mark.parametrize(("shape", "roi", "overlap"), [
+    ((1, 2, *VOLUME_SHAPE), ROI, 0.5), ((2, 1, 12, 12, 12), (8, 8, 8), 0.5), ((1, 1, 9, 16, 24), (8, 8, 8), 0.25),
+    ((1, 1, 6, 16, 8), (8, 8, 8), 0.5), ((1, 1, 128, 128, 152), (64, 64, 64), 0.5),
+])
+def test_the_windows_counted_are_the_windows_monai_runs(shape, roi, overlap):
+    calls = []
+
+    def counting(x: torch.Tensor) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return x
+
+    window = SlidingWindow.of(roi, overlap=overlap, batch_size=1)
+    window(counting, torch.zeros(shape))
+    assert window.windows(shape) == len(calls)
