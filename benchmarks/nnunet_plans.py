@@ -33,8 +33,9 @@ and SGD, three steps on one fixed batch; weights and image rounded to float16 so
 Dice + BCE losses with `batch_dice` on and off and with an ignore label, batchgeneratorsv2's one-hot linear
 resampling of a label map and of region channels in its SpatialTransform (on a given sampling grid, nnU-Net's
 padding label -1 turned into 0 as its `RemoveLabelTansform` does), the predictor's mirrored logits
-(`_internal_maybe_mirror_and_predict`) and the separate-z resampling of logits onto a finer grid
-(`resample_data_or_seg_to_shape` as its plans' `resampling_fn_probabilities`).
+(`_internal_maybe_mirror_and_predict`) and the resampling of logits onto the scan's grid
+(`resample_data_or_seg_to_shape` as its plans' `resampling_fn_probabilities`, and the axis
+`determine_do_sep_z_and_axis` resamples apart) where the scan, the model grid or neither is over 3x anisotropic.
 
 `gpu-step` (nnU-Net's packages: its venv, or on the GPU the round's wheels) times nnU-Net's own training step at its
 BraTS plan (128^3, batch 2, bf16) on the card `benchmarks/segmentation.py gpu` times medvol's planned step on
@@ -488,7 +489,10 @@ def rules_record() -> dict[str, Any]:
     import torch
     from batchgeneratorsv2.transforms.spatial.spatial import SpatialTransform, create_affine_matrix_3d
     from nnunetv2.inference.predict_from_raw_data import nnUNetPredictor
-    from nnunetv2.preprocessing.resampling.default_resampling import resample_data_or_seg_to_shape
+    from nnunetv2.preprocessing.resampling.default_resampling import (
+        determine_do_sep_z_and_axis,
+        resample_data_or_seg_to_shape,
+    )
     from nnunetv2.training.loss.compound_losses import DC_and_BCE_loss, DC_and_CE_loss
     from nnunetv2.training.loss.dice import MemoryEfficientSoftDiceLoss
 
@@ -572,12 +576,22 @@ def rules_record() -> dict[str, Any]:
     record["mirroring"] = {"weight": net.weight.detach().half(), "bias": net.bias.detach().half(), "image": image,
                            "logits": mirrored}
 
-    # Logits of a 2 x 2 x 6 mm model grid onto a 2 x 2 x 8 mm scan of the same extent (nnU-Net's axes z, y, x).
-    coarse = (torch.randn(3, 8, 10, 12) * 3).half()
-    resampled = resample_data_or_seg_to_shape(coarse.float().numpy(), (6, 10, 12), [6.0, 2.0, 2.0], [8.0, 2.0, 2.0],
-                                              is_seg=False, order=1, order_z=0, force_separate_z=None)
-    record["separate_z"] = {"logits": coarse, "model_spacing": [6.0, 2.0, 2.0], "source_spacing": [8.0, 2.0, 2.0],
-                            "source_shape": [6, 10, 12], "out": torch.from_numpy(np.asarray(resampled))}
+    # Logits of a model grid onto a scan of the same extent as the plans' `resampling_fn_probabilities` takes them
+    # (nnU-Net's axes z, y, x), with the axis it resamples apart: the scan over 3x anisotropic (6 -> 8 mm slices), the
+    # model grid over 3x (7 -> 3.5 mm), neither (2x both: every axis linear).
+    cases = {"separate_z": ([8, 10, 12], [6.0, 2.0, 2.0], [8.0, 2.0, 2.0], [6, 10, 12]),
+             "model_anisotropic": ([4, 10, 12], [7.0, 2.0, 2.0], [3.5, 2.5, 2.0], [8, 8, 12]),
+             "under_3x": ([6, 9, 12], [4.0, 2.0, 2.0], [3.0, 1.5, 2.0], [8, 12, 12])}
+    record["resampling"] = {}
+    for name, (shape, model_spacing, source_spacing, source_shape) in cases.items():
+        coarse = (torch.randn(3, *shape) * 3).half()
+        resampled = resample_data_or_seg_to_shape(coarse.float().numpy(), source_shape, model_spacing, source_spacing,
+                                                  is_seg=False, order=1, order_z=0, force_separate_z=None)
+        separate, axis = determine_do_sep_z_and_axis(None, model_spacing, source_spacing)
+        record["resampling"][name] = {
+            "logits": coarse, "model_spacing": model_spacing, "source_spacing": source_spacing,
+            "source_shape": source_shape, "out": torch.from_numpy(np.asarray(resampled)),
+            "separate_axis": int(axis) if separate else -1}
     return record
 
 

@@ -751,7 +751,7 @@ def profile(args: argparse.Namespace) -> None:
     from medvol.run.predict_config import recovered_run
     from medvol.run.predict_inputs import batches, dataset_subjects
     from medvol.volumes.prediction_writer import PredictionWriter
-    from medvol.volumes.source_grid import to_source_grid
+    from medvol.volumes.source_grid import logits_to_source_grid
 
     torch.set_num_threads(1)
     run_dir = Path(args.run).resolve()
@@ -819,18 +819,20 @@ def profile(args: argparse.Namespace) -> None:
         rows.append(("preprocess one subject (load, reorient, resample, normalise)", time.perf_counter() - start))
         for tta in (False, True):
             start = time.perf_counter()
-            probabilities = module.probabilities(batch["image"], window, tta)
+            logits = module.logits(batch["image"], window, tta)
             rows.append((f"sliding window, mirroring {'on (8 copies)' if tta else 'off'}", time.perf_counter() - start))
         grid = (batch["source_affine"][0], batch["source_shape"][0])
         start = time.perf_counter()
-        source = to_source_grid(probabilities[0], grid, batch["affine"][0], "linear", module.scheme.background())
-        rows.append(("probabilities onto the source grid (linear, per class)", time.perf_counter() - start))
+        source = module.scheme.activation(logits_to_source_grid(
+            logits[0], grid, batch["affine"][0], module.scheme.background_logits())[None])
+        rows.append(("logits onto the source grid (nnU-Net's resampling), then the softmax or sigmoid",
+                     time.perf_counter() - start))
         start = time.perf_counter()
-        label_map = module.label_maps(source[None])
+        label_map = module.label_maps(source)
         rows.append(("threshold/argmax and post-processing", time.perf_counter() - start))
         start = time.perf_counter()
-        outputs = module.outputs_of(batch, probabilities)
-        rows.append(("all of the above from probabilities, with Dice/HD95 against the label file",
+        outputs = module.outputs_of(batch, logits)
+        rows.append(("all of the above from logits, with Dice/HD95 against the label file",
                      time.perf_counter() - start))
         out = Path(args.out).resolve() / "profile-predict"
         writer = PredictionWriter(out)

@@ -181,15 +181,12 @@ class LabelScheme:
         """Logits -> probabilities: a sigmoid per region, or a softmax over the classes (dim 1)."""
         return torch.sigmoid(logits) if self.is_regions else torch.softmax(logits, dim=1)
 
-    def as_logits(self, probabilities: torch.Tensor) -> torch.Tensor:
-        """Probabilities -> logits whose `activation` gives them back (the loss of an averaged prediction): log p
-        for classes, log(p / (1 - p)) for regions, clamped 1e-6 away from 0 and 1."""
-        p = probabilities.float().clamp(1e-6, 1 - 1e-6)
-        return torch.log(p) - torch.log1p(-p) if self.is_regions else torch.log(p)
-
-    def background(self) -> list[float]:
-        """The probabilities of a voxel outside the model grid (cropped away): the background class, no region."""
-        return [0.0] * self.out_channels if self.is_regions else [1.0] + [0.0] * (self.num_classes - 1)
+    def background_logits(self) -> list[float]:
+        """The logits of a voxel outside the model grid (cropped away), whose activation is the background: every
+        region's probability 0, the background class's 1."""
+        if self.is_regions:
+            return [float("-inf")] * self.out_channels
+        return [0.0] + [float("-inf")] * (self.num_classes - 1)
 
     def discretise(self, probabilities: torch.Tensor) -> torch.Tensor:
         """(B, out_channels, ...) binary masks of the prediction: thresholded regions or a one-hot argmax."""

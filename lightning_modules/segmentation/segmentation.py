@@ -3,10 +3,11 @@
 Training cuts one patch per sample (at random or centred on the label) out of the whole-volume
 batch; validation and testing run `sliding_window_inference` over the whole volume with the
 training patch as the window, so the network always sees inputs of the size it was trained on.
-Each window gives class (softmax) or region (sigmoid) probabilities; at test time and in predict.py
-they are averaged over the window's mirrored copies (`model.tta`, nnU-Net's default), resampled
-linearly onto the source scan's grid and only there turned into masks, which are scored against the
-label file as stored: the Dice and HD95 of what the user receives. Validation while training scores
+Each window gives class or region logits; at test time and in predict.py they are averaged over the
+window's mirrored copies (`model.tta`, nnU-Net's default), blended, averaged over an ensemble's members,
+resampled onto the source scan's grid (linearly, a coarse axis of anisotropic data by nearest neighbour)
+and only there turned into probabilities (softmax or sigmoid) and masks, as nnU-Net v2 does; the masks are
+scored against the label file as stored: the Dice and HD95 of what the user receives. Validation while training scores
 the model grid without mirroring (`val/*`, the checkpoint monitor). Dice and HD95 are computed per
 subject and gathered from all ranks before averaging.
 """
@@ -31,7 +32,7 @@ from lightning_modules.segmentation.subject_scores import SubjectScores, subject
 from medvol.core.errors import MedvolError
 from medvol.volumes.mirroring import SPATIAL_AXES, MirrorAveraged
 from medvol.volumes.sliding_window import SlidingWindow
-from medvol.volumes.source_grid import label_on_source_grid, to_source_grid
+from medvol.volumes.source_grid import label_on_source_grid, logits_to_source_grid, to_source_grid
 
 SOURCE_GRID_KEYS = ("source_affine", "source_shape", "affine")
 
@@ -93,7 +94,7 @@ class Segmenter(MedvolModule):
             validation predictions) test=true and predict.py apply. auto: one chosen on cross-validation folds (a
             sweep's, nnU-Net's rule); a single split's is written, not applied; true: the recorded one, also a single
             split's; false: none (`medvol.run.fold_records.applied_postprocessing`).
-        tta: at test time and in predict.py, average each window's probabilities over its copies mirrored along
+        tta: at test time and in predict.py, average each window's logits over its copies mirrored along
             every spatial axis (8 network calls a window).
         optimizer: partial optimizer.
         scheduler: optional partial LR scheduler, stepped per epoch.
@@ -259,17 +260,21 @@ class Segmenter(MedvolModule):
             pad_value=self.pad_value,
         )
 
-    def probabilities(
-        self, image: torch.Tensor, window: SlidingWindow | None = None, tta: bool = False
-    ) -> torch.Tensor:
-        """(B, C, ...) class or region probabilities of whole volumes on the model grid, window by window; with
-        `tta` each window's are the mean over its copies mirrored along every spatial axis."""
+    def logits(self, image: torch.Tensor, window: SlidingWindow | None = None, tta: bool = False) -> torch.Tensor:
+        """(B, C, ...) class or region logits of whole volumes on the model grid, window by window, blended; with
+        `tta` each window's are the mean over its copies mirrored along every spatial axis (nnU-Net's predictor)."""
         window = window or self.window(image)
         if window.pad_value is None:
             window = dataclasses.replace(window, pad_value=self.pad_value)
-        # One probability volume per class or region: held against the memory budget before it is blended.
+        # One volume per class or region: held against the memory budget before it is blended.
         window = dataclasses.replace(window, output_channels=self.scheme.out_channels)
-        return window(MirrorAveraged(self.net, self.scheme.activation, SPATIAL_AXES if tta else ()), image)
+        return window(MirrorAveraged(self.net, SPATIAL_AXES if tta else ()), image)
+
+    def probabilities(
+        self, image: torch.Tensor, window: SlidingWindow | None = None, tta: bool = False
+    ) -> torch.Tensor:
+        """(B, C, ...) class or region probabilities on the model grid: the softmax or sigmoid of `logits`."""
+        return self.scheme.activation(self.logits(image, window, tta))
 
     def label_maps(self, probabilities: torch.Tensor) -> torch.Tensor:
         """(B, 1, ...) int64 label maps: threshold or argmax, then the post-processing."""
@@ -286,14 +291,15 @@ class Segmenter(MedvolModule):
     def _evaluate(self, batch: dict[str, Any], stage: str) -> dict[str, Any]:
         image, label = batch[self.hparams.image_key], batch["label"]
         self.scheme.check_label(label, batch.get("source_file"))
-        probabilities = self.probabilities(image, tta=stage == "test" and self.tta)
+        logits = self.logits(image, tta=stage == "test" and self.tta)
+        probabilities = self.scheme.activation(logits)
         target = self.scheme.target(label).to(probabilities.device)
         annotated = self.scheme.annotated(label.to(probabilities.device))
         loss_metric: MeanMetric = getattr(self, f"{stage}_loss")
-        loss = self.scored_loss(self.scheme.as_logits(probabilities), target, annotated)
+        loss = self.scored_loss(logits, target, annotated)
         loss_metric.update(loss.detach().to(self.device), weight=image.shape[0])
         if stage == "test" and on_source_grid(batch):
-            outputs = self.outputs_of(batch, probabilities)
+            outputs = self.outputs_of(batch, logits)
         else:
             label_map = self.label_maps(probabilities)
             target_masks = target if self.scheme.is_regions else self.scheme.one_hot(target)
@@ -328,16 +334,17 @@ class Segmenter(MedvolModule):
         }
 
     def outputs_of(
-        self, batch: dict[str, Any], probabilities: torch.Tensor, extras: Sequence[str] = ()
+        self, batch: dict[str, Any], logits: torch.Tensor, extras: Sequence[str] = ()
     ) -> dict[str, Any]:
-        """The outputs a user receives from model-grid probabilities: on the source scan's grid where the batch
-        has one (probabilities resampled linearly per class, then the argmax or threshold, then the
-        post-processing), scored there against the label file as stored; else on the model grid. `extras`:
-        `probabilities` also returns them (written as `<subject>_probabilities.nii.gz`), `reference` the label
-        maps scored against (in model label values, on the same grid)."""
+        """The outputs a user receives from model-grid logits: on the source scan's grid where the batch has one
+        (the logits resampled as nnU-Net resamples them, `logits_to_source_grid`, then the softmax or sigmoid, the
+        argmax or threshold, the post-processing), scored there against the label file as stored; else on the model
+        grid. `extras`: `probabilities` also returns them (written as `<subject>_probabilities.nii.gz`), `reference`
+        the label maps scored against (in model label values, on the same grid)."""
         image = batch[self.hparams.image_key]
         label = batch.get("label")
         if not on_source_grid(batch):
+            probabilities = self.scheme.activation(logits)
             label_map = self.label_maps(probabilities)
             outputs: dict[str, Any] = {
                 "volumes": {"input": image, "seg": label_map}, "segments": self.scheme.segments, "as_is": ["seg"],
@@ -358,9 +365,9 @@ class Segmenter(MedvolModule):
         maps, kept, references, rows = [], [], [], []
         for i in range(image.shape[0]):
             grid = (batch["source_affine"][i], batch["source_shape"][i])
-            source = to_source_grid(
-                probabilities[i].detach().float().cpu(), grid, batch["affine"][i], "linear", self.scheme.background()
-            )
+            source = self.scheme.activation(logits_to_source_grid(
+                logits[i].detach().float().cpu(), grid, batch["affine"][i], self.scheme.background_logits()
+            )[None])[0]
             label_map = self.label_maps(source[None])
             maps.append(label_map[0])
             if "probabilities" in extras:
@@ -436,12 +443,12 @@ class Segmenter(MedvolModule):
         """Masks of whole volumes on the source grid (`outputs_of`), mirrored as `tta` says; Dice and HD95 per subject
         where the batch has a label."""
         image = batch[self.hparams.image_key]
-        return self.outputs_of(batch, self.probabilities(image, window, self.tta), extras)
+        return self.outputs_of(batch, self.logits(image, window, self.tta), extras)
 
     def exported_networks(self, size: Sequence[int]) -> list[ExportedNetwork]:
-        """The network (`network`: logits) and what predict.py blends per window (`window`: probabilities, mirrored
-        as `tta` says). Spatial sizes vary in multiples of the network's halvings (SwinUNETR's window attention
-        fixes them at the training patch)."""
+        """The network (`network`: logits) and what predict.py blends per window (`window`: logits averaged over the
+        mirrored copies as `tta` says). Spatial sizes vary in multiples of the network's halvings (SwinUNETR's window
+        attention fixes them at the training patch)."""
         patch = self.patch_size or [int(s) for s in size]
         multiple = size_multiple(self.hparams.net, self.features, self.hparams.strides)
         image, larger = spatial_examples(int(self.hparams.in_channels), patch, multiple)
@@ -453,24 +460,25 @@ class Segmenter(MedvolModule):
         return [
             ExportedNetwork("network", self.net.eval(), {"image": image}, "logits", {"image": axes, "logits": axes},
                             seconds, {**about, "output": "logits, one channel per class or region"}),
-            ExportedNetwork("window", self.bundle_network(), {"image": image}, "probabilities",
-                            {"image": axes, "probabilities": axes}, seconds,
-                            {**about, "output": "probabilities (softmax or sigmoid), averaged over the mirrored copies",
+            ExportedNetwork("window", self.bundle_network(), {"image": image}, "logits",
+                            {"image": axes, "logits": axes}, seconds,
+                            {**about, "output": "logits averaged over the mirrored copies (the softmax or sigmoid "
+                             "comes after blending and resampling, as nnU-Net's)",
                              "mirrored_along": ["depth", "height", "width"] if self.tta else []}),
         ]
 
     def bundle_network(self) -> torch.nn.Module:
-        return WindowProbabilities(self.net, self.scheme.activation, SPATIAL_AXES if self.tta else ()).eval()
+        return WindowLogits(self.net, SPATIAL_AXES if self.tta else ()).eval()
 
 
-class WindowProbabilities(torch.nn.Module):
-    """A window -> its class or region probabilities as predict.py blends them: the network's softmax or sigmoid,
-    averaged over the mirrored copies along `axes` (none: one call); a module export.py traces."""
+class WindowLogits(torch.nn.Module):
+    """A window -> its class or region logits as predict.py blends them: the network's, averaged over the mirrored
+    copies along `axes` (none: one call); a module export.py traces."""
 
-    def __init__(self, net: torch.nn.Module, activation: Callable[[torch.Tensor], torch.Tensor], axes: Sequence[int]):
+    def __init__(self, net: torch.nn.Module, axes: Sequence[int]):
         super().__init__()
         self.net = net
-        self.mirrored = MirrorAveraged(net, activation, tuple(axes))
+        self.mirrored = MirrorAveraged(net, tuple(axes))
 
     def forward(self, window: torch.Tensor) -> torch.Tensor:
         return self.mirrored(window)

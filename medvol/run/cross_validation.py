@@ -1,7 +1,7 @@
 """A segmentation run's validation after training, its post-processing, and the cross-validation of a fold sweep.
 
 After training, the best checkpoint predicts every validation subject as predict.py would (whole volumes,
-mirroring, probabilities resampled onto the source grid before the argmax) into `<run>/validation/`: the
+mirroring, logits resampled onto the source grid before the softmax and the argmax) into `<run>/validation/`: the
 masks, `metrics.csv` (Dice and HD95 of what a user receives) and, per subject, the predicted and reference
 label maps in the model's label values (`label_maps/<subject>.npz`). nnU-Net's post-processing rule is
 applied to them (`lightning_modules.segmentation.postprocessing.choose`) and the decision written to

@@ -1,7 +1,8 @@
 """Issue 50's rules against nnU-Net v2's own functions, whose answers on fixed inputs `benchmarks/nnunet_plans.py
 rules` recorded in tests/data/nnunet_rules.pt (in a venv with nnunetv2 2.8.1 and batchgeneratorsv2; the file says
 which made it): the losses with `batch_dice` and with an ignore label, the spatial augmentation's one-hot linear
-label resampling, the predictor's mirrored logits, and the separate-z resampling of logits to the source grid.
+label resampling, the predictor's mirrored logits, and the resampling of logits to the source grid with
+and without an axis apart (separate-z).
 MONAI's Dice loss is 1 - Dice where nnU-Net's is -Dice: medvol's losses are nnU-Net's plus 1."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from scipy.ndimage import map_coordinates
 
 from datamodules.pipeline.augmentation import one_hot_linear
 from lightning_modules.segmentation.losses import build_loss
@@ -131,3 +133,45 @@ def test_the_spatial_augmentation_resamples_labels_one_hot_linearly_on_the_image
 
     assert torch.equal(out.long(), one_hot_linear(label, sample))
     assert not torch.equal(out.long(), sample(label, "nearest").round().long())
+
+
+def test_mirrored_logits_are_nnunets_predictor_s():
+    """nnU-Net's `_internal_maybe_mirror_and_predict` on a fixed 3x3x3 convolution: the mean of the 8 flipped-back
+    copies' logits; medvol's `MirrorAveraged` gives the same logits."""
+    from medvol.volumes.mirroring import MirrorAveraged
+
+    recorded = REFERENCE["mirroring"]
+    net = torch.nn.Conv3d(2, 3, 3, padding=1)
+    with torch.no_grad():
+        net.weight.copy_(recorded["weight"].float())
+        net.bias.copy_(recorded["bias"].float())
+        ours = MirrorAveraged(net)(recorded["image"].float())
+    torch.testing.assert_close(ours, recorded["logits"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["separate_z", "model_anisotropic", "under_3x"])
+def test_logits_go_back_to_the_scans_grid_as_nnunets_resampling(case):
+    """nnU-Net's `resample_data_or_seg_to_shape` (order 1, order_z 0) of logits from the model grid to a scan of the
+    same extent, the two grids placed corner to corner as nnU-Net's resizing places them: the scan over 3x anisotropic
+    (6 -> 8 mm slices: z apart, nearest, halves rounded up), the model grid over 3x (7 -> 3.5 mm), neither (every axis
+    linear); voxel for voxel, and the axis apart is the one `determine_do_sep_z_and_axis` chose."""
+    from medvol.volumes.plan import separate_axis
+    from medvol.volumes.source_grid import logits_to_source_grid
+
+    recorded = REFERENCE["resampling"][case]
+    logits = recorded["logits"].float()
+    model_spacing, source_spacing = recorded["model_spacing"], recorded["source_spacing"]
+    axis = separate_axis(model_spacing, source_spacing)
+    assert (-1 if axis is None else axis) == recorded["separate_axis"]
+    source_affine = np.diag([*source_spacing, 1.0])
+    model_affine = np.diag([*model_spacing, 1.0])
+    # Corner to corner: the first voxels' outer faces coincide.
+    model_affine[:3, 3] = (np.asarray(model_spacing) - np.asarray(source_spacing)) / 2
+    ours = logits_to_source_grid(logits, (source_affine, recorded["source_shape"]), model_affine, [0.0] * 3)
+    torch.testing.assert_close(ours, recorded["out"].float(), rtol=1e-5, atol=1e-5)
+    # Linear along every axis (scipy, edges held) gives other logits exactly where an axis is apart.
+    scale = np.asarray(logits.shape[1:]) / np.asarray(recorded["source_shape"])
+    positions = np.meshgrid(
+        *[(np.arange(n) + 0.5) * f - 0.5 for n, f in zip(recorded["source_shape"], scale, strict=True)], indexing="ij")
+    linear = np.stack([map_coordinates(c, positions, order=1, mode="nearest") for c in logits.numpy()])
+    assert np.allclose(linear, recorded["out"].numpy(), atol=1e-4) == (axis is None)

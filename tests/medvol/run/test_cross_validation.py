@@ -28,7 +28,8 @@ FOLD_RUN = [
 ]
 
 
-def test_the_ensemble_is_the_mean_of_its_members_probabilities():
+def test_the_ensemble_takes_the_softmax_of_the_mean_of_its_members_logits():
+    """nnU-Net v2 averages its folds' logits (`predict_logits_from_preprocessed_data`) and takes the softmax after."""
     torch.manual_seed(0)
     members = [Segmenter(in_channels=1, num_classes=3, features=[4, 8], patch_size=[8, 8, 8], tta=False).eval()
                for _ in range(3)]
@@ -36,9 +37,12 @@ def test_the_ensemble_is_the_mean_of_its_members_probabilities():
     window = SlidingWindow.of([8, 8, 8])
     with torch.no_grad():
         outputs = Ensemble(members).predict_volumes({"image": image}, window, ["probabilities"])
-        # The window is the whole volume: each member's probabilities are its network's softmax.
-        expected = torch.stack([torch.softmax(m.net(image), 1) for m in members]).mean(0)
+        # The window is the whole volume: each member's logits are its network's.
+        logits = torch.stack([m.net(image) for m in members])
+    expected = torch.softmax(logits.mean(0), 1)
     torch.testing.assert_close(outputs["volumes"]["probabilities"], expected)
+    # The mean of the members' softmax (medvol's rule before) is another distribution.
+    assert not torch.allclose(torch.softmax(logits, 2).mean(0), expected, atol=1e-4)
     assert torch.equal(outputs["volumes"]["seg"], expected.argmax(1, keepdim=True))
     with pytest.raises(MedvolError, match="at least one checkpoint"):
         Ensemble([])
