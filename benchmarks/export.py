@@ -357,8 +357,10 @@ def trained_real_run(args: argparse.Namespace, workdir: Path) -> Path:
              "callbacks.progress_bar=null", "callbacks.volume_slices=null", "print_config=false",
              f"hydra.run.dir={run_dir}", *ADAM], cwd=ROOT)
         print(f"trained {args.epochs} x {args.iterations} steps in {seconds:.0f} s -> {run_dir}")
+    # Recorded as chosen on cross-validation folds, so that predict.py and export.py apply it by default (a single
+    # split's choice is written, not applied).
     (run_dir / "postprocessing.json").write_text(json.dumps({"steps": [
-        {"name": "all foreground", "values": [1, 2, 3]}, {"name": "ET", "values": [3]}]}))
+        {"name": "all foreground", "values": [1, 2, 3]}, {"name": "ET", "values": [3]}], "folds": 5}))
     return Path(json.loads((run_dir / "summary.json").read_text())["best_checkpoint"])
 
 
