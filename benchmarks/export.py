@@ -357,8 +357,10 @@ def trained_real_run(args: argparse.Namespace, workdir: Path) -> Path:
              "callbacks.progress_bar=null", "callbacks.volume_slices=null", "print_config=false",
              f"hydra.run.dir={run_dir}", *ADAM], cwd=ROOT)
         print(f"trained {args.epochs} x {args.iterations} steps in {seconds:.0f} s -> {run_dir}")
+    # Recorded as chosen on cross-validation folds, so that predict.py and export.py apply it by default (a single
+    # split's choice is written, not applied).
     (run_dir / "postprocessing.json").write_text(json.dumps({"steps": [
-        {"name": "all foreground", "values": [1, 2, 3]}, {"name": "ET", "values": [3]}]}))
+        {"name": "all foreground", "values": [1, 2, 3]}, {"name": "ET", "values": [3]}], "folds": 5}))
     return Path(json.loads((run_dir / "summary.json").read_text())["best_checkpoint"])
 
 
@@ -457,10 +459,10 @@ def described(parser: Any, name: str) -> list[tuple[str, Any]]:
 def stage_agreement(ckpt: Path, bundle: Path, channels: Path, scan: Path) -> list[tuple[str, str]]:
     """predict.py's pipeline and the bundle's on one subject, stage by stage (predict.py given its nnU-Net channel
     files in `channels`, the bundle the 4D file `scan`): each step of predict.py's dataset against the bundle's step
-    doing it (the grid after it and the largest difference); the window probabilities on the same input
-    (predict.py's eager network, mirroring and blending against the bundle's inferer on its TorchScript); then, each
-    fed with predict.py's previous stage, the probabilities on the scan's grid, the label maps before and after the
-    post-processing, and the label values written."""
+    doing it (the grid after it and the largest difference); the window logits on the same input (predict.py's eager
+    network, mirroring and blending against the bundle's inferer on its TorchScript), compared as probabilities;
+    then, each fed with predict.py's previous stage, the probabilities on the scan's grid (the logits resampled, then
+    the softmax or sigmoid), the label maps before and after the post-processing, and the label values written."""
     from monai.bundle import ConfigParser
     from monai.data import MetaTensor
 
@@ -471,7 +473,7 @@ def stage_agreement(ckpt: Path, bundle: Path, channels: Path, scan: Path) -> lis
     from medvol.run.predicting import label_file_values, segmentation_predictor
     from medvol.run.trained_model import load_module
     from medvol.volumes.sliding_window import SlidingWindow
-    from medvol.volumes.source_grid import to_source_grid
+    from medvol.volumes.source_grid import logits_to_source_grid
 
     cfg = predict_config(ckpt, channels)
     run = recovered_run(cfg)
@@ -504,25 +506,28 @@ def stage_agreement(ckpt: Path, bundle: Path, channels: Path, scan: Path) -> lis
                               batch_size=int(cfg.sw_batch_size))
     scheme, threshold = module.scheme, float(module.scheme.threshold)
     with torch.no_grad():
-        probabilities = module.probabilities(image, window, module.tta)
+        logits = module.logits(image, window, module.tta)
         bundled = parser.get_parsed_content("inferer")(image, parser.get_parsed_content("network"))
-    rows.append(("window probabilities (eager, mirrored, blended) vs TorchScript through SlidingWindowInferer",
-                 thresholded(probabilities, bundled, threshold)))
+    rows.append(("window logits (eager, mirrored, blended) vs TorchScript through SlidingWindowInferer, as "
+                 "probabilities", thresholded(scheme.activation(logits), scheme.activation(bundled), threshold)))
     batch = inputs.dataset[0] if len(inputs.dataset) == 1 else next(
         inputs.dataset[i] for i, r in enumerate(inputs.records) if str(r["subject"]) == subject)
-    source = to_source_grid(probabilities[0].float(), (batch["source_affine"], batch["source_shape"]),
-                            batch["affine"], "linear", scheme.background())
+    source = scheme.activation(logits_to_source_grid(
+        logits[0].float(), (batch["source_affine"], batch["source_shape"]), batch["affine"], scheme.background_logits()
+    )[None])[0]
     labels = scheme.label_map(scheme.discretise(source[None]))[0]
     kept = module.label_maps(source[None])[0]
     lookup = label_file_values(module)
     written = torch.tensor(lookup)[kept] if lookup is not None else kept
     expected = {"to_source_grid": source, "label_maps": labels, "Postprocessing": kept, "label_values": written}
-    fed = {"to_source_grid": probabilities[0].float(), "label_maps": source, "Postprocessing": labels,
+    fed = {"to_source_grid": logits[0].float(), "label_maps": source, "Postprocessing": labels,
            "label_values": kept}
+    # The bundle's steps of each stage: the logits' resampling and the softmax or sigmoid give the probabilities.
+    doing = {"to_source_grid": ("logits_to_source_grid", "activation")}
     structures = {name: list(values) for name, values in scheme.segments.items()}
     steps = described(parser, "postprocessing")
     for stage in expected:
-        chain = [t for name, t in steps if name == stage]
+        chain = [t for name, t in steps if name in doing.get(stage, (stage,))]
         if not chain:
             continue
         meta = data["image"].meta if stage == "to_source_grid" else data[SOURCE_KEY].meta
@@ -531,7 +536,7 @@ def stage_agreement(ckpt: Path, bundle: Path, channels: Path, scan: Path) -> lis
             result = transform(result)
         got = torch.as_tensor(np.asarray(result["pred"]))
         if stage == "to_source_grid":
-            rows.append(("probabilities on the scan's grid: to_source_grid vs the bundle's resampling",
+            rows.append(("probabilities on the scan's grid: logits_to_source_grid and the activation vs the bundle's",
                          thresholded(expected[stage], got, threshold)))
             continue
         if stage == "label_values" and lookup is not None:

@@ -3,6 +3,7 @@
     /work/nnunet-venv/bin/python benchmarks/nnunet_plans.py reference [--out tests/data/nnunet_plans.json]
     .venv/bin/python benchmarks/nnunet_plans.py compare [--out outputs/benchmarks/nnunet-plans]
     /work/nnunet-venv/bin/python benchmarks/nnunet_plans.py step [--out tests/data/nnunet_step.pt]
+    /work/nnunet-venv/bin/python benchmarks/nnunet_plans.py rules [--out tests/data/nnunet_rules.pt]
 
 `reference` runs in a venv of its own that has nnunetv2 2.8.1 (`pip install nnunetv2==2.8.1`: it brings a CUDA
 torch, which must never enter the project's .venv; everything here runs on the CPU). It records what nnU-Net
@@ -26,6 +27,15 @@ Regenerate after an nnU-Net upgrade with the first command line above; the file 
 He initialisation, its deep-supervision loss for 3 regions (targets pooled by batchgeneratorsv2), clip_grad_norm_(12)
 and SGD, three steps on one fixed batch; weights and image rounded to float16 so the file holds them exactly. With
 `--plans`, a real plan's network, batch and patch (`benchmarks/segmentation.py same-step` uses it).
+
+`rules` (nnU-Net's venv) records nnU-Net's own answers for the rules of issue 50 as the reference of
+`tests/lightning_modules/segmentation/test_nnunet_rules.py` (`tests/data/nnunet_rules.pt`): its Dice + CE and
+Dice + BCE losses with `batch_dice` on and off and with an ignore label, batchgeneratorsv2's one-hot linear
+resampling of a label map and of region channels in its SpatialTransform (on a given sampling grid, nnU-Net's
+padding label -1 turned into 0 as its `RemoveLabelTansform` does), the predictor's mirrored logits
+(`_internal_maybe_mirror_and_predict`) and the resampling of logits onto the scan's grid
+(`resample_data_or_seg_to_shape` as its plans' `resampling_fn_probabilities`, and the axis
+`determine_do_sep_z_and_axis` resamples apart) where the scan, the model grid or neither is over 3x anisotropic.
 
 `gpu-step` (nnU-Net's packages: its venv, or on the GPU the round's wheels) times nnU-Net's own training step at its
 BraTS plan (128^3, batch 2, bf16) on the card `benchmarks/segmentation.py gpu` times medvol's planned step on
@@ -167,6 +177,7 @@ def plan_from_fingerprint(work: Path, number: int, name: str, case: dict[str, An
             "median_image_size_in_voxels": full["median_image_size_in_voxels"], "patch_size": full["patch_size"],
             "batch_size": full["batch_size"], "strides": arch["strides"], "kernels": arch["kernel_sizes"],
             "features": arch["features_per_stage"], "augmentation": trainer_augmentation(full["patch_size"]),
+            "batch_dice": full["batch_dice"],
         },
     }
 
@@ -328,9 +339,9 @@ def nested_regions(batch: int, patch: list[int]) -> Any:
 
 
 def dynunet_parameter(name: str, stages: int) -> str | None:
-    """The parameter of MONAI's DynUNet (res_block=False, deep supervision) that holds nnU-Net PlainConvUNet's `name`
-    (`stages` stages); None for the convolutions' biases, which DynUNet leaves out (zero at nnU-Net's initialisation,
-    and removed by the instance norm after each convolution)."""
+    """The parameter of MONAI's DynUNet (res_block=False, deep supervision, trans_bias=True) that holds nnU-Net
+    PlainConvUNet's `name` (`stages` stages); None for the convolutions' biases before an instance norm, which DynUNet
+    leaves out (zero at nnU-Net's initialisation, and removed with their gradient by the norm)."""
     encoder = re.fullmatch(r"encoder\.stages\.(\d+)\.0\.convs\.(\d+)\.(conv|norm)\.(weight|bias)", name)
     decoder = re.fullmatch(r"decoder\.stages\.(\d+)\.convs\.(\d+)\.(conv|norm)\.(weight|bias)", name)
     for match, is_encoder in ((encoder, True), (decoder, False)):
@@ -343,7 +354,7 @@ def dynunet_parameter(name: str, stages: int) -> str | None:
             return f"{block}.conv{conv}.conv.weight" if kind == "conv" else f"{block}.norm{conv}.{field}"
     transposed = re.fullmatch(r"decoder\.transpconvs\.(\d+)\.(weight|bias)", name)
     if transposed:
-        return f"upsamples.{transposed[1]}.transp_conv.conv.weight" if transposed[2] == "weight" else None
+        return f"upsamples.{transposed[1]}.transp_conv.conv.{transposed[2]}"
     head = re.fullmatch(r"decoder\.seg_layers\.(\d+)\.(weight|bias)", name)
     if head:
         # nnU-Net's seg_layers run from the coarsest decoder stage (0) to the full resolution (stages - 2).
@@ -354,7 +365,8 @@ def dynunet_parameter(name: str, stages: int) -> str | None:
 
 def load_nnunet_weights(net: Any, record: dict[str, Any]) -> None:
     """Load a `step_record`'s initial PlainConvUNet weights into MONAI's DynUNet `net` (every parameter of `net` must
-    get one; nnU-Net's convolution biases must be zero)."""
+    get one; nnU-Net's convolution biases before an instance norm must be zero; a DynUNet without transposed biases,
+    `trans_bias=False`, takes nnU-Net's zero ones as absent)."""
     import torch
 
     values = record["initial"].float().split([torch.Size(s).numel() for s in record["shapes"]])
@@ -366,7 +378,11 @@ def load_nnunet_weights(net: Any, record: dict[str, Any]) -> None:
                 raise ValueError(f"nnU-Net's {name} is not zero: DynUNet has no such bias")
         else:
             mapped[ours] = value.reshape(shape)
-    missing = set(dict(net.named_parameters())) - set(mapped)
+    own = dict(net.named_parameters())
+    for name in [n for n in mapped if n not in own and n.endswith("transp_conv.conv.bias")]:
+        if mapped.pop(name).any():
+            raise ValueError(f"nnU-Net's transposed convolution bias {name} is not zero: the DynUNet has none")
+    missing = set(own) - set(mapped)
     if missing:
         raise ValueError(f"DynUNet parameters without an nnU-Net counterpart: {sorted(missing)}")
     net.load_state_dict(mapped, strict=False)
@@ -456,6 +472,135 @@ def step(args: argparse.Namespace) -> None:
     record = step_record(architecture, steps=args.steps, **setting)
     record["made_by"] = f"nnunetv2 {getattr(nnunetv2, '__version__', '2.8.1')}, torch {torch.__version__}"
     record["setting"] = setting
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    torch.save(record, args.out)
+    print(f"wrote {args.out}")
+
+
+# ---- rules: nnU-Net's answers for issue 50's rules ---------------------------------------------------------------
+
+RULES_SHAPE = (2, 3, 10, 12, 9)
+IGNORE = 3
+
+
+def rules_record() -> dict[str, Any]:
+    """nnU-Net's losses, label resampling, mirrored logits and logit resampling on fixed inputs (float16-exact)."""
+    import numpy as np
+    import torch
+    from batchgeneratorsv2.transforms.spatial.spatial import SpatialTransform, create_affine_matrix_3d
+    from nnunetv2.inference.predict_from_raw_data import nnUNetPredictor
+    from nnunetv2.preprocessing.resampling.default_resampling import (
+        determine_do_sep_z_and_axis,
+        resample_data_or_seg_to_shape,
+    )
+    from nnunetv2.training.loss.compound_losses import DC_and_BCE_loss, DC_and_CE_loss
+    from nnunetv2.training.loss.dice import MemoryEfficientSoftDiceLoss
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    record: dict[str, Any] = {}
+    batch, channels, *spatial = RULES_SHAPE
+    logits = (torch.randn(RULES_SHAPE) * 2).half()
+    # Classes 0-2 in blobs (some voxels ignore, 3), and three nested regions.
+    grid = np.stack(np.meshgrid(*[np.arange(n) for n in spatial], indexing="ij"), -1).astype(np.float32)
+    labels = np.zeros((batch, 1, *spatial), np.int64)
+    for b in range(batch):
+        distance = np.sqrt(((grid - np.asarray(spatial) * (0.4 + 0.2 * b)) ** 2).sum(-1))
+        labels[b, 0][distance < 4.5] = 1
+        labels[b, 0][distance < 2.5] = 2
+    ignored = labels.copy()
+    ignored[:, :, :3] = IGNORE
+    record.update(logits=logits, labels=torch.from_numpy(labels), ignored=torch.from_numpy(ignored))
+
+    def classes_loss(batch_dice: bool, ignore: int | None, target: np.ndarray) -> float:
+        loss = DC_and_CE_loss({"batch_dice": batch_dice, "smooth": 1e-5, "do_bg": False, "ddp": False}, {},
+                              weight_ce=1, weight_dice=1, ignore_label=ignore, dice_class=MemoryEfficientSoftDiceLoss)
+        return float(loss(logits.float(), torch.from_numpy(target)))
+
+    def region_target(target: np.ndarray, ignore: bool) -> torch.Tensor:
+        # nnU-Net's ConvertSegmentationToRegionsTransform of (oedema 1, core 2) as WT [1, 2], TC [2], and the ignore
+        # label's channel last where there is one.
+        regions = [(1, 2), (2,), (2,)]
+        out = [np.isin(target[:, 0], r) for r in regions] + ([target[:, 0] == IGNORE] if ignore else [])
+        return torch.from_numpy(np.stack(out, 1).astype(np.float32))
+
+    def regions_loss(batch_dice: bool, ignore: bool, target: np.ndarray) -> float:
+        loss = DC_and_BCE_loss({}, {"batch_dice": batch_dice, "do_bg": True, "smooth": 1e-5, "ddp": False},
+                               use_ignore_label=ignore, dice_class=MemoryEfficientSoftDiceLoss)
+        return float(loss(logits.float(), region_target(target, ignore)))
+
+    record["losses"] = {
+        "classes": {str(bd): classes_loss(bd, None, labels) for bd in (False, True)},
+        "regions": {str(bd): regions_loss(bd, False, labels) for bd in (False, True)},
+        "classes_ignore": {str(bd): classes_loss(bd, IGNORE, ignored) for bd in (False, True)},
+        "regions_ignore": {str(bd): regions_loss(bd, True, ignored) for bd in (False, True)},
+    }
+
+    # The spatial transform's label resampling on a sampling grid of a rotation and scaling about the centre.
+    seg = np.zeros((1, 16, 14, 12), np.int16)
+    shape = seg.shape[1:]
+    box = np.stack(np.meshgrid(*[np.arange(n) for n in shape], indexing="ij"), -1).astype(np.float32)
+    seg[0][np.sqrt(((box - np.asarray(shape) * 0.45) ** 2).sum(-1)) < 5] = 1
+    seg[0][np.sqrt(((box - np.asarray(shape) * 0.55) ** 2).sum(-1)) < 3] = 2
+    seg[0, 12:, :, :2] = 3
+    regions = np.stack([seg[0] > 0, seg[0] == 2]).astype(np.int16)
+    patch = (14, 12, 10)
+    transform = SpatialTransform(patch, 0, False, p_rotation=1, p_scaling=1, border_mode_seg="constant",
+                                 padding_value_seg=-1)
+    matrix = create_affine_matrix_3d([0.3, -0.2, 0.5], [1.15, 0.9, 1.05])
+    # batchgeneratorsv2's grid: the patch's centred identity grid through the matrix, about the image centre, in
+    # grid_sample's normalised (x = last axis) coordinates, corners not aligned.
+    centred = np.stack(np.meshgrid(*[np.arange(p) - (p - 1) / 2 for p in patch], indexing="ij"), -1)
+    moved = centred @ matrix.T + (np.asarray(shape) - 1) / 2
+    normalised = (2 * moved + 1) / np.asarray(shape) - 1
+    sample_grid = torch.from_numpy(normalised[..., ::-1].copy()).float()
+    resampled = {}
+    for name, volume in (("labels", seg), ("regions", regions)):
+        out = transform._apply_to_segmentation(torch.from_numpy(volume), grid=sample_grid)
+        out[out == -1] = 0
+        resampled[name] = out
+    record["spatial"] = {"labels": torch.from_numpy(seg), "regions": torch.from_numpy(regions), "grid": sample_grid,
+                         "out": resampled, "patch": list(patch)}
+
+    # The predictor's mirrored logits of a fixed network (one 3x3x3 convolution).
+    net = torch.nn.Conv3d(2, 3, 3, padding=1)
+    with torch.no_grad():
+        for parameter in net.parameters():
+            parameter.copy_(parameter.half().float())
+    image = torch.randn(1, 2, 8, 10, 6).half()
+    predictor = nnUNetPredictor(device=torch.device("cpu"), use_mirroring=True, verbose=False)
+    predictor.network = net
+    predictor.allowed_mirroring_axes = (0, 1, 2)
+    with torch.no_grad():
+        mirrored = predictor._internal_maybe_mirror_and_predict(image.float())
+    record["mirroring"] = {"weight": net.weight.detach().half(), "bias": net.bias.detach().half(), "image": image,
+                           "logits": mirrored}
+
+    # Logits of a model grid onto a scan of the same extent as the plans' `resampling_fn_probabilities` takes them
+    # (nnU-Net's axes z, y, x), with the axis it resamples apart: the scan over 3x anisotropic (6 -> 8 mm slices), the
+    # model grid over 3x (7 -> 3.5 mm), neither (2x both: every axis linear).
+    cases = {"separate_z": ([8, 10, 12], [6.0, 2.0, 2.0], [8.0, 2.0, 2.0], [6, 10, 12]),
+             "model_anisotropic": ([4, 10, 12], [7.0, 2.0, 2.0], [3.5, 2.5, 2.0], [8, 8, 12]),
+             "under_3x": ([6, 9, 12], [4.0, 2.0, 2.0], [3.0, 1.5, 2.0], [8, 12, 12])}
+    record["resampling"] = {}
+    for name, (shape, model_spacing, source_spacing, source_shape) in cases.items():
+        coarse = (torch.randn(3, *shape) * 3).half()
+        resampled = resample_data_or_seg_to_shape(coarse.float().numpy(), source_shape, model_spacing, source_spacing,
+                                                  is_seg=False, order=1, order_z=0, force_separate_z=None)
+        separate, axis = determine_do_sep_z_and_axis(None, model_spacing, source_spacing)
+        record["resampling"][name] = {
+            "logits": coarse, "model_spacing": model_spacing, "source_spacing": source_spacing,
+            "source_shape": source_shape, "out": torch.from_numpy(np.asarray(resampled)),
+            "separate_axis": int(axis) if separate else -1}
+    return record
+
+
+def rules(args: argparse.Namespace) -> None:
+    import nnunetv2
+    import torch
+
+    record = rules_record()
+    record["made_by"] = f"nnunetv2 {getattr(nnunetv2, '__version__', '2.8.1')}, torch {torch.__version__}"
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     torch.save(record, args.out)
     print(f"wrote {args.out}")
@@ -701,6 +846,8 @@ def main() -> None:
     one.add_argument("--channels", type=int, default=4, help="image channels with --plans")
     one.add_argument("--steps", type=int, default=3)
     one.add_argument("--out", default=str(ROOT / "tests" / "data" / "nnunet_step.pt"))
+    recorded = sub.add_parser("rules")
+    recorded.add_argument("--out", default=str(ROOT / "tests" / "data" / "nnunet_rules.pt"))
     gpu = sub.add_parser("gpu-step", help="nnU-Net's training step at its BraTS plan, timed (benchmarks/gpu_round.py)")
     gpu.add_argument("--size", type=int, default=128)
     gpu.add_argument("--batch", type=int, default=2)
@@ -716,6 +863,8 @@ def main() -> None:
         reference(args)
     elif args.task == "step":
         step(args)
+    elif args.task == "rules":
+        rules(args)
     elif args.task == "compare":
         compare(args)
     elif args.task == "gpu-step":

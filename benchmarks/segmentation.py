@@ -8,6 +8,8 @@
     .venv/bin/python benchmarks/segmentation.py profile --run <a trained segmentation run> [--repeats 10]
     .venv/bin/python benchmarks/segmentation.py step-time --run <run> --nnunet-plans <nnUNetPlans.json>
     .venv/bin/python benchmarks/segmentation.py same-step --run <run at base 32> --nnunet-plans <nnUNetPlans.json>
+    .venv/bin/python benchmarks/segmentation.py protocol --dataset brats|tissue|thick [--arms medvol16,medvol32,nnunet]
+        [--budgets steps,wall] [--seeds 0,1,2] [--steps 1250] (issue 50; benchmarks/segmentation_protocol.py)
     .venv/bin/python benchmarks/segmentation.py real [--datasets brats,thick,ct] [--subjects 48] [--epochs 60]
         [--iterations 8] [--arms medvol,medvol-noaug,medvol-nods,medvol-base32,medvol-adam,medvol-seed<N>,nnunet,monai]
         [--nnunet-venv /work/nnunet-venv]
@@ -35,7 +37,9 @@ fold 0 (= the same train/val split) on `-device cpu` with nnU-Net's default trai
 steps (epochs x iterations, `nnUNetTrainer_medvolBudget` through `nnUNet_extTrainer`), `nnUNetv2_predict`
 with its mirroring; (3) on the BraTS layouts, the plain MONAI script of issue 28 (UNet 16-32-64-128, z-score
 over the brain, whole volumes at `--monai-spacing` mm, DiceCE, Adam 1e-3, batch 2, best validation epoch).
-Every arm's test masks are scored against the label files (Dice and HD95 per region or class); the table
+Every arm's test masks are scored against the label files (Dice and HD95 per region or class; Dice by nnU-Net's
+rule, NaN for a structure absent from both masks, left out of the means); medvol from its final checkpoint
+(`last.ckpt`) without post-processing, as nnU-Net's arm (its best-validation checkpoint scored apart); the table
 (optimizer steps and batch, training and prediction wall time, peak resident memory of the largest process,
 GNU time; for medvol the share of a training step spent waiting for data, `summary.json`'s telemetry) goes to
 `<out>/results.md` and the figures to `<out>/results-<dataset>-...json`.
@@ -298,10 +302,15 @@ def case_files(root: Path, subject: str) -> dict[str, str]:
 def image_files(kind: str, root: Path, subject: str) -> list[str]:
     if kind == "ct":
         return [str(root / subject / "ct.nii.gz")]
+    if kind == "raw":
+        return [str(p) for p in sorted((root / "imagesTr").glob(f"{subject}_[0-9][0-9][0-9][0-9].nii.gz"))]
     return [case_files(root, subject)[m] for m in MODALITIES]
 
 
 def label_file(kind: str, root: Path, subject: str) -> str:
+    """The label file of `subject`: a BraTS case's seg, a CT case's, or an nnU-Net raw dataset's labelsTr file."""
+    if kind == "raw":
+        return str(root / "labelsTr" / f"{subject}.nii.gz")
     return str(root / subject / "seg.nii.gz") if kind == "ct" else case_files(root, subject)["seg"]
 
 
@@ -348,16 +357,22 @@ def write_ct_organ_lesions(root: Path, subjects: int, spacing: tuple[float, ...]
 
 
 def structure_scores(seg: Any, truth: Any, structures: dict[str, tuple[int, ...]], spacing: list[float]) -> dict:
-    """Dice and HD95 (mm) per structure of a label map against the truth, as MONAI computes them."""
+    """Dice and HD95 (mm) per structure of a label map against the truth. Dice as nnU-Net's `compute_metrics` scores
+    it: 2 TP / (2 TP + FP + FN), NaN for a structure absent from both (left out of the means, not 1: MONAI's
+    `compute_dice(ignore_empty=False)` would count it as a perfect score); HD95 as MONAI computes it (NaN or inf
+    where a mask is empty, left out of the means too)."""
     import numpy as np
     import torch
-    from monai.metrics import compute_dice, compute_hausdorff_distance
+    from monai.metrics import compute_hausdorff_distance
 
+    scores = {}
+    for name, values in structures.items():
+        predicted, expected = np.isin(seg, values), np.isin(truth, values)
+        overlap, total = int((predicted & expected).sum()), int(predicted.sum()) + int(expected.sum())
+        scores[f"dice_{name}"] = 2.0 * overlap / total if total else float("nan")
     masks = torch.from_numpy(np.stack([np.isin(seg, v) for v in structures.values()])[None].astype(np.uint8))
     target = torch.from_numpy(np.stack([np.isin(truth, v) for v in structures.values()])[None].astype(np.uint8))
-    dice = compute_dice(masks, target, include_background=True, ignore_empty=False)[0]
     hd95 = compute_hausdorff_distance(masks, target, include_background=True, percentile=95, spacing=spacing)[0]
-    scores = {f"dice_{n}": float(d) for n, d in zip(structures, dice, strict=True)}
     scores.update({f"hd95_{n}": float(h) for n, h in zip(structures, hd95, strict=True)})
     return scores
 
@@ -374,8 +389,12 @@ def mean_scores(rows: list[dict[str, float]]) -> dict[str, float]:
     return means
 
 
-def score_folder(kind: str, root: Path, folder: Path, subjects: list[str], name: str, back: dict | None = None) -> dict:
-    """Mean scores of the masks `folder/<name with {subject}>` against the dataset's label files."""
+def score_folder(
+    kind: str, root: Path, folder: Path, subjects: list[str], name: str, back: dict | None = None,
+    structures: dict[str, tuple[int, ...]] | None = None,
+) -> dict:
+    """Mean scores of the masks `folder/<name with {subject}>` against the dataset's label files (`structures`:
+    name -> label values in the files; the kind's by default)."""
     import nibabel as nib
     import numpy as np
 
@@ -389,7 +408,7 @@ def score_folder(kind: str, root: Path, folder: Path, subjects: list[str], name:
                 mapped[seg == ours] = theirs
             seg = mapped
         spacing = [float(z) for z in truth.header.get_zooms()[:3]]
-        rows.append(structure_scores(seg, np.asarray(truth.dataobj), STRUCTURES[kind], spacing))
+        rows.append(structure_scores(seg, np.asarray(truth.dataobj), structures or STRUCTURES[kind], spacing))
     return mean_scores(rows)
 
 
@@ -439,36 +458,48 @@ def medvol_arms(names: Sequence[str]) -> dict[str, list[str]]:
 
 
 def medvol_arm(
-    kind: str, root: Path, split_file: Path, out: Path, epochs: int, test: list[str], extra: Sequence[str] = ()
+    kind: str, root: Path, split_file: Path, out: Path, epochs: int, test: list[str], extra: Sequence[str] = (),
+    dataset: Sequence[str] | None = None, structures: dict[str, tuple[int, ...]] | None = None,
+    prefix: Sequence[str] = (), env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """`python train.py model=segmentation dataset=...` as a user types it (the plan, its validation after training;
-    `extra` overrides), then `python predict.py ckpt_path=<best> split=test` (mirroring); the test masks scored, the
-    training loop's data wait read from the run's telemetry."""
-    dataset = (
+    `extra` overrides; every command after `prefix`, e.g. taskset, with `env`), then, as nnU-Net is tested,
+    `python predict.py ckpt_path=<last.ckpt> split=test postprocessing=false` (the final checkpoint, mirroring, no
+    post-processing); the best-validation checkpoint
+    predicted alike and scored apart (`scores_best`). The training loop's data wait read from the run's telemetry."""
+    dataset = list(dataset) if dataset is not None else (
         ["dataset=brats", "dataset.label_regions=[WT,TC,ET]"] if kind == "brats"
         else ["dataset=nifti", "dataset.image_modalities=[ct]", "dataset.label_file='{subject}/seg.nii.gz'",
               "model.num_classes=3", "model.class_names=[organ,lesion]"]
     )
     command = [
-        sys.executable, str(ROOT / "train.py"), "model=segmentation", *dataset, f"dataset.root={root}",
+        *prefix, sys.executable, str(ROOT / "train.py"), "model=segmentation", *dataset, f"dataset.root={root}",
         f"trainer.max_epochs={epochs}", "hardware=cpu", f"dataset.split_file={split_file}",
         "callbacks.progress_bar=null", "logger=csv", f"hydra.run.dir={out}", *extra,
     ]
-    train_wall, train_peak = timed(command, out.parent / f"{out.name}.train.log", cwd=out.parent)
+    train_wall, train_peak = timed(command, out.parent / f"{out.name}.train.log", env, cwd=out.parent)
     summary = json.loads((out / "summary.json").read_text())
-    predicted = out / "test-predictions"
-    predict_wall, predict_peak = timed(
-        [sys.executable, str(ROOT / "predict.py"), f"ckpt_path={summary['best_checkpoint']}", "split=test",
-         f"output_dir={predicted}", "device=cpu"],
-        out.parent / f"{out.name}.predict.log", cwd=out.parent,
-    )
+    walls, peaks, scores = {}, [train_peak], {}
+    for which, checkpoint in (("final", out / "checkpoints" / "last.ckpt"), ("best", summary["best_checkpoint"])):
+        predicted = out / ("test-predictions" if which == "final" else "test-predictions-best")
+        walls[which], peak = timed(
+            [*prefix, sys.executable, str(ROOT / "predict.py"), f"ckpt_path={checkpoint}", "split=test",
+             f"output_dir={predicted}", "device=cpu", "postprocessing=false"],
+            out.parent / f"{out.name}.predict-{which}.log", env, cwd=out.parent,
+        )
+        peaks.append(peak)
+        scores[which] = score_folder(kind, root, predicted, test, "{subject}_seg.nii.gz", structures=structures)
     plan = json.loads((out / "plan.json").read_text()) if (out / "plan.json").is_file() else {}
+    telemetry = summary.get("telemetry", {})
     return {
-        "scores": score_folder(kind, root, predicted, test, "{subject}_seg.nii.gz"),
-        "steps": int(summary["global_step"]), "batch": plan.get("batch_size"), "patch": plan.get("patch_size"),
-        "spacing": plan.get("spacing"), "train_s": train_wall, "predict_s": predict_wall,
-        "peak_mib": max(train_peak, predict_peak), "steps_per_epoch": int(summary["global_step"]) // max(1, epochs),
-        "data_wait": summary.get("telemetry", {}).get("data_wait_fraction"),
+        "scores": scores["final"], "scores_best": scores["best"], "checkpoint": "last.ckpt",
+        "best_checkpoint": Path(summary["best_checkpoint"]).name, "steps": int(summary["global_step"]),
+        "epochs": epochs, "batch": plan.get("batch_size"), "patch": plan.get("patch_size"),
+        "features": plan.get("features"), "spacing": plan.get("spacing"), "train_s": train_wall,
+        "predict_s": walls["final"], "peak_mib": max(peaks),
+        "steps_per_epoch": int(summary["global_step"]) // max(1, epochs),
+        "data_wait": telemetry.get("data_wait_fraction"), "step_s": telemetry.get("step_time_ms", 0.0) / 1000,
+        "epoch_s": telemetry.get("epoch_seconds"),
     }
 
 
@@ -720,7 +751,7 @@ def profile(args: argparse.Namespace) -> None:
     from medvol.run.predict_config import recovered_run
     from medvol.run.predict_inputs import batches, dataset_subjects
     from medvol.volumes.prediction_writer import PredictionWriter
-    from medvol.volumes.source_grid import to_source_grid
+    from medvol.volumes.source_grid import logits_to_source_grid
 
     torch.set_num_threads(1)
     run_dir = Path(args.run).resolve()
@@ -788,18 +819,20 @@ def profile(args: argparse.Namespace) -> None:
         rows.append(("preprocess one subject (load, reorient, resample, normalise)", time.perf_counter() - start))
         for tta in (False, True):
             start = time.perf_counter()
-            probabilities = module.probabilities(batch["image"], window, tta)
+            logits = module.logits(batch["image"], window, tta)
             rows.append((f"sliding window, mirroring {'on (8 copies)' if tta else 'off'}", time.perf_counter() - start))
         grid = (batch["source_affine"][0], batch["source_shape"][0])
         start = time.perf_counter()
-        source = to_source_grid(probabilities[0], grid, batch["affine"][0], "linear", module.scheme.background())
-        rows.append(("probabilities onto the source grid (linear, per class)", time.perf_counter() - start))
+        source = module.scheme.activation(logits_to_source_grid(
+            logits[0], grid, batch["affine"][0], module.scheme.background_logits())[None])
+        rows.append(("logits onto the source grid (nnU-Net's resampling), then the softmax or sigmoid",
+                     time.perf_counter() - start))
         start = time.perf_counter()
-        label_map = module.label_maps(source[None])
+        label_map = module.label_maps(source)
         rows.append(("threshold/argmax and post-processing", time.perf_counter() - start))
         start = time.perf_counter()
-        outputs = module.outputs_of(batch, probabilities)
-        rows.append(("all of the above from probabilities, with Dice/HD95 against the label file",
+        outputs = module.outputs_of(batch, logits)
+        rows.append(("all of the above from logits, with Dice/HD95 against the label file",
                      time.perf_counter() - start))
         out = Path(args.out).resolve() / "profile-predict"
         writer = PredictionWriter(out)
@@ -1117,8 +1150,14 @@ def main() -> None:
     same.add_argument("--nnunet-plans", required=True, help="nnUNetPlans.json of the same data (the real arm's)")
     same.add_argument("--nnunet-venv", default="/work/nnunet-venv")
     same.add_argument("--steps", type=int, default=5)
+    from benchmarks.segmentation_protocol import add_arguments, check, run_protocol
+
+    add_arguments(sub.add_parser("protocol"))
     args, overrides = parser.parse_known_args()
-    if args.task == "same-step":
+    if args.task == "protocol":
+        check(args)
+        run_protocol(args)
+    elif args.task == "same-step":
         same_step(args)
     elif args.task == "step-time":
         step_times(args)

@@ -17,8 +17,10 @@ Per training item, after the cache, image and label (and a masked z-score's mask
 | mirroring | every axis, p 0.5 each | `RandFlipd` |
 | mask | a masked z-score's background back to 0 | `MaskImaged` |
 
-Labels are resampled by nearest neighbour (nnU-Net interpolates them one-hot, linearly). Images are padded with the
-channel's background value (0 for MR, as nnU-Net; a CT channel's clipped air where nnU-Net pads with 0, the
+Labels (and the z-score's mask) are resampled as batchgeneratorsv2's `SpatialTransform` resamples nnU-Net's
+segmentation (`one_hot_linear`): each label's indicator linearly, the largest score wins, ties go to the nearest
+neighbour, and outside the volume is a label of its own (nnU-Net's -1) that ends as background. Images are padded
+with the channel's background value (0 for MR, as nnU-Net; a CT channel's clipped air where nnU-Net pads with 0, the
 foreground mean after its CT normalization).
 """
 
@@ -54,6 +56,59 @@ FOREGROUND_KEY = "force_foreground"
 ROTATION_P = 0.2
 SCALING_P = 0.2
 SCALING = (0.7, 1.4)
+# batchgeneratorsv2's label scores: indicators times 1000, interpolated, held as float16 (near ties become ties, which
+# the nearest neighbour settles); outside the volume the label -1, background once resampled.
+SCORE_SCALE = 1000.0
+OUTSIDE = -1
+
+
+def one_hot_linear(label: torch.Tensor, sample: Callable[[torch.Tensor, str], torch.Tensor]) -> torch.Tensor:
+    """A (C, ...) label volume (integer values per channel: a label map, region channels or a mask) resampled as
+    batchgeneratorsv2's `SpatialTransform._apply_to_segmentation` with `mode_seg='bilinear'`, nnU-Net's setting.
+
+    Per channel, every label value present (and the outside of the volume, where the sampling reaches it) gets its
+    indicator resampled linearly (`sample(volume, "bilinear")`, zero padding) and scaled to float16 scores; the
+    largest score wins (the smaller value on an exact tie), and where the nearest neighbour's label
+    (`sample(volume, "nearest")`) has the top score it settles the voxel. Outside ends as 0, as nnU-Net's
+    `RemoveLabelTansform(-1, 0)` does.
+
+    Args:
+        label: (C, D, H, W), integer-valued (any dtype).
+        sample: resamples a (N, D, H, W) float32 volume onto the output grid with `bilinear` or `nearest`
+            interpolation, zeros outside (the same geometry for both).
+    """
+    return torch.stack([one_hot_linear_channel(channel, sample) for channel in label])
+
+
+def one_hot_linear_channel(channel: torch.Tensor, sample: Callable[[torch.Tensor, str], torch.Tensor]) -> torch.Tensor:
+    """`one_hot_linear` of one (D, H, W) channel; int64."""
+    values = torch.unique(channel).to(torch.int64)
+    nearest = (sample((channel.double() - OUTSIDE).float()[None], "nearest")[0].round() + OUTSIDE).to(torch.int64)
+    inside = sample(torch.full_like(channel, SCORE_SCALE, dtype=torch.float32)[None], "bilinear")[0]
+    if bool((inside < SCORE_SCALE - 0.5).any()):
+        # Some voxel's kernel reaches past the volume (by more than rounding): the outside is a label of its own.
+        values = torch.cat([torch.tensor([OUTSIDE]), values])
+    if len(values) == 1:
+        return torch.full_like(nearest, int(values[0]))
+
+    def score(value: int) -> torch.Tensor:
+        if value == OUTSIDE:
+            return (SCORE_SCALE - inside).half()
+        return sample(((channel == value).float() * SCORE_SCALE)[None], "bilinear")[0].half()
+
+    if len(values) == 2:
+        # Two labels' scores sum to the scale: the second wins past half of it, a tie goes to the nearest.
+        high = score(int(values[1]))
+        result = torch.where(high > SCORE_SCALE / 2, values[1], values[0])
+        settled = high == SCORE_SCALE / 2
+    else:
+        scores = torch.stack([score(int(v)) for v in values])
+        best = scores.max(0).values
+        result = values[scores.argmax(0)]
+        index = torch.searchsorted(values, nearest.clamp(int(values[0]), int(values[-1]))).clamp(max=len(values) - 1)
+        settled = (scores.gather(0, index[None])[0] == best) & torch.isin(nearest, values)
+    result = torch.where(settled, nearest, result)
+    return torch.where(result == OUTSIDE, torch.zeros_like(result), result)
 
 
 def crop_padded(
@@ -150,7 +205,7 @@ class SpatialAugmentd(Randomizable, MapTransform):
 
     Args:
         image_keys: images (trilinear, padded with `pad_values`).
-        label_keys: labels and masks (nearest, padded with 0).
+        label_keys: labels and masks (one-hot linear, `one_hot_linear`, background outside).
         patch: the output size.
         rotation: the largest angle in radians.
         in_plane: rotate about `axis` only and scale the other two axes only.
@@ -205,17 +260,24 @@ class SpatialAugmentd(Randomizable, MapTransform):
                     volumes[0])
                 shift[: len(values)] = torch.tensor(values, dtype=torch.float32)
             shift = shift.view(-1, 1, 1, 1)
-            affine = Affine(
-                rotate_params=self.angles, scale_params=self.scales(), spatial_size=self.patch,
-                mode="bilinear" if image else "nearest", padding_mode="zeros", image_only=True,
-            )
-            moved = convert_to_tensor(affine(stacked - shift), track_meta=False) + shift
+            if image:
+                moved = self.resampled(stacked - shift, "bilinear") + shift
+            else:
+                moved = one_hot_linear(stacked.round(), self.resampled)
             start = 0
             for key, volume in zip(group, volumes, strict=True):
                 part = moved[start : start + volume.shape[0]]
                 start += volume.shape[0]
-                d[key] = part if image else part.round().to(volume.dtype)
+                d[key] = part if image else part.to(volume.dtype)
         return d
+
+    def resampled(self, volume: torch.Tensor, mode: str) -> torch.Tensor:
+        """`volume` (C, ...) rotated and scaled about its centre into the central `patch`, zeros outside."""
+        affine = Affine(
+            rotate_params=self.angles, scale_params=self.scales(), spatial_size=self.patch, mode=mode,
+            padding_mode="zeros", image_only=True,
+        )
+        return convert_to_tensor(affine(volume), track_meta=False)
 
 
 class PerChannel(Randomizable, MapTransform):

@@ -28,6 +28,8 @@ from datamodules.sources.nifti import NiftiDataModule
 from medvol.core.errors import MedvolError
 
 DATASET_JSON = "dataset.json"
+# nnU-Net's label name for voxels without truth.
+IGNORE = "ignore"
 NIFTI_ENDINGS = (".nii.gz", ".nii")
 # A 4D Decathlon image stands for its channels under this one name.
 FOUR_D = "image"
@@ -69,12 +71,13 @@ def channel_names(content: Mapping[str, Any], where: Path) -> list[str]:
 
 def label_table(content: Mapping[str, Any], where: Path) -> tuple[dict[str, int], dict[str, list[int]]]:
     """(class name -> value, region name -> values) from `labels`: nnU-Net v2's name -> value (a list for a region)
-    or the Decathlon's value -> name."""
+    or the Decathlon's value -> name; nnU-Net's `ignore` entry is not a class (`ignore_label`)."""
     labels = content.get("labels")
     if not isinstance(labels, Mapping) or not labels:
         raise MedvolError(f"{where}: `labels` is missing or empty; expected e.g. {{\"background\": 0, \"tumour\": 1}}")
     decathlon = all(re.fullmatch(r"\d+", str(k)) for k in labels) and all(isinstance(v, str) for v in labels.values())
     entries = {str(v): int(k) for k, v in labels.items()} if decathlon else dict(labels)
+    entries.pop(IGNORE, None)
     classes: dict[str, int] = {}
     listed: dict[str, list[int]] = {}
     for name, value in entries.items():
@@ -98,6 +101,23 @@ def label_table(content: Mapping[str, Any], where: Path) -> tuple[dict[str, int]
                 f"{where}: `regions_class_order` is {order!r}; expected one label value per region ({len(regions)})"
             )
     return classes, regions
+
+
+def ignore_label(content: Mapping[str, Any], where: Path) -> int | None:
+    """nnU-Net's ignore label (`labels.ignore`: voxels without truth), which must be one above every other label value
+    (nnU-Net's `LabelManager`); None without one."""
+    labels = content.get("labels")
+    value = labels.get(IGNORE) if isinstance(labels, Mapping) else None
+    if value is None:
+        return None
+    classes, regions = label_table(content, where)
+    highest = max([*classes.values(), *(v for r in regions.values() for v in r)])
+    if isinstance(value, bool) or not isinstance(value, int) or value != highest + 1:
+        raise MedvolError(
+            f"{where}: `labels.ignore` is {value!r}; expected the integer one above every other label value "
+            f"({highest + 1}), as nnU-Net requires"
+        )
+    return value
 
 
 def metric_name(name: str) -> str:
@@ -124,6 +144,7 @@ class NnunetDataModule(NiftiDataModule):
         where = folder / DATASET_JSON
         self.channels = channel_names(content, where)
         self.classes, self.regions = label_table(content, where)
+        self.ignore_label = ignore_label(content, where)
         self.content = content
         self.decathlon = "training" in content and "channel_names" not in content
         files = dataset_channels(content, folder)
@@ -139,13 +160,17 @@ class NnunetDataModule(NiftiDataModule):
         # The plan normalizes per channel of the data (a 4D file's volumes included).
         self.modality_kind = [str(k) for k in kinds] if not isinstance(kinds, str) else [kinds] * len(self.channels)
         values = sorted({*self.classes.values(), *(v for r in self.regions.values() for v in r)})
-        self.label_values = values
+        self.label_values = values + ([self.ignore_label] if self.ignore_label is not None else [])
 
     def label_names(self) -> list[str] | None:
         """The foreground classes' names in value order (None with regions)."""
         if self.regions:
             return None
         return [metric_name(n) for n, v in sorted(self.classes.items(), key=lambda item: item[1]) if v != 0]
+
+    def ignore_label_of_data(self) -> int | None:
+        """dataset.json's ignore label (voxels without truth), or None."""
+        return self.ignore_label
 
     def label_regions_of_data(self) -> dict[str, list[int]] | None:
         """The regions of dataset.json, outermost first as nnU-Net lists them (None without regions)."""

@@ -7,6 +7,10 @@ region prediction turns back into one label map: each region is written with the
 value it adds to the regions inside it (BraTS WT/TC/ET: WT only -> 2 oedema, TC without ET -> 1
 necrotic core, ET -> 3; [WT] alone -> 1; [WT, ET]: WT without ET -> 1). Reading the written map
 with the same regions gives back the predicted regions.
+
+An ignore label (nnU-Net's `"ignore"` in dataset.json: the value after every class or region value) marks voxels
+whose truth is unknown: they may appear in label files, never in a prediction, and neither the loss nor a metric
+looks at them.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class LabelScheme:
         regions: region name -> label values, outermost first; null for classes.
         threshold: sigmoid probability above which a region voxel is foreground.
         class_names: names of the foreground classes 1..K-1 in metric names; null: class1, class2, ...
+        ignore_label: the label value of voxels without truth (above every class or region value), or null.
     """
 
     def __init__(
@@ -38,6 +43,7 @@ class LabelScheme:
         regions: Mapping[str, Sequence[int]] | None = None,
         threshold: float = 0.5,
         class_names: Sequence[str] | None = None,
+        ignore_label: int | None = None,
     ) -> None:
         self.regions = {str(k): sorted(int(v) for v in values) for k, values in (regions or {}).items()}
         self.threshold = float(threshold)
@@ -67,6 +73,12 @@ class LabelScheme:
             raise MedvolError(
                 f"`model.class_names` has {len(self.class_names)} names; expected one per foreground class "
                 f"({self.num_classes - 1} for model.num_classes={self.num_classes})"
+            )
+        self.ignore_label = None if ignore_label is None else int(ignore_label)
+        if self.ignore_label is not None and not self.num_classes <= self.ignore_label <= MAX_CLASSES:
+            raise MedvolError(
+                f"`model.ignore_label` is {ignore_label}; expected a value above every class or region value "
+                f"(>= {self.num_classes}), as nnU-Net's ignore label is the highest label"
             )
 
     @property
@@ -132,7 +144,7 @@ class LabelScheme:
         values = torch.unique(label).tolist()
         allowed = (
             set(range(self.num_classes)) if not self.is_regions else {0, *(v for r in self.regions.values() for v in r)}
-        )
+        ) | ({self.ignore_label} if self.ignore_label is not None else set())
         outside = [v for v in values if v not in allowed]
         if outside:
             key = "model.regions" if self.is_regions else "model.num_classes"
@@ -145,9 +157,19 @@ class LabelScheme:
                 f"{sorted(allowed)}; fix the label files or the model config"
             )
 
+    def annotated(self, label: torch.Tensor) -> torch.Tensor | None:
+        """(B, 1, ...) True where a label map's voxel has a truth (not the ignore label); None without an ignore label
+        or for region channels given as they are."""
+        if self.ignore_label is None or label.shape[1] != 1:
+            return None
+        return label != self.ignore_label
+
     def target(self, label: torch.Tensor) -> torch.Tensor:
-        """The loss target: the (B, 1, ...) label map for classes, (B, R, ...) binary channels for regions."""
+        """The loss target: the (B, 1, ...) label map for classes (ignored voxels as background: the loss leaves them
+        out, `annotated`), (B, R, ...) binary channels for regions (ignored voxels in none)."""
         if not self.is_regions or label.shape[1] == self.out_channels and label.shape[1] > 1:
+            if self.ignore_label is not None and label.shape[1] == 1:
+                return torch.where(label == self.ignore_label, torch.zeros_like(label), label)
             return label
         channels = [
             torch.isin(label[:, 0], torch.tensor(v, device=label.device, dtype=label.dtype))
@@ -159,15 +181,12 @@ class LabelScheme:
         """Logits -> probabilities: a sigmoid per region, or a softmax over the classes (dim 1)."""
         return torch.sigmoid(logits) if self.is_regions else torch.softmax(logits, dim=1)
 
-    def as_logits(self, probabilities: torch.Tensor) -> torch.Tensor:
-        """Probabilities -> logits whose `activation` gives them back (the loss of an averaged prediction): log p
-        for classes, log(p / (1 - p)) for regions, clamped 1e-6 away from 0 and 1."""
-        p = probabilities.float().clamp(1e-6, 1 - 1e-6)
-        return torch.log(p) - torch.log1p(-p) if self.is_regions else torch.log(p)
-
-    def background(self) -> list[float]:
-        """The probabilities of a voxel outside the model grid (cropped away): the background class, no region."""
-        return [0.0] * self.out_channels if self.is_regions else [1.0] + [0.0] * (self.num_classes - 1)
+    def background_logits(self) -> list[float]:
+        """The logits of a voxel outside the model grid (cropped away), whose activation is the background: every
+        region's probability 0, the background class's 1."""
+        if self.is_regions:
+            return [float("-inf")] * self.out_channels
+        return [0.0] + [float("-inf")] * (self.num_classes - 1)
 
     def discretise(self, probabilities: torch.Tensor) -> torch.Tensor:
         """(B, out_channels, ...) binary masks of the prediction: thresholded regions or a one-hot argmax."""

@@ -40,7 +40,7 @@ def level_settings(
 def build_network(
     name: str, in_channels: int, out_channels: int, features: Sequence[int], feature_size: int,
     kernels: Sequence[Sequence[int]] | None = None, strides: Sequence[Sequence[int]] | None = None,
-    deep_supervision: bool = False, res_block: bool = True,
+    deep_supervision: bool = False, res_block: bool = True, transposed_bias: bool = False,
 ) -> torch.nn.Module:
     """A MONAI 3D network.
 
@@ -54,6 +54,8 @@ def build_network(
         strides: dynunet: stride per level and axis, the first [1, 1, 1] (null: 2 after the first level).
         deep_supervision: dynunet: extra outputs from the coarser decoder levels while training.
         res_block: dynunet: residual blocks, or two plain convolutions per stage (nnU-Net's PlainConvUNet).
+        transposed_bias: dynunet: a bias on the transposed convolutions that upsample (PlainConvUNet's `conv_bias`).
+            The other convolutions have none: each feeds an instance norm, which removes a bias and its gradient.
     """
     features = [int(f) for f in features]
     if name not in NETWORKS:
@@ -70,7 +72,7 @@ def build_network(
         return DynUNet(
             3, in_channels, out_channels, kernel_size=kernels, strides=strides, upsample_kernel_size=strides[1:],
             filters=features, res_block=res_block, deep_supervision=deep_supervision,
-            deep_supr_num=supervised_heads(levels) if deep_supervision else 1,
+            deep_supr_num=supervised_heads(levels) if deep_supervision else 1, trans_bias=transposed_bias,
         )
     if feature_size % 12:
         raise MedvolError(f"`model.feature_size` is {feature_size}; SwinUNETR needs a multiple of 12")

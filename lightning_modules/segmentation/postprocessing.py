@@ -5,7 +5,10 @@ a step names label values; the voxels holding any of them form one mask, and eve
 that mask but the largest goes to the background. The steps are tried on the validation predictions of every
 fold (`choose`): first all foreground values as one mask, kept where it raises the mean foreground Dice and
 lowers no structure's; then each class or region on top of what was kept, each kept where it raises that
-structure's mean Dice. The decision is a list of steps, recorded as JSON and applied in order.
+structure's mean Dice. The decision is a list of steps, recorded as JSON with the number of folds it was chosen on
+and applied in order. As nnU-Net (`nnUNetv2_determine_postprocessing` on the cross-validation folds), a decision
+applies by default only where it was chosen on two folds or more: on one split's 4-7 validation subjects, dropping
+all but the largest component can remove true lesions (`medvol.run.fold_records.applied_postprocessing`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from medvol.core.errors import MedvolError
 # 26-connectivity (every voxel sharing a face, an edge or a corner), nnU-Net's and MONAI's default in 3D.
 NEIGHBOURS = np.ones((3, 3, 3), dtype=bool)
 ALL_FOREGROUND = "all foreground"
+# `model.postprocessing` / predict.py's `postprocessing`: which recorded decision applies.
+POSTPROCESSING_SWITCHES = ("auto", True, False)
 
 
 def keep_largest(label_map: np.ndarray, values: Sequence[int]) -> np.ndarray:
@@ -41,10 +46,12 @@ def keep_largest(label_map: np.ndarray, values: Sequence[int]) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Postprocessing:
-    """The steps chosen: (name, label values) each, applied in order to a (D, H, W) label map."""
+    """The steps chosen: (name, label values) each, applied in order to a (D, H, W) label map; `folds`: how many
+    cross-validation folds' validation predictions it was chosen on (1: one run's validation split)."""
 
     steps: tuple[tuple[str, tuple[int, ...]], ...] = ()
     scores: dict[str, Any] = field(default_factory=dict, compare=False)
+    folds: int = field(default=1, compare=False)
 
     def __call__(self, label_map: np.ndarray) -> np.ndarray:
         for _, values in self.steps:
@@ -55,21 +62,30 @@ class Postprocessing:
         """One line for the console."""
         if not self.steps:
             return "post-processing: none (keeping the largest component raised no Dice on the validation folds)"
-        kept = ", ".join(name for name, _ in self.steps)
-        return f"post-processing: the largest connected component of {kept}"
+        return f"post-processing: the largest connected component of {self.kept()}"
+
+    def kept(self) -> str:
+        """The structures whose largest component is kept, for a line of text."""
+        return ", ".join(name for name, _ in self.steps) or "none"
 
     def to_json(self) -> dict[str, Any]:
-        return {"steps": [{"name": n, "values": list(v)} for n, v in self.steps], **self.scores}
+        return {"steps": [{"name": n, "values": list(v)} for n, v in self.steps], "folds": self.folds, **self.scores}
 
     @classmethod
-    def from_json(cls, record: Any, where: str) -> Postprocessing:
+    def from_json(cls, record: Any, where: str, folds: int = 1) -> Postprocessing:
+        """A recorded decision; `folds` where the record does not say (one written before it did)."""
         steps = record.get("steps") if isinstance(record, dict) else None
         if not isinstance(steps, list) or not all(
             isinstance(s, dict) and isinstance(s.get("name"), str) and isinstance(s.get("values"), list)
             and all(isinstance(v, int) for v in s["values"]) for s in steps
         ):
             raise MedvolError(f"{where}: expected {{'steps': [{{'name': ..., 'values': [ints]}}, ...]}}")
-        return cls(tuple((s["name"], tuple(s["values"])) for s in steps))
+        recorded = record.get("folds", folds)
+        if isinstance(recorded, bool) or not isinstance(recorded, int) or not 1 <= recorded <= 1000:
+            raise MedvolError(
+                f"{where}: `folds` is {recorded!r}; expected the number of folds it was chosen on (1-1000)"
+            )
+        return cls(tuple((s["name"], tuple(s["values"])) for s in steps), folds=recorded)
 
 
 def candidates(scheme: LabelScheme) -> tuple[tuple[int, ...], list[tuple[str, tuple[int, ...]]]]:
@@ -84,10 +100,11 @@ def candidates(scheme: LabelScheme) -> tuple[tuple[int, ...], list[tuple[str, tu
 
 def label_map_dice(scheme: LabelScheme, prediction: np.ndarray, truth: np.ndarray) -> np.ndarray:
     """Dice per scored structure of two label maps; NaN for a structure absent from both (left out of the means, as
-    nnU-Net's `compute_metrics` and the training metrics)."""
+    nnU-Net's `compute_metrics` and the training metrics); voxels of the ignore label in `truth` left out."""
     scores = []
+    annotated = truth != scheme.ignore_label if scheme.ignore_label is not None else True
     for _, values in candidates(scheme)[1]:
-        predicted, expected = np.isin(prediction, values), np.isin(truth, values)
+        predicted, expected = np.isin(prediction, values) & annotated, np.isin(truth, values) & annotated
         total = int(predicted.sum()) + int(expected.sum())
         scores.append(float("nan") if total == 0 else 2.0 * int((predicted & expected).sum()) / total)
     return np.asarray(scores)
@@ -107,9 +124,9 @@ def at_least(trial: np.ndarray, best: np.ndarray) -> bool:
 
 def choose(
     scheme: LabelScheme, cases: Sequence[Callable[[], tuple[np.ndarray, np.ndarray]]],
-    dice: Callable[[LabelScheme, np.ndarray, np.ndarray], np.ndarray] = label_map_dice,
+    dice: Callable[[LabelScheme, np.ndarray, np.ndarray], np.ndarray] = label_map_dice, folds: int = 1,
 ) -> Postprocessing:
-    """nnU-Net's rule on the validation subjects of every fold: `cases` load each one's (prediction, reference)
+    """nnU-Net's rule on the validation subjects of `folds` folds: `cases` load each one's (prediction, reference)
     label maps, read again for every trial so that only one subject is in memory at a time."""
     if not cases:
         raise MedvolError("post-processing: no validation predictions to choose it on")
@@ -135,9 +152,19 @@ def choose(
         "dice_after": dict(zip(names, finite_or_none(best), strict=True)),
         "subjects": len(cases),
     }
-    return Postprocessing(tuple(steps), scores)
+    return Postprocessing(tuple(steps), scores, folds)
 
 
 def finite_or_none(scores: np.ndarray) -> list[float | None]:
     """Rounded scores for JSON: null for a structure absent from every subject (NaN is not JSON)."""
     return [None if np.isnan(v) else round(float(v), 6) for v in scores]
+
+
+def postprocessing_switch(value: Any, key: str) -> str | bool:
+    """`value` checked as a post-processing switch: auto, true or false."""
+    if value not in POSTPROCESSING_SWITCHES or (not isinstance(value, bool) and value != "auto"):
+        raise MedvolError(
+            f"`{key}` is {value!r}; expected auto (a post-processing chosen on cross-validation folds applies), true "
+            "(the recorded one applies, also one chosen on a single validation split) or false (none)"
+        )
+    return value

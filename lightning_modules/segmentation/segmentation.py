@@ -3,10 +3,11 @@
 Training cuts one patch per sample (at random or centred on the label) out of the whole-volume
 batch; validation and testing run `sliding_window_inference` over the whole volume with the
 training patch as the window, so the network always sees inputs of the size it was trained on.
-Each window gives class (softmax) or region (sigmoid) probabilities; at test time and in predict.py
-they are averaged over the window's mirrored copies (`model.tta`, nnU-Net's default), resampled
-linearly onto the source scan's grid and only there turned into masks, which are scored against the
-label file as stored: the Dice and HD95 of what the user receives. Validation while training scores
+Each window gives class or region logits; at test time and in predict.py they are averaged over the
+window's mirrored copies (`model.tta`, nnU-Net's default), blended, averaged over an ensemble's members,
+resampled onto the source scan's grid (linearly, a coarse axis of anisotropic data by nearest neighbour)
+and only there turned into probabilities (softmax or sigmoid) and masks, as nnU-Net v2 does; the masks are
+scored against the label file as stored: the Dice and HD95 of what the user receives. Validation while training scores
 the model grid without mirroring (`val/*`, the checkpoint monitor). Dice and HD95 are computed per
 subject and gathered from all ranks before averaging.
 """
@@ -26,12 +27,12 @@ from lightning_modules.segmentation.label_scheme import LabelScheme
 from lightning_modules.segmentation.losses import build_loss
 from lightning_modules.segmentation.networks import build_network, check_size, size_multiple, supervised_heads
 from lightning_modules.segmentation.patch_sampling import SAMPLINGS, cut_patches, patch_origins
-from lightning_modules.segmentation.postprocessing import Postprocessing, candidates
+from lightning_modules.segmentation.postprocessing import Postprocessing, candidates, postprocessing_switch
 from lightning_modules.segmentation.subject_scores import SubjectScores, subject_scores
 from medvol.core.errors import MedvolError
 from medvol.volumes.mirroring import SPATIAL_AXES, MirrorAveraged
 from medvol.volumes.sliding_window import SlidingWindow
-from medvol.volumes.source_grid import label_on_source_grid, to_source_grid
+from medvol.volumes.source_grid import label_on_source_grid, logits_to_source_grid, to_source_grid
 
 SOURCE_GRID_KEYS = ("source_affine", "source_shape", "affine")
 
@@ -72,6 +73,12 @@ class Segmenter(MedvolModule):
         deep_supervision: dynunet: also score the coarser decoder levels while training (weights halving
             per level, the lowest 0, as nnU-Net).
         res_block: dynunet: residual blocks (false: two plain convolutions per stage, nnU-Net's PlainConvUNet).
+        transposed_bias: dynunet: a bias on the upsampling transposed convolutions, as nnU-Net's PlainConvUNet (whose
+            other convolution biases feed an instance norm, which removes them; a plan sets it).
+        batch_dice: the Dice loss over the whole batch rather than per sample (nnU-Net's `batch_dice`, which its
+            planner sets where it adds a low-resolution configuration; a plan sets it alike).
+        ignore_label: the label value of voxels without truth (nnU-Net's dataset.json `ignore`, above every class or
+            region value; a run takes it from the dataset): left out of the loss and of every metric, never predicted.
         feature_size: SwinUNETR embedding size (multiple of 12).
         loss: dice_ce or dice_focal.
         patch_size: training patch and sliding window; null trains on whole volumes.
@@ -81,9 +88,13 @@ class Segmenter(MedvolModule):
         sw_batch_size: windows per network call.
         stitch_on_cpu: keep the blended whole-volume output on the CPU (windows still run on the device).
         threshold: sigmoid probability for a region voxel.
-        largest_component: keep only the largest connected component of every class/region (by hand; a run's
-            post-processing chosen on its validation predictions, `postprocessing.json`, replaces it).
-        tta: at test time and in predict.py, average each window's probabilities over its copies mirrored along
+        largest_component: keep only the largest connected component of every class/region (by hand; a
+            post-processing that applies, `postprocessing`, replaces it).
+        postprocessing: auto, true or false: which recorded post-processing (`postprocessing.json`, chosen on
+            validation predictions) test=true and predict.py apply. auto: one chosen on cross-validation folds (a
+            sweep's, nnU-Net's rule); a single split's is written, not applied; true: the recorded one, also a single
+            split's; false: none (`medvol.run.fold_records.applied_postprocessing`).
+        tta: at test time and in predict.py, average each window's logits over its copies mirrored along
             every spatial axis (8 network calls a window).
         optimizer: partial optimizer.
         scheduler: optional partial LR scheduler, stepped per epoch.
@@ -104,6 +115,9 @@ class Segmenter(MedvolModule):
         strides: Sequence[Sequence[int]] | None = None,
         deep_supervision: bool = False,
         res_block: bool = True,
+        transposed_bias: bool = False,
+        batch_dice: bool = False,
+        ignore_label: int | None = None,
         feature_size: int = 24,
         loss: str = "dice_ce",
         patch_size: Sequence[int] | None = None,
@@ -114,6 +128,7 @@ class Segmenter(MedvolModule):
         stitch_on_cpu: bool = False,
         threshold: float = 0.5,
         largest_component: bool = False,
+        postprocessing: str | bool = "auto",
         tta: bool = True,
         optimizer: Callable[..., torch.optim.Optimizer] | None = None,
         scheduler: Callable[..., Any] | None = None,
@@ -122,7 +137,7 @@ class Segmenter(MedvolModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(logger=False)
-        self.scheme = LabelScheme(num_classes, regions, threshold, class_names)
+        self.scheme = LabelScheme(num_classes, regions, threshold, class_names, ignore_label)
         self.features = [int(f) for f in features]
         self.patch_size = [int(p) for p in patch_size] if patch_size else None
         if self.patch_size is not None:
@@ -141,15 +156,18 @@ class Segmenter(MedvolModule):
             )
         self.net = build_network(
             net, in_channels, self.scheme.out_channels, self.features, feature_size, kernels, strides, deep_supervision,
-            res_block,
+            res_block, transposed_bias,
         )
         self.supervision_weights = supervision_weights(len(self.features)) if deep_supervision else None
         self.pad_value = pad_value_of(pad_value)
-        self.loss = build_loss(loss, self.scheme.is_regions)
+        self.loss = build_loss(loss, self.scheme.is_regions, batch_dice, self.scheme.ignore_label)
         self.optimizer_factory = optimizer or (lambda params: torch.optim.Adam(params, lr=1e-3))
         self.scheduler_factory = scheduler
         # Set by the run from its validation predictions (`postprocessing.json`), or every structure by hand.
+        postprocessing_switch(postprocessing, "model.postprocessing")
         self.postprocessing = Postprocessing(tuple(candidates(self.scheme)[1]) if largest_component else ())
+        # Which recorded decision applies, and why, in one line (set where a run or predict.py applies one).
+        self.postprocessing_note = ""
         self.tta = bool(tta)
         # Per structure, the [smallest, largest] training volume in ml (the run's record): the report flags outliers.
         self.volume_range: dict[str, list[float]] = {}
@@ -193,31 +211,44 @@ class Segmenter(MedvolModule):
                 "dataset volume size (model.patch_size is null)",
                 self.hparams.strides,
             )
-        loss = self.training_loss(self(image), self.scheme.target(label))
+        loss = self.training_loss(self(image), self.scheme.target(label), self.scheme.annotated(label))
         self.log("train/loss", loss.detach(), on_step=True, on_epoch=True, prog_bar=True, batch_size=image.shape[0])
         return loss
 
-    def training_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def training_loss(
+        self, output: torch.Tensor, target: torch.Tensor, annotated: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The loss of the full-resolution output, plus with deep supervision the weighted losses of the coarser heads,
         as nnU-Net scores them: each head at its own resolution against the target downsampled to it
-        (`nearest-exact`, batchgeneratorsv2's `DownsampleSegForDSTransform`), heads of weight 0 skipped.
+        (`nearest-exact`, batchgeneratorsv2's `DownsampleSegForDSTransform`), heads of weight 0 skipped. With an
+        ignore label, `annotated` (the voxels with a truth) is downsampled alike and the loss sees only those.
 
         DynUNet returns its heads nearest-upsampled to the patch (stacked on dim 1), where a head of 1/8 the
         resolution is scored on blocks of 8^3 voxels against the full-resolution target; nnU-Net scores it on its own
         grid. The heads at their own resolution are in `net.heads`. (Measured on BraTS-layout brains, 320 steps:
         either way the nested regions were not learned with deep supervision on; docs/BENCHMARKS.md.)"""
         if self.supervision_weights is None or output.dim() == target.dim():
-            return self.loss(output, target)
+            return self.scored_loss(output, target, annotated)
         heads = [output[:, 0], *self.net.heads]  # one per weight: zip(strict=True) below checks it
         total = output.new_zeros(())
         for weight, head in zip(self.supervision_weights, heads, strict=True):
             if weight == 0.0:
                 continue
-            scaled = target
+            scaled, mask = target, annotated
             if tuple(head.shape[2:]) != tuple(target.shape[2:]):
                 scaled = F.interpolate(target.float(), size=head.shape[2:], mode="nearest-exact").to(target.dtype)
-            total = total + weight * self.loss(head, scaled)
+                if annotated is not None:
+                    mask = F.interpolate(annotated.float(), size=head.shape[2:], mode="nearest-exact").bool()
+            total = total + weight * self.scored_loss(head, scaled, mask)
         return total
+
+    def scored_loss(self, output: torch.Tensor, target: torch.Tensor, annotated: torch.Tensor | None) -> torch.Tensor:
+        """The loss of one output; with an ignore label on the annotated voxels only."""
+        if self.scheme.ignore_label is None:
+            return self.loss(output, target)
+        if annotated is None:
+            annotated = torch.ones_like(target[:, :1], dtype=torch.bool)
+        return self.loss(output, target, annotated)
 
     def window(self, image: torch.Tensor) -> SlidingWindow:
         """Windows of the training patch (or the whole volume), overlap, Gaussian blending; windows past a small
@@ -229,17 +260,21 @@ class Segmenter(MedvolModule):
             pad_value=self.pad_value,
         )
 
-    def probabilities(
-        self, image: torch.Tensor, window: SlidingWindow | None = None, tta: bool = False
-    ) -> torch.Tensor:
-        """(B, C, ...) class or region probabilities of whole volumes on the model grid, window by window; with
-        `tta` each window's are the mean over its copies mirrored along every spatial axis."""
+    def logits(self, image: torch.Tensor, window: SlidingWindow | None = None, tta: bool = False) -> torch.Tensor:
+        """(B, C, ...) class or region logits of whole volumes on the model grid, window by window, blended; with
+        `tta` each window's are the mean over its copies mirrored along every spatial axis (nnU-Net's predictor)."""
         window = window or self.window(image)
         if window.pad_value is None:
             window = dataclasses.replace(window, pad_value=self.pad_value)
-        # One probability volume per class or region: held against the memory budget before it is blended.
+        # One volume per class or region: held against the memory budget before it is blended.
         window = dataclasses.replace(window, output_channels=self.scheme.out_channels)
-        return window(MirrorAveraged(self.net, self.scheme.activation, SPATIAL_AXES if tta else ()), image)
+        return window(MirrorAveraged(self.net, SPATIAL_AXES if tta else ()), image)
+
+    def probabilities(
+        self, image: torch.Tensor, window: SlidingWindow | None = None, tta: bool = False
+    ) -> torch.Tensor:
+        """(B, C, ...) class or region probabilities on the model grid: the softmax or sigmoid of `logits`."""
+        return self.scheme.activation(self.logits(image, window, tta))
 
     def label_maps(self, probabilities: torch.Tensor) -> torch.Tensor:
         """(B, 1, ...) int64 label maps: threshold or argmax, then the post-processing."""
@@ -256,13 +291,15 @@ class Segmenter(MedvolModule):
     def _evaluate(self, batch: dict[str, Any], stage: str) -> dict[str, Any]:
         image, label = batch[self.hparams.image_key], batch["label"]
         self.scheme.check_label(label, batch.get("source_file"))
-        probabilities = self.probabilities(image, tta=stage == "test" and self.tta)
+        logits = self.logits(image, tta=stage == "test" and self.tta)
+        probabilities = self.scheme.activation(logits)
         target = self.scheme.target(label).to(probabilities.device)
+        annotated = self.scheme.annotated(label.to(probabilities.device))
         loss_metric: MeanMetric = getattr(self, f"{stage}_loss")
-        loss = self.loss(self.scheme.as_logits(probabilities), target)
+        loss = self.scored_loss(logits, target, annotated)
         loss_metric.update(loss.detach().to(self.device), weight=image.shape[0])
         if stage == "test" and on_source_grid(batch):
-            outputs = self.outputs_of(batch, probabilities)
+            outputs = self.outputs_of(batch, logits)
         else:
             label_map = self.label_maps(probabilities)
             target_masks = target if self.scheme.is_regions else self.scheme.one_hot(target)
@@ -272,7 +309,7 @@ class Segmenter(MedvolModule):
                     "label": self.scheme.label_map(target_masks).to(image.device),
                 },
                 "segments": self.scheme.segments,
-                "subject_metrics": self.subject_metrics(label_map, target_masks, batch.get("affine")),
+                "subject_metrics": self.subject_metrics(label_map, target_masks, batch.get("affine"), annotated),
             }
         metrics = outputs["subject_metrics"]
         getattr(self, f"{stage}_dice").update(torch.stack([metrics[f"dice_{n}"] for n in self.scheme.names], 1))
@@ -280,11 +317,16 @@ class Segmenter(MedvolModule):
         return outputs
 
     def subject_metrics(
-        self, label_map: torch.Tensor, target_masks: torch.Tensor, affine: torch.Tensor | None
+        self, label_map: torch.Tensor, target_masks: torch.Tensor, affine: torch.Tensor | None,
+        annotated: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Dice and HD95 (mm where the grid's affine is known) per subject and scored structure."""
+        """Dice and HD95 (mm where the grid's affine is known) per subject and scored structure; with `annotated`
+        (B, 1, ...) only those voxels count in either mask (nnU-Net's `compute_metrics` with an ignore label)."""
         spacing = voxel_spacing(affine) if affine is not None else None
         masks = self.masks_of(label_map).to(target_masks.device)
+        if annotated is not None:
+            kept = annotated.to(target_masks.device)
+            masks, target_masks = masks * kept, target_masks * kept
         dice, hd95 = subject_scores(self.scheme.scored(masks), self.scheme.scored(target_masks), spacing)
         return {
             **{f"dice_{n}": dice[:, i] for i, n in enumerate(self.scheme.names)},
@@ -292,16 +334,17 @@ class Segmenter(MedvolModule):
         }
 
     def outputs_of(
-        self, batch: dict[str, Any], probabilities: torch.Tensor, extras: Sequence[str] = ()
+        self, batch: dict[str, Any], logits: torch.Tensor, extras: Sequence[str] = ()
     ) -> dict[str, Any]:
-        """The outputs a user receives from model-grid probabilities: on the source scan's grid where the batch
-        has one (probabilities resampled linearly per class, then the argmax or threshold, then the
-        post-processing), scored there against the label file as stored; else on the model grid. `extras`:
-        `probabilities` also returns them (written as `<subject>_probabilities.nii.gz`), `reference` the label
-        maps scored against (in model label values, on the same grid)."""
+        """The outputs a user receives from model-grid logits: on the source scan's grid where the batch has one
+        (the logits resampled as nnU-Net resamples them, `logits_to_source_grid`, then the softmax or sigmoid, the
+        argmax or threshold, the post-processing), scored there against the label file as stored; else on the model
+        grid. `extras`: `probabilities` also returns them (written as `<subject>_probabilities.nii.gz`), `reference`
+        the label maps scored against (in model label values, on the same grid)."""
         image = batch[self.hparams.image_key]
         label = batch.get("label")
         if not on_source_grid(batch):
+            probabilities = self.scheme.activation(logits)
             label_map = self.label_maps(probabilities)
             outputs: dict[str, Any] = {
                 "volumes": {"input": image, "seg": label_map}, "segments": self.scheme.segments, "as_is": ["seg"],
@@ -313,25 +356,29 @@ class Segmenter(MedvolModule):
             if label is not None:
                 target = self.scheme.target(label.to(probabilities.device))
                 target_masks = target if self.scheme.is_regions else self.scheme.one_hot(target)
-                outputs["subject_metrics"] = self.subject_metrics(label_map, target_masks, batch.get("affine"))
+                outputs["subject_metrics"] = self.subject_metrics(
+                    label_map, target_masks, batch.get("affine"), self.scheme.annotated(label.to(target.device))
+                )
                 if "reference" in extras:
                     outputs["volumes"]["reference"] = self.scheme.label_map(target_masks)
             return outputs
         maps, kept, references, rows = [], [], [], []
         for i in range(image.shape[0]):
             grid = (batch["source_affine"][i], batch["source_shape"][i])
-            source = to_source_grid(
-                probabilities[i].detach().float().cpu(), grid, batch["affine"][i], "linear", self.scheme.background()
-            )
+            source = self.scheme.activation(logits_to_source_grid(
+                logits[i].detach().float().cpu(), grid, batch["affine"][i], self.scheme.background_logits()
+            )[None])[0]
             label_map = self.label_maps(source[None])
             maps.append(label_map[0])
             if "probabilities" in extras:
                 kept.append(source)
             if label is not None:
-                truth = self.source_truth(batch, i, grid)
-                references.append(truth[None])
-                target_masks = self.masks_of(truth[None, None])
-                rows.append(self.subject_metrics(label_map, target_masks, batch["source_affine"][i : i + 1]))
+                truth = self.source_truth(batch, i, grid)[None, None]
+                references.append(truth[0])
+                target_masks = self.masks_of(self.scheme.target(truth) if not self.scheme.is_regions else truth)
+                rows.append(self.subject_metrics(
+                    label_map, target_masks, batch["source_affine"][i : i + 1], self.scheme.annotated(truth)
+                ))
         outputs = {
             "volumes": {
                 "input": image, "seg": maps, **({"probabilities": kept} if kept else {}),
@@ -396,12 +443,12 @@ class Segmenter(MedvolModule):
         """Masks of whole volumes on the source grid (`outputs_of`), mirrored as `tta` says; Dice and HD95 per subject
         where the batch has a label."""
         image = batch[self.hparams.image_key]
-        return self.outputs_of(batch, self.probabilities(image, window, self.tta), extras)
+        return self.outputs_of(batch, self.logits(image, window, self.tta), extras)
 
     def exported_networks(self, size: Sequence[int]) -> list[ExportedNetwork]:
-        """The network (`network`: logits) and what predict.py blends per window (`window`: probabilities, mirrored
-        as `tta` says). Spatial sizes vary in multiples of the network's halvings (SwinUNETR's window attention
-        fixes them at the training patch)."""
+        """The network (`network`: logits) and what predict.py blends per window (`window`: logits averaged over the
+        mirrored copies as `tta` says). Spatial sizes vary in multiples of the network's halvings (SwinUNETR's window
+        attention fixes them at the training patch)."""
         patch = self.patch_size or [int(s) for s in size]
         multiple = size_multiple(self.hparams.net, self.features, self.hparams.strides)
         image, larger = spatial_examples(int(self.hparams.in_channels), patch, multiple)
@@ -413,24 +460,25 @@ class Segmenter(MedvolModule):
         return [
             ExportedNetwork("network", self.net.eval(), {"image": image}, "logits", {"image": axes, "logits": axes},
                             seconds, {**about, "output": "logits, one channel per class or region"}),
-            ExportedNetwork("window", self.bundle_network(), {"image": image}, "probabilities",
-                            {"image": axes, "probabilities": axes}, seconds,
-                            {**about, "output": "probabilities (softmax or sigmoid), averaged over the mirrored copies",
+            ExportedNetwork("window", self.bundle_network(), {"image": image}, "logits",
+                            {"image": axes, "logits": axes}, seconds,
+                            {**about, "output": "logits averaged over the mirrored copies (the softmax or sigmoid "
+                             "comes after blending and resampling, as nnU-Net's)",
                              "mirrored_along": ["depth", "height", "width"] if self.tta else []}),
         ]
 
     def bundle_network(self) -> torch.nn.Module:
-        return WindowProbabilities(self.net, self.scheme.activation, SPATIAL_AXES if self.tta else ()).eval()
+        return WindowLogits(self.net, SPATIAL_AXES if self.tta else ()).eval()
 
 
-class WindowProbabilities(torch.nn.Module):
-    """A window -> its class or region probabilities as predict.py blends them: the network's softmax or sigmoid,
-    averaged over the mirrored copies along `axes` (none: one call); a module export.py traces."""
+class WindowLogits(torch.nn.Module):
+    """A window -> its class or region logits as predict.py blends them: the network's, averaged over the mirrored
+    copies along `axes` (none: one call); a module export.py traces."""
 
-    def __init__(self, net: torch.nn.Module, activation: Callable[[torch.Tensor], torch.Tensor], axes: Sequence[int]):
+    def __init__(self, net: torch.nn.Module, axes: Sequence[int]):
         super().__init__()
         self.net = net
-        self.mirrored = MirrorAveraged(net, activation, tuple(axes))
+        self.mirrored = MirrorAveraged(net, tuple(axes))
 
     def forward(self, window: torch.Tensor) -> torch.Tensor:
         return self.mirrored(window)

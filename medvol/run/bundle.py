@@ -13,15 +13,15 @@
                              the scan's own grid, and for segmentation the argmax or threshold, the run's
                              post-processing and the training files' label values; `<scan>_seg.nii.gz` or
                              `<scan>_reconstruction.nii.gz` in OUT
-    models/model.ts          the window network (`MedvolModule.bundle_network`: mirroring and the softmax or
-                             sigmoid inside for segmentation), TorchScript: no medvol class is needed to load it
+    models/model.ts          the window network (`MedvolModule.bundle_network`: for segmentation the logits
+                             averaged over the mirrored copies), TorchScript: no medvol class is needed to load it
     README.md                the command
 
 The settings are those predict.py reads an input file with (`inference_settings`: the run's `dataset.transforms`
 after the plan, `<run>/plan.json`, was applied). MONAI's transforms do what they can; nnU-Net's steps that MONAI
 has none for (the filled non-zero mask of the z-score, the separate resampling of an anisotropic axis decided per
-scan, the largest connected component) are helper expressions in the config (`HELPERS`), each the one medvol
-runs, written with numpy, scipy and torch.
+scan, the logits' resampling onto the scan's grid as nnU-Net's, the largest connected component) are helper
+expressions in the config (`HELPERS`), each the one medvol runs, written with numpy, scipy and torch.
 """
 
 from __future__ import annotations
@@ -209,23 +209,26 @@ class BundleSteps:
 
     def postprocessing(self, module: MedvolModule, settings: Mapping[str, Any],
                        segmentation: bool) -> list[dict[str, Any]]:
-        """The window's output back onto the scan's grid, linearly and filling what the model grid does not cover
-        as predict.py does (`to_source_grid`); then for segmentation the threshold or argmax, the run's
-        post-processing and the training files' label values; for an image, the scan's units first."""
+        """The window's output back onto the scan's grid as predict.py does: a segmentation's logits as nnU-Net's
+        (`logits_to_source_grid`: linear within the model grid's extent, a coarse axis of anisotropic data by
+        nearest neighbour, the background beyond), then the softmax or sigmoid, the threshold or argmax, the run's
+        post-processing and the training files' label values; an image linearly (`to_source_grid`) and in the
+        scan's units."""
         if not segmentation:
             return [*self.units(settings), step("to_source_grid", "Lambda", func=(
                 "$lambda d: {**d, 'pred': (lambda p, low: monai.transforms.ResampleToMatch(mode='bilinear', "
                 "padding_mode='zeros', dtype=torch.float32)(p - low, d['" + SOURCE_KEY + "']) + low)(d['pred'], "
                 "float(d['pred'].min()))}")), save("reconstruction", "$numpy.float32")]
         scheme = module.scheme  # type: ignore[attr-defined]
-        # Voxels the model grid does not cover are background: probability 1 for the background class, 0 for
-        # every region; interpolated towards it at the grid's edge (resampled as offsets from it, padded with 0).
-        fill = [float(v) for v in scheme.background()]
-        offset = [] if not any(fill) else [
-            step("to_source_grid", "Lambdad", keys="pred",
-                 func=f"$lambda p: p {sign} torch.tensor({fill}).reshape(-1, 1, 1, 1)") for sign in "-+"]
-        resample = step("to_source_grid", "ResampleToMatchd", keys="pred", key_dst=SOURCE_KEY, mode="bilinear",
-                        padding_mode="zeros", dtype="$torch.float32")
+        # Voxels the model grid does not cover are background: logits whose softmax or sigmoid is the background.
+        # The result carries the scan's meta: its affine, and the file name SaveImaged names the output after.
+        fill = "[" + ", ".join("float('-inf')" if v == float("-inf") else repr(v)
+                               for v in scheme.background_logits()) + "]"
+        resample = step("logits_to_source_grid", "Lambda", func=(
+            f"$lambda d: {{**d, 'pred': monai.data.MetaTensor({self.helper('logits_to_source')}(d['pred'], "
+            f"d['{SOURCE_KEY}'], {fill}), meta=dict(d['{SOURCE_KEY}'].meta))}}"))
+        activation = step("activation", "Lambdad", keys="pred", func=(
+            "$lambda p: torch.sigmoid(p)" if scheme.is_regions else "$lambda p: torch.softmax(p, 0)"))
         if scheme.is_regions:
             order = sorted(range(len(scheme.regions)), key=lambda i: -len(list(scheme.regions.values())[i]))
             paint = [(i, int(scheme.region_values[list(scheme.regions)[i]])) for i in order]
@@ -243,7 +246,7 @@ class BundleSteps:
         lookup = label_file_values(module)
         values = [] if lookup is None else [step("label_values", "Lambdad", keys="pred", func=(
             f"$lambda m: monai.utils.convert_to_dst_type(torch.tensor({lookup})[m.as_tensor().long()], m)[0]"))]
-        return [*offset[:1], resample, *offset[1:], labels, *largest, *values, save("seg", "$numpy.int16")]
+        return [resample, activation, labels, *largest, *values, save("seg", "$numpy.int16")]
 
     @staticmethod
     def units(settings: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -269,7 +272,8 @@ def save(postfix: str, dtype: str) -> dict[str, Any]:
 
 
 # inference.json's helper functions (config id -> expression, the packages it imports beyond PyTorch, numpy and
-# MONAI): the steps of predict.py that MONAI has no transform for, written as medvol runs them.
+# MONAI): the steps of predict.py that MONAI has no transform for, written as medvol runs them (no `@` operator:
+# MONAI's config reads `@` as a reference).
 HELPERS: dict[str, tuple[str, tuple[str, ...]]] = {
     # `datamodules.pipeline.transforms.nonzero_mask` (nnU-Net's `create_nonzero_mask`): the voxels non-zero in any
     # channel, holes filled.
@@ -296,6 +300,27 @@ HELPERS: dict[str, tuple[str, tuple[str, ...]]] = {
         "monai.transforms.Spacing(step[0], mode=step[1], padding_mode='nearest')(v), [(target, 3)] if axis is None "
         "else [([c if i == axis else t for i, (c, t) in enumerate(zip(current, target))], 3), (target, 'nearest')], "
         "x))(@separate_axis(current, target)))([float(s) for s in x.pixdim[:3]])", ()),
+    # `medvol.volumes.source_grid.logits_to_source_grid`: (C, D, H, W) logits on the model grid onto the source's grid,
+    # source row blocks at a time: each voxel's position on the model grid (`source_positions`), held at the outermost
+    # voxel centres, the separate axis at its nearest slice, looked up linearly; beyond half a voxel, `fill`.
+    "logits_to_source": (
+        "$lambda p, source, fill: (lambda mapping, shape: (lambda apart: torch.cat([@logits_rows("
+        "p.as_tensor().float(), mapping, apart, numpy.arange(start, min(start + 64, shape[0])), shape, fill) for "
+        "start in range(0, shape[0], 64)], 1))(@separate_axis(list(numpy.sqrt((p.affine.numpy()[:3, :3] ** 2).sum(0)"
+        ")), [float(numpy.sqrt((source.affine.numpy()[:3, :3] ** 2).sum(0))[int(numpy.argmax(numpy.abs("
+        "mapping[k, :3])))]) for k in range(3)])))(numpy.matmul(numpy.linalg.inv(p.affine.numpy().astype("
+        "numpy.float64)), source.affine.numpy().astype(numpy.float64)), [int(n) for n in source.shape[1:]])", ()),
+    "logits_rows": (
+        "$lambda p, mapping, apart, rows, shape, fill: (lambda coords, size: (lambda nearest: (lambda inside: "
+        "torch.tensor(fill, dtype=p.dtype).reshape(-1, 1).expand(p.shape[0], len(coords)).clone().masked_scatter("
+        "torch.from_numpy(inside)[None].expand(p.shape[0], -1), torch.nn.functional.grid_sample(p[None], "
+        "torch.from_numpy((numpy.where(numpy.arange(3) == (-1 if apart is None else apart), nearest, numpy.clip("
+        "coords, 0, size - 1))[inside] / numpy.maximum(size - 1, 1) * 2 - 1)[:, ::-1].copy()).to(p.dtype).reshape("
+        "1, -1, 1, 1, 3), mode='bilinear', padding_mode='border', align_corners=True)[0, :, :, 0, 0].contiguous())"
+        ".reshape(p.shape[0], len(rows), shape[1], shape[2]))(numpy.all((nearest >= 0) & (nearest < size), axis=1)))("
+        "numpy.floor(coords + 0.5)))(numpy.stack(numpy.meshgrid(rows, numpy.arange(shape[1]), numpy.arange(shape[2]), "
+        "indexing='ij'), -1).reshape(-1, 3).dot(mapping[:3, :3].T) + mapping[:3, 3], numpy.asarray(p.shape[1:]))",
+        ()),
     # `lightning_modules.segmentation.postprocessing.keep_largest` on a (1, D, H, W) label map: the voxels of
     # `values` outside their largest 26-connected component set to 0.
     "keep_largest": (
@@ -384,14 +409,15 @@ def bundle_metadata(
     }}
     window = [int(s) for s in size]
     if segmentation:
-        # models/model.ts gives per window the probabilities predict.py blends: softmax classes (one-hot `labels`
-        # in the specification's words) or sigmoid regions (`classes`: several may hold at a voxel).
+        # models/model.ts gives per window the logits predict.py blends (mirrored copies averaged): of softmax
+        # classes (one-hot `labels` in the specification's words) or of sigmoid regions (`classes`: several may hold
+        # at a voxel); the softmax or sigmoid comes once they are on the scan's grid, as nnU-Net's.
         scheme = module.scheme  # type: ignore[attr-defined]
         classes = scheme.names if scheme.is_regions else ["background", *scheme.names]
         outputs = {"pred": {
             "type": "image", "format": "classes" if scheme.is_regions else "labels", "modality": "n/a",
-            "num_channels": len(classes), "spatial_shape": window, "dtype": "float32", "value_range": [0, 1],
-            "is_patch_data": True, "channel_def": {str(i): f"probability of {n}" for i, n in enumerate(classes)},
+            "num_channels": len(classes), "spatial_shape": window, "dtype": "float32", "value_range": [],
+            "is_patch_data": True, "channel_def": {str(i): f"logit of {n}" for i, n in enumerate(classes)},
         }}
         lookup = label_file_values(module) or list(range(scheme.num_classes))
         written = {"file": "<scan>_seg.nii.gz", "dtype": "int16", "grid": "the scan's own", "labels": (

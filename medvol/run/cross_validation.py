@@ -1,17 +1,18 @@
 """A segmentation run's validation after training, its post-processing, and the cross-validation of a fold sweep.
 
 After training, the best checkpoint predicts every validation subject as predict.py would (whole volumes,
-mirroring, probabilities resampled onto the source grid before the argmax) into `<run>/validation/`: the
+mirroring, logits resampled onto the source grid before the softmax and the argmax) into `<run>/validation/`: the
 masks, `metrics.csv` (Dice and HD95 of what a user receives) and, per subject, the predicted and reference
 label maps in the model's label values (`label_maps/<subject>.npz`). nnU-Net's post-processing rule is
 applied to them (`lightning_modules.segmentation.postprocessing.choose`) and the decision written to
-`<run>/postprocessing.json`, which `test=true` and predict.py apply.
+`<run>/postprocessing.json`; chosen on one split's few subjects it is not applied unless asked
+(`model.postprocessing=true`, predict.py's `postprocessing=true`).
 
 A sweep over `dataset.fold=0,1,2,3,4` holds five such runs, each validated on its own fold. When the sweep
 ends (`CrossValidationSummary`, a Hydra callback), the folds' validations are read once: the cross-validation
 Dice per fold and over all subjects goes to `<sweep>/cross_validation.json`, and the post-processing chosen on
 every fold's predictions together to `<sweep>/postprocessing.json`, which `predict.py run_dir=<sweep>` (the
-five folds' ensemble) applies.
+five folds' ensemble) applies, as nnU-Net applies the decision it makes on its cross-validation folds.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ from medvol.run.fold_records import (
     SUMMARY_FILE,
     VALIDATION_DIR,
     VOLUMES_FILE,
+    applied_postprocessing,
     fold_runs,
-    read_postprocessing,
     read_volume_range,
     write_json,
 )
@@ -60,14 +61,18 @@ log = logging.getLogger("medvol")
 
 def after_training(cfg: DictConfig, trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, float]:
     """A segmentation run's validation on the source grid and its post-processing (rank 0; the others wait);
-    the mean `validation/*` metrics. A run that did not train (`train=false`) applies its recorded
-    post-processing. Nothing for other families."""
+    the mean `validation/*` metrics. The test then applies the recorded post-processing as `model.postprocessing`
+    lets it (`applied_postprocessing`; a run that did not train, `train=false`, too). Nothing for other families."""
     if not isinstance(module, Segmenter):
         return {}
     metrics: dict[str, float] = {}
     run_dir = Path(str(cfg.paths.output_dir))
+    switch = cfg.model.get("postprocessing", "auto")
     if not cfg.get("train", True):
-        module.postprocessing, module.volume_range = read_postprocessing(run_dir), read_volume_range(run_dir)
+        module.postprocessing, module.postprocessing_note = applied_postprocessing(
+            run_dir, switch, module.postprocessing
+        )
+        module.volume_range = read_volume_range(run_dir)
         return metrics
     if trainer.is_global_zero:
         callback = trainer.checkpoint_callback
@@ -75,7 +80,10 @@ def after_training(cfg: DictConfig, trainer: pl.Trainer, module: pl.LightningMod
         if checkpoint:
             metrics = validate(cfg, checkpoint, trainer.strategy.root_device)
     trainer.strategy.barrier("medvol-final-validation")
-    module.postprocessing, module.volume_range = read_postprocessing(run_dir), read_volume_range(run_dir)
+    module.postprocessing, module.postprocessing_note = applied_postprocessing(run_dir, switch, module.postprocessing)
+    module.volume_range = read_volume_range(run_dir)
+    if trainer.is_global_zero:
+        log.info("%s", module.postprocessing_note)
     return metrics
 
 
@@ -116,13 +124,13 @@ def validate(cfg: DictConfig, checkpoint: str, device: torch.device) -> dict[str
     fold = cfg.dataset.get("fold")
     scheme = module.scheme
     labels = {"num_classes": scheme.num_classes, "regions": scheme.regions or None, "class_names": scheme.class_names,
-              "threshold": scheme.threshold}
+              "threshold": scheme.threshold, "ignore_label": scheme.ignore_label}
     # Relative to the run, so that a moved sweep still finds it (and a record read back names nothing outside).
     write_json(out / FOLD_FILE, {
         "fold": fold, "checkpoint": os.path.relpath(Path(checkpoint).resolve(), run_dir.resolve()), "labels": labels,
         "subjects": subjects,
     })
-    decision = choose(module.scheme, cases(maps, subjects))
+    decision = choose(module.scheme, cases(maps, subjects), folds=1)
     write_json(run_dir / POSTPROCESSING_FILE, decision.to_json())
     means = {k: v for k, v in mean_metrics(writer.rows).items() if not k.startswith("volume_")}
     names = module.scheme.names
@@ -134,7 +142,7 @@ def validate(cfg: DictConfig, checkpoint: str, device: torch.device) -> dict[str
         len(subjects), f", fold {fold}" if fold is not None else "", Path(checkpoint).name,
         ", ".join(f"{k.removeprefix('validation/')} {v:.4f}" for k, v in metrics.items()),
     )
-    log.info("%s (%s)", decision.describe(), run_dir / POSTPROCESSING_FILE)
+    log.info("chosen on the validation split: %s (%s)", decision.describe(), run_dir / POSTPROCESSING_FILE)
     return metrics
 
 
@@ -211,7 +219,7 @@ def summarise_sweep(sweep_dir: Path) -> dict[str, Any] | None:
             for k in pooled
         },
     }
-    decision = choose(LabelScheme(**runs[0][2].labels.model_dump()), all_cases)
+    decision = choose(LabelScheme(**runs[0][2].labels.model_dump()), all_cases, folds=len(runs))
     summary["postprocessing"] = decision.to_json()
     write_json(sweep_dir / SUMMARY_FILE, summary)
     write_json(sweep_dir / POSTPROCESSING_FILE, decision.to_json())
@@ -219,7 +227,8 @@ def summarise_sweep(sweep_dir: Path) -> dict[str, Any] | None:
         "cross-validation of %d folds (%d subjects) -> %s: %s", len(runs), len(all_rows), sweep_dir / SUMMARY_FILE,
         ", ".join(f"dice_{n} {pooled[f'dice_{n}']:.4f}" for n in names),
     )
-    log.info("%s (%s)", decision.describe(), sweep_dir / POSTPROCESSING_FILE)
+    log.info("chosen on %d folds: %s (%s; predict.py run_dir=%s applies it)", len(runs), decision.describe(),
+             sweep_dir / POSTPROCESSING_FILE, sweep_dir)
     return summary
 
 

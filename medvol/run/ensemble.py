@@ -1,9 +1,10 @@
 """Several trained segmentation models as one: the folds of a cross-validation (nnU-Net's 5-fold ensemble).
 
 `predict.py run_dir=<sweep>` (the fold runs a `dataset.fold=0,1,2,3,4` sweep wrote) or `ckpt_path=[a, b, ...]`
-gives predict.py several checkpoints. Each member computes its class probabilities on the model grid
-(mirrored as `tta` says); the ensemble's are their mean, which the first member turns into what a user
-receives (resampled onto the source grid, then the argmax and the post-processing). The members must
+gives predict.py several checkpoints. Each member computes its class or region logits on the model grid
+(mirrored as `tta` says); the ensemble's are their mean, as nnU-Net averages its folds' logits, which the first
+member turns into what a user receives (resampled onto the source grid, then the softmax or sigmoid, the argmax or
+threshold and the post-processing). The members must
 preprocess alike (one plan: a fold sweep plans once from every fold's subjects), so one input pipeline
 serves them all.
 """
@@ -21,18 +22,18 @@ from medvol.volumes.sliding_window import SlidingWindow
 
 
 class Ensemble:
-    """Members' probabilities averaged, then one member's outputs from them (`Segmenter.outputs_of`)."""
+    """Members' logits averaged, then one member's outputs from them (`Segmenter.outputs_of`)."""
 
     def __init__(self, members: Sequence[Any]) -> None:
         if not members:
             raise MedvolError("an ensemble needs at least one checkpoint")
         self.members = list(members)
 
-    def probabilities(self, image: torch.Tensor, window: SlidingWindow, tta: bool) -> torch.Tensor:
+    def logits(self, image: torch.Tensor, window: SlidingWindow, tta: bool) -> torch.Tensor:
         total = None
         for member in self.members:
-            probabilities = member.probabilities(image, window, tta)
-            total = probabilities if total is None else total + probabilities.to(total.device)
+            logits = member.logits(image, window, tta)
+            total = logits if total is None else total + logits.to(total.device)
         assert total is not None
         return total / len(self.members)
 
@@ -41,7 +42,7 @@ class Ensemble:
     ) -> dict[str, Any]:
         first = self.members[0]
         image = batch[first.hparams.image_key]
-        return first.outputs_of(batch, self.probabilities(image, window, first.tta), extras)
+        return first.outputs_of(batch, self.logits(image, window, first.tta), extras)
 
 
 def same_preprocessing(runs: Sequence[DictConfig], checkpoints: Sequence[str]) -> None:

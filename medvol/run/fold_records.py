@@ -2,7 +2,9 @@
 
 `<run>/validation/fold.json` names the run's fold (null outside a cross-validation), the checkpoint the
 validation used, the label settings and the subjects; `<run>/postprocessing.json` (and a sweep's) the
-post-processing chosen on the validation predictions.
+post-processing chosen on the validation predictions, with the number of folds it was chosen on. Which
+decision applies (`applied_postprocessing`): by default (`auto`) only one chosen on cross-validation folds, as
+nnU-Net; a single split's is written, and applied only when asked (`postprocessing=true`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class FoldLabels(_Record):
     regions: dict[str, list[Annotated[int, Field(ge=0, le=10**6)]]] | None
     class_names: list[Annotated[str, Field(max_length=256)]] | None
     threshold: Annotated[float, Field(allow_inf_nan=False)] | None
+    ignore_label: Annotated[int, Field(ge=1, le=2**16)] | None = None
 
 
 class FoldRecord(_Record):
@@ -72,11 +75,48 @@ def _validated(schema: type[BaseModel], value: Any, path: Path, expected: str) -
 
 
 def read_postprocessing(folder: Path) -> Postprocessing:
-    """The post-processing recorded in `folder` (a run or a sweep); none where nothing was recorded."""
+    """The post-processing recorded in `folder` (a run or a sweep); none where nothing was recorded. A record
+    written before records said their folds counts a sweep's folds (`cross_validation.json` beside it), else 1."""
     path = folder / POSTPROCESSING_FILE
     if not path.is_file():
         return Postprocessing()
-    return Postprocessing.from_json(read_json(path, "a post-processing record"), str(path))
+    folds = 1
+    summary = folder / SUMMARY_FILE
+    if summary.is_file():
+        record = read_json(summary, "a cross-validation summary")
+        if isinstance(record, dict) and isinstance(record.get("folds"), dict):
+            folds = max(1, len(record["folds"]))
+    return Postprocessing.from_json(read_json(path, "a post-processing record"), str(path), folds)
+
+
+def applied_postprocessing(folder: Path | None, switch: str | bool, own: Postprocessing) -> tuple[Postprocessing, str]:
+    """The post-processing that applies, and a line saying which and why. `folder`'s record (a run's or a sweep's)
+    under `switch`: `auto` applies it where it was chosen on two folds or more (nnU-Net chooses on the
+    cross-validation folds), and keeps `own` (`model.largest_component`) otherwise; `true` applies it whatever it
+    was chosen on (refused in one line where none is recorded); `false` applies none."""
+    if switch is False:
+        return Postprocessing(), "post-processing: off (postprocessing=false)"
+    recorded = read_postprocessing(folder) if folder is not None else None
+    path = folder / POSTPROCESSING_FILE if folder is not None else None
+    if switch is True:
+        if path is None or not path.is_file():
+            raise MedvolError(
+                f"`postprocessing=true`: no post-processing recorded ({path or 'the checkpoint has no run folder'}); "
+                "expected a run validated after training or a cross-validation sweep, or postprocessing=auto"
+            )
+        assert recorded is not None
+        return recorded, f"{recorded.describe()} (chosen on {chosen_on(recorded)}, postprocessing=true; {path})"
+    if recorded is not None and recorded.folds >= 2:
+        return recorded, f"{recorded.describe()} (chosen on {chosen_on(recorded)}; {path})"
+    line = own.describe() if own.steps else "post-processing: none"
+    if recorded is not None and recorded.steps:
+        line += (f"; the validation split's choice (largest component of {recorded.kept()}) is written to {path}, "
+                 "not applied: postprocessing=true applies it, auto only a choice made on cross-validation folds")
+    return own, line
+
+
+def chosen_on(decision: Postprocessing) -> str:
+    return f"{decision.folds} cross-validation folds" if decision.folds >= 2 else "one validation split"
 
 
 def read_fold(path: Path) -> FoldRecord:

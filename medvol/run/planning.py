@@ -38,7 +38,7 @@ GRADIENT_CLIP = 12.0
 # Plan keys a user may give instead (`model.plan.<key>=...`); the others of the node steer how it is made.
 GIVEN_KEYS = (
     "spacing", "patch_size", "batch_size", "features", "foreground_ratio", "deep_supervision", "poly_power",
-    "crop_foreground", "iterations_per_epoch", "augmentation",
+    "crop_foreground", "iterations_per_epoch", "augmentation", "batch_dice",
 )
 USES = ("auto", True, False)
 # Lightning's own default when neither max_epochs nor max_steps is set.
@@ -95,6 +95,15 @@ def model_regions(cfg: DictConfig, datamodule: pl.LightningDataModule) -> dict[s
     return own() if callable(own) else None
 
 
+def data_ignore_label(cfg: DictConfig, datamodule: pl.LightningDataModule) -> int | None:
+    """The label value of voxels without truth: `model.ignore_label`, else the dataset's (nnU-Net's `ignore`)."""
+    given = cfg.model.get("ignore_label")
+    if given is not None:
+        return int(given)
+    own = getattr(datamodule, "ignore_label_of_data", None)
+    return own() if callable(own) else None
+
+
 def planned(
     cfg: DictConfig, datamodule: pl.LightningDataModule, accelerator: str, recorded: bool = False
 ) -> tuple[DictConfig, list[str]]:
@@ -133,7 +142,7 @@ def planned(
     plan = make_plan(
         datamodule.plan_fingerprint(), memory_budget(cfg, accelerator), base, given_values(cfg),
         getattr(datamodule, "modality_kind", None), regions,
-        len(class_names) + 1 if class_names else None,
+        declared_classes=len(class_names) + 1 if class_names else None, ignore_label=data_ignore_label(cfg, datamodule),
     )
     plan["regions"] = regions if cfg.model.get("regions") is None else None
     plan["class_names"] = class_names
@@ -149,6 +158,12 @@ def with_data_classes(cfg: DictConfig, datamodule: pl.LightningDataModule) -> Di
     model = cfg.model
     if not issubclass(target_class(model._target_), Segmenter):
         return cfg
+    ignore = data_ignore_label(cfg, datamodule)
+    if ignore is not None and model.get("ignore_label") is None:
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            cfg.model.ignore_label = ignore
+        model = cfg.model
     if model.get("num_classes") is not None or model.get("regions") is not None:
         return cfg
     names = getattr(datamodule, "label_names", None)
@@ -199,6 +214,7 @@ def with_plan(cfg: DictConfig, plan: dict[str, Any]) -> DictConfig:
         cfg.dataset.val_batch_size = 1
         cfg.model.net = "dynunet"
         cfg.model.res_block = False
+        cfg.model.transposed_bias = True
         cfg.model.in_channels = plan.get("channels", cfg.model.get("in_channels"))
         cfg.model.features = plan["features"]
         cfg.model.strides = plan["strides"]
@@ -206,6 +222,9 @@ def with_plan(cfg: DictConfig, plan: dict[str, Any]) -> DictConfig:
         cfg.model.patch_size = patch
         cfg.model.patch_sampling = "random"
         cfg.model.deep_supervision = plan["deep_supervision"]
+        cfg.model.batch_dice = bool(plan.get("batch_dice", False))
+        if cfg.model.get("ignore_label") is None and plan.get("ignore_label") is not None:
+            cfg.model.ignore_label = int(plan["ignore_label"])
         cfg.model.pad_value = background_values(plan["normalization"])
         if cfg.model.get("regions") is None and plan.get("regions"):
             cfg.model.regions = plan["regions"]

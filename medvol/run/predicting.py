@@ -24,11 +24,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from datamodules.sources.nifti import LABEL_FILE_VALUES
 from lightning_modules.base import MedvolModule
+from lightning_modules.segmentation.postprocessing import postprocessing_switch
 from medvol.core.checkpoint_read import TRUST_KEY, checkpoints_trusted
 from medvol.core.console import log_file
 from medvol.core.errors import MedvolError
 from medvol.run.ensemble import Ensemble, same_preprocessing
-from medvol.run.fold_records import fold_checkpoints, read_postprocessing, read_volume_range
+from medvol.run.fold_records import applied_postprocessing, fold_checkpoints, read_volume_range
 from medvol.run.generation import intensity_record, on_model_grid, sampled_outputs, with_target_units
 from medvol.run.noise_samples import noise_geometry, write_noise_samples
 from medvol.run.predict_check import (
@@ -100,7 +101,7 @@ def _predicted(cfg: DictConfig) -> dict[str, float]:
         with log_file(output_dir / LOG_FILE):
             log.info("predict: %s on %d subject(s) from %s", ", ".join(checkpoints), len(inputs.dataset), inputs.where)
             if hasattr(module, "postprocessing"):
-                log.info("%s", module.postprocessing.describe())
+                log.info("%s", module.postprocessing_note or module.postprocessing.describe())
             count = predict_subjects(
                 predictor, inputs, window, writer, num_samples, refine, extras, label_file_values(module)
             )
@@ -147,21 +148,28 @@ def segmentation_predictor(
     device: torch.device,
 ) -> Any:
     """The model that predicts: `module`, or for several checkpoints their ensemble; for segmentation with the
-    command's `tta` and the post-processing of the run (or of the sweep, for its folds)."""
+    command's `tta` and the post-processing recorded for the run (or for the sweep, for its folds) as the command's
+    `postprocessing` (null: the model's `postprocessing`, auto by default) lets it apply."""
     if cfg.get("tta") is not None and hasattr(module, "tta"):
         module.tta = bool(cfg.tta)
     if not hasattr(module, "probabilities"):
         if len(checkpoints) > 1 or (cfg.get("tta") is not None and not hasattr(module, "tta")) or cfg.get(
-                "save_probabilities"):
+                "save_probabilities") or cfg.get("postprocessing") is not None:
             raise MedvolError(
-                "several checkpoints (`ckpt_path=[...]`, `run_dir`), `tta` and `save_probabilities` apply to "
-                f"segmentation (`tta` also to survival); {checkpoints[0]} is a {type(module).__name__}"
+                "several checkpoints (`ckpt_path=[...]`, `run_dir`), `tta`, `postprocessing` and `save_probabilities` "
+                f"apply to segmentation (`tta` also to survival); {checkpoints[0]} is a {type(module).__name__}"
             )
         return module
     if decided_in is None:
         decided_in = run_dir_of_checkpoint(checkpoints[0])
-    if decided_in is not None:
-        module.postprocessing = read_postprocessing(decided_in)
+    given = cfg.get("postprocessing")
+    switch = postprocessing_switch(
+        module.hparams.get("postprocessing", "auto") if given is None else given,
+        "postprocessing" if given is not None else "model.postprocessing",
+    )
+    module.postprocessing, module.postprocessing_note = applied_postprocessing(
+        decided_in, switch, module.postprocessing
+    )
     own = run_dir_of_checkpoint(checkpoints[0])
     module.volume_range = read_volume_range(own) if own is not None else {}
     if len(checkpoints) == 1:

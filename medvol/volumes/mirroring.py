@@ -1,10 +1,10 @@
-"""Test-time mirroring (nnU-Net's default inference): a network's output averaged over mirrored copies of its input.
+"""Test-time mirroring (nnU-Net's default inference): a network's logits averaged over mirrored copies of its input.
 
 Every combination of the mirror axes is run (2^3 = 8 calls for all three spatial axes): the input flipped
-along those axes, the network's output turned into probabilities (`activation`, the softmax or sigmoid) and
-flipped back, so each copy speaks about the same voxel, then the copies averaged. Averaging probabilities
-rather than logits keeps an ensemble of mirrors, windows and folds one mean of distributions (nnU-Net v1
-averaged softmax; v2 averages logits, which differs only where the copies disagree strongly).
+along those axes, the network's logits flipped back, so each copy speaks about the same voxel, then the copies
+averaged, as nnU-Net v2's predictor does (`_internal_maybe_mirror_and_predict`). The logits stay logits through the
+sliding window's blending, the folds' mean and the resampling onto the scan's grid; the softmax or sigmoid comes
+last, as in nnU-Net (v1 averaged softmax probabilities instead; the two differ where the copies disagree strongly).
 """
 
 from __future__ import annotations
@@ -26,16 +26,14 @@ def mirror_combinations(axes: Sequence[int]) -> list[tuple[int, ...]]:
 
 @dataclass(frozen=True)
 class MirrorAveraged:
-    """`network` (B, C, D, H, W) -> probabilities averaged over the mirrored copies of its input.
+    """`network` (B, C, D, H, W) -> its logits averaged over the mirrored copies of its input.
 
     Args:
         network: a volume-to-volume network returning logits (a single tensor).
-        activation: logits -> probabilities (softmax over channels, or sigmoid per channel).
         axes: spatial axes (0, 1, 2 for D, H, W) to mirror along; empty: one plain call.
     """
 
     network: Callable[[torch.Tensor], torch.Tensor]
-    activation: Callable[[torch.Tensor], torch.Tensor]
     axes: tuple[int, ...] = SPATIAL_AXES
 
     def __post_init__(self) -> None:
@@ -51,8 +49,8 @@ class MirrorAveraged:
         for combo in mirror_combinations(self.axes):
             dims = [2 + a for a in combo]
             flipped = torch.flip(window, dims) if dims else window
-            probabilities = self.activation(self.network(flipped).float())
-            probabilities = torch.flip(probabilities, dims) if dims else probabilities
-            total = probabilities if total is None else total + probabilities
+            logits = self.network(flipped).float()
+            logits = torch.flip(logits, dims) if dims else logits
+            total = logits if total is None else total + logits
         assert total is not None
         return total / self.copies

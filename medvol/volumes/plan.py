@@ -17,7 +17,9 @@ labelled voxels, and the label values with their voxel counts. The plan (`make_p
 - the augmentation's rotation range, its in-plane mode for anisotropic patches and the larger patch the
   loader cuts before rotating (the trainer's `configure_rotation_dummyDA_mirroring_and_inital_patch_size`);
 - 33% of each batch's samples forced onto a foreground class, deep supervision, 250 batches an epoch,
-  a polynomial learning-rate decay.
+  a polynomial learning-rate decay;
+- the Dice over the whole batch (`batch_dice`) where nnU-Net's planner would add a low-resolution configuration
+  (the patch covers under a quarter of the median image): nnU-Net then sets `batch_dice` on its 3d_fullres plan.
 
 Every value can be given instead (`overrides`); the plan records which were. A given patch or batch is
 refitted to the budget (the other one shrinks), or refused in one line when even the smallest does not fit.
@@ -63,6 +65,12 @@ ITERATIONS_PER_EPOCH = 250
 ROTATION = np.deg2rad(30.0)
 IN_PLANE_ROTATION = np.deg2rad(180.0)
 INITIAL_PATCH_SCALE = 0.85
+# nnU-Net's 3d_lowres search: a patch under this share of the median image asks for a coarser configuration, whose
+# spacing grows by this factor a round (the coarsest axes first) until its patch covers the share; the configuration
+# is dropped where its median image is under half the full-resolution one's voxels.
+LOW_RESOLUTION_SHARE = 0.25
+LOW_RESOLUTION_STEP = 1.03
+LOW_RESOLUTION_MIN_RATIO = 2.0
 
 
 @dataclass
@@ -167,12 +175,14 @@ def normalization(
 
 
 def label_classes(
-    fingerprint: DataFingerprint, num_classes: int | None, regions: bool, declared: int | None = None
+    fingerprint: DataFingerprint, num_classes: int | None, regions: bool, declared: int | None = None,
+    ignore_label: int | None = None,
 ) -> int | None:
     """The number of classes: `num_classes` where given, else the classes the dataset `declared` (BraTS's four, an
     nnU-Net dataset.json's labels), whether or not every one occurs in the training subjects (every label value must
-    lie below it); else from the label values present, which must run 0..K-1 as nnU-Net requires. None for regions."""
-    values = sorted(fingerprint.labels)
+    lie below it); else from the label values present, which must run 0..K-1 as nnU-Net requires (the ignore label
+    is none of them). None for regions."""
+    values = sorted(v for v in fingerprint.labels if v != ignore_label)
     if regions:
         return None
     for count, source in ((num_classes, f"`model.num_classes={num_classes}`"), (declared, "the dataset's classes")):
@@ -284,10 +294,40 @@ def fitted(
     }
 
 
+def low_resolution_configuration(
+    spacing: Sequence[float], median_shape: Sequence[float], patch: Sequence[int], budget_mib: float, base: int,
+    outputs: int,
+) -> bool:
+    """Whether nnU-Net's planner would add a 3d_lowres configuration beside the full-resolution one (`plan_experiment`):
+    while the patch covers under a quarter of the median image, the spacing grows 3% a round (only the axes over 2x
+    finer than the coarsest, while there are such axes) and the patch is searched again at that spacing; kept where
+    the median image shrank at least twofold. nnU-Net's full-resolution plan then takes the Dice over the batch
+    (`batch_dice`), its low-resolution one (and a full-resolution plan alone) per sample. Axes in medvol's order."""
+    order = transposition(spacing)
+    full = np.asarray([nnunet_order(spacing)[a] for a in order], dtype=np.float64)
+    median = np.asarray([nnunet_order(median_shape)[a] for a in order], dtype=np.float64)
+    patch_voxels = float(np.prod([nnunet_order(patch)[a] for a in order], dtype=np.float64))
+    median_voxels = float(np.prod(median))
+    coarse = full.copy()
+    searched = False
+    while patch_voxels / median_voxels < LOW_RESOLUTION_SHARE:
+        finer = coarse.max() / coarse > 2
+        if finer.any():
+            coarse[finer] *= LOW_RESOLUTION_STEP
+        else:
+            coarse *= LOW_RESOLUTION_STEP
+        shape = full / coarse * median
+        median_voxels = float(np.prod(shape))
+        fit = fit_patch(list(coarse), [round(s) for s in shape], budget_mib, base, outputs, 0.0)
+        patch_voxels = float(np.prod(fit.topology.patch, dtype=np.float64))
+        searched = True
+    return searched and float(np.prod(median)) / median_voxels >= LOW_RESOLUTION_MIN_RATIO
+
+
 def make_plan(
     fingerprint: DataFingerprint, budget_mib: float, base: int, overrides: Mapping[str, Any] | None = None,
     kinds: Sequence[str] | None = None, regions: Mapping[str, Sequence[int]] | None = None,
-    declared_classes: int | None = None,
+    declared_classes: int | None = None, ignore_label: int | None = None,
 ) -> dict[str, Any]:
     """The plan of `fingerprint` under a memory budget (MiB, nnU-Net's calibration) with `base` filters at full
     resolution.
@@ -298,10 +338,11 @@ def make_plan(
         base: filters of the first stage (doubling per stage up to 320).
         overrides: plan keys given instead of derived (spacing, patch_size, batch_size, features, num_classes,
             foreground_ratio, deep_supervision, poly_power, crop_foreground, iterations_per_epoch, augmentation: false
-            for none, nnU-Net's `nnUNetTrainerNoDA`); None ignored.
+            for none, nnU-Net's `nnUNetTrainerNoDA`, batch_dice); None ignored.
         kinds: per channel mr/ct, instead of what the data suggests.
         regions: the model's regions (name -> label values), whose count sets the network's outputs.
         declared_classes: the classes the dataset declares (background included), where it does.
+        ignore_label: the label value of voxels without truth (nnU-Net's `ignore`): not a class.
     """
     given = {k: v for k, v in (overrides or {}).items() if v is not None}
     spacing = [float(s) for s in given.get("spacing") or target_spacing(fingerprint.spacings, fingerprint.shapes)]
@@ -309,7 +350,7 @@ def make_plan(
     shapes = resampled_shapes(fingerprint.shapes, fingerprint.spacings, spacing)
     median = [float(m) for m in np.median(shapes, 0)]
     subjects = len(fingerprint.spacings)
-    classes = label_classes(fingerprint, given.get("num_classes"), bool(regions), declared_classes)
+    classes = label_classes(fingerprint, given.get("num_classes"), bool(regions), declared_classes, ignore_label)
     # nnU-Net counts its dataset.json labels: background and every class, or background and every region.
     outputs = len(regions) + 1 if regions else classes or 2
     fit = fitted(spacing, median, budget_mib, base, outputs, float(np.prod(median)) * subjects, given)
@@ -329,10 +370,14 @@ def make_plan(
         "channels": len(fingerprint.channels),
         "num_classes": classes,
         "labels": {str(k): int(v) for k, v in sorted(fingerprint.labels.items())},
+        "ignore_label": ignore_label,
         "augmentation": {**augmentation(fit["patch_size"], spacing), "enabled": bool(given.get("augmentation", True))},
         "foreground_ratio": float(given.get("foreground_ratio", FOREGROUND_RATIO)),
         # DynUNet supervises the decoder stages between the coarsest and the output: none with two stages.
         "deep_supervision": bool(given.get("deep_supervision", True)) and len(features) >= 3,
+        "batch_dice": bool(given["batch_dice"]) if "batch_dice" in given else low_resolution_configuration(
+            spacing, median, fit["patch_size"], budget_mib, base, outputs
+        ),
         "poly_power": float(given.get("poly_power", POLY_POWER)),
         "iterations_per_epoch": int(given.get("iterations_per_epoch", ITERATIONS_PER_EPOCH)),
         "memory_budget_mib": float(budget_mib),
@@ -369,7 +414,8 @@ def describe(plan: Mapping[str, Any]) -> list[str]:
         f"(estimate {plan['memory_estimate_mib']:.0f} MiB of a {plan['memory_budget_mib']:.0f} MiB budget), "
         f"{plan['iterations_per_epoch']} batches an epoch, {plan['foreground_ratio']:.0%} foreground samples a batch",
         f"plan: DynUNet filters {plan['features']}, strides {plan['strides']}, kernels {plan['kernels']}, "
-        f"deep supervision {'on' if plan['deep_supervision'] else 'off'}, poly LR decay (power {plan['poly_power']:g})",
+        f"deep supervision {'on' if plan['deep_supervision'] else 'off'}, Dice "
+        f"{'over the batch' if plan.get('batch_dice') else 'per sample'}, poly LR decay (power {plan['poly_power']:g})",
         (f"plan: augmentation as nnU-Net's: rotation +-{np.rad2deg(augment['rotation']):.0f} deg "
          f"{'in-plane' if augment['in_plane'] else 'about every axis'}, cut at {x(map(str, augment['initial_patch']))}"
          if augment.get("enabled", True) else "plan: augmentation off (model.plan.augmentation=false)"),

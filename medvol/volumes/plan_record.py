@@ -65,9 +65,12 @@ class SegmentationPlan(_Strict):
     channels: Annotated[int, Field(ge=1, le=64)] | None = None
     num_classes: Annotated[int, Field(ge=2, le=1024)] | None = None
     labels: dict[Name, Count]
+    ignore_label: Annotated[int, Field(ge=1, le=2**16)] | None = None
     augmentation: Augmentation
     foreground_ratio: Fraction
     deep_supervision: bool
+    # Written since issue 50; a plan without it took the Dice per sample.
+    batch_dice: bool = False
     poly_power: Annotated[float, Field(gt=0, le=100, allow_inf_nan=False)]
     iterations_per_epoch: Annotated[int, Field(ge=1, le=10**7)]
     memory_budget_mib: Annotated[float, Field(gt=0, allow_inf_nan=False)]

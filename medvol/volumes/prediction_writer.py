@@ -116,7 +116,7 @@ class PredictionWriter:
     output (name -> (B, ...) tensor, e.g. a VQ-GAN's codes) is saved as `<subject>_<name>.npy`; a
     `"rows"` output (per-subject dicts: risks, class probabilities) goes to `predictions.csv`. Volumes a model
     names in `"as_is"` are already on the grid they are written on (the source grid where the batch has one,
-    e.g. segmentation probabilities resampled before the argmax) and in their final units: written as they are.
+    e.g. segmentation probabilities of the resampled logits) and in their final units: written as they are.
     A `volumes` entry may be a list of per-sample tensors (source grids differ in shape from sample to sample).
 
     With `output_format` dicom or both, the volumes of subjects read from a DICOM series (a batch's

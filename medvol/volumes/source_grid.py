@@ -8,11 +8,16 @@ exact integers), intensities are interpolated linearly; source voxels outside th
 (cropped away) take `fill`.
 
 `oriented_spacing` says what voxel size a file has once reoriented (in the axes the model sees).
+
+A segmentation's logits go back as nnU-Net's do (`logits_to_source_grid`, its `resample_data_or_seg_to_shape` with
+the plans' `resampling_fn_probabilities`): linearly within the model grid's extent (the edge voxels held up to half a
+voxel beyond, as its resampling of the cropped box repeats its edge), the background beyond; and where either grid
+is over 3x anisotropic, the coarse axis by nearest neighbour and only the others linearly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from medvol.volumes.plan import separate_axis
 from medvol.volumes.volume_budget import load_nifti
 from medvol.volumes.volume_reader import VolumeReader
 
@@ -88,6 +94,19 @@ def oriented_spacing(affine: torch.Tensor | np.ndarray, orientation: str | None)
     return spacing
 
 
+def source_positions(grid: SourceGrid, mapping: np.ndarray) -> Iterator[tuple[int, int, np.ndarray]]:
+    """Blocks of the source grid's rows (along its first axis, about `_CHUNK_VOXELS` voxels each): (start, stop, the
+    (N, 3) positions of their voxels on the model grid in voxel indices), `mapping` taking source voxel indices to
+    model ones."""
+    rows = max(1, _CHUNK_VOXELS // max(1, grid.shape[1] * grid.shape[2]))
+    for start in range(0, grid.shape[0], rows):
+        stop = min(start + rows, grid.shape[0])
+        index = np.stack(
+            np.meshgrid(np.arange(start, stop), np.arange(grid.shape[1]), np.arange(grid.shape[2]), indexing="ij"), -1
+        ).reshape(-1, 3)
+        yield start, stop, index @ mapping[:3, :3].T + mapping[:3, 3]
+
+
 def to_source_grid(
     volume: torch.Tensor,
     source: SourceGrid | str | Path | tuple[torch.Tensor | np.ndarray, Sequence[int] | torch.Tensor],
@@ -131,13 +150,7 @@ def to_source_grid(
     out = channels.new_empty((channels.shape[0], *grid.shape))
     for c, value in enumerate(fills):
         out[c] = value
-    rows = max(1, _CHUNK_VOXELS // max(1, grid.shape[1] * grid.shape[2]))
-    for start in range(0, grid.shape[0], rows):
-        stop = min(start + rows, grid.shape[0])
-        index = np.stack(
-            np.meshgrid(np.arange(start, stop), np.arange(grid.shape[1]), np.arange(grid.shape[2]), indexing="ij"), -1
-        ).reshape(-1, 3)
-        coords = index @ mapping[:3, :3].T + mapping[:3, 3]
+    for start, stop, coords in source_positions(grid, mapping):
         block = out[:, start:stop]
         if mode == "nearest":
             nearest = np.rint(coords).astype(np.int64)
@@ -158,6 +171,59 @@ def to_source_grid(
             )[0]
             out[:, start:stop] = sampled + offset
     return out if volume.ndim == 4 else out[0]
+
+
+def logits_to_source_grid(
+    logits: torch.Tensor,
+    source: SourceGrid | str | Path | tuple[torch.Tensor | np.ndarray, Sequence[int] | torch.Tensor],
+    transformed_affine: torch.Tensor | np.ndarray,
+    fill: Sequence[float],
+) -> torch.Tensor:
+    """(C, D, H, W) logits on the model grid -> (C, *source shape) on the source grid, as nnU-Net resamples them.
+
+    A source voxel whose centre lies within the model grid's extent (its nearest model voxel exists) takes the
+    logits interpolated linearly there, its position held at the outermost voxel centres (nnU-Net resizes the
+    cropped box edge to edge and repeats the edge); one beyond takes `fill` (logits whose softmax or sigmoid is the
+    background: the box nnU-Net pads). Where the model grid's spacing, else the source's, is over 3x anisotropic
+    (`medvol.volumes.plan.separate_axis`, nnU-Net's `determine_do_sep_z_and_axis`), that coarse axis is looked up by
+    its nearest model slice (nnU-Net's order 0 along it, rounding halves up as scipy's `map_coordinates`) and only the
+    others linearly.
+
+    Args:
+        logits: (C, D, H, W) on the model grid.
+        source: the source grid: a `SourceGrid`, the source NIfTI path, or (affine, shape).
+        transformed_affine: 4x4 voxel-to-world matrix of the model grid.
+        fill: per channel, the logit of a voxel the model grid does not cover (may be infinite).
+    """
+    grid = as_source_grid(source)
+    model_affine = np.asarray(
+        transformed_affine.detach().cpu().numpy() if isinstance(transformed_affine, torch.Tensor)
+        else transformed_affine, dtype=np.float64,
+    )
+    # Source voxel index -> model voxel index; per model axis the spacings of both grids along it.
+    mapping = np.linalg.inv(model_affine) @ grid.affine
+    model_spacing = np.sqrt((model_affine[:3, :3] ** 2).sum(axis=0))
+    source_zooms = np.sqrt((grid.affine[:3, :3] ** 2).sum(axis=0))
+    source_spacing = [float(source_zooms[int(np.argmax(np.abs(mapping[k, :3])))]) for k in range(3)]
+    apart = separate_axis(list(model_spacing), source_spacing)
+    shape = np.asarray(logits.shape[1:])
+    out = logits.new_empty((logits.shape[0], *grid.shape))
+    for c, value in enumerate(fill):
+        out[c] = float(value)
+    for start, stop, coords in source_positions(grid, mapping):
+        nearest = np.floor(coords + 0.5)
+        inside = np.all((nearest >= 0) & (nearest < shape), axis=1)
+        held = np.clip(coords[inside], 0, shape - 1)
+        if apart is not None:
+            held[:, apart] = nearest[inside][:, apart]
+        # grid_sample wants (x, y, z) = (W, H, D) order in [-1, 1], corners aligned with voxel centres.
+        normalised = (held / np.maximum(shape - 1, 1) * 2 - 1)[:, ::-1].copy()
+        sample_grid = torch.from_numpy(normalised).to(device=logits.device, dtype=logits.dtype).reshape(1, -1, 1, 1, 3)
+        sampled = F.grid_sample(logits[None], sample_grid, mode="bilinear", padding_mode="border", align_corners=True)
+        block = out[:, start:stop].reshape(logits.shape[0], -1)
+        block[:, torch.from_numpy(inside).to(logits.device)] = sampled[0, :, :, 0, 0]
+        out[:, start:stop] = block.reshape(logits.shape[0], stop - start, *grid.shape[1:])
+    return out
 
 
 def label_on_source_grid(

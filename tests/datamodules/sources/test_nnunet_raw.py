@@ -118,6 +118,29 @@ def test_an_nnunet_dataset_gives_its_channels_classes_and_regions(tmp_path):
                                    for k in range(2)]
 
 
+def test_an_ignore_label_is_not_a_class_and_the_plan_leaves_it_out(tmp_path):
+    """nnU-Net's `"ignore": 3` after the classes 0-2: no class of its own, the plan's classes 0-2 although the label
+    files hold 3; it must be one above every other value, as nnU-Net's LabelManager requires."""
+    label = np.zeros((6, 6, 6), np.uint8)
+    label[1:3, 1:3, 1:3], label[3:5, 3:5, 3:5], label[:, :, 5] = 1, 2, 3
+    cases = {f"c{i}": ([np.full((6, 6, 6), 1.0 + i, np.float32)], label, [1.0, 1.0, 1.0]) for i in range(3)}
+    write_raw(tmp_path / "raw", "Dataset012_Ignore", ["T1"], {"background": 0, "a": 1, "b": 2, "ignore": 3}, cases)
+    data = datamodule(tmp_path / "raw" / "Dataset012_Ignore", tmp_path)
+    assert data.ignore_label_of_data() == 3 and data.label_names() == ["a", "b"] and data.label_values == [0, 1, 2, 3]
+    fingerprint = data.plan_fingerprint()
+    assert set(fingerprint.labels) == {0, 1, 2, 3}
+    plan = make_plan(fingerprint, 512, 16, kinds=data.modality_kind, ignore_label=3)
+    assert plan["num_classes"] == 3 and plan["ignore_label"] == 3
+    # Read as a class, the ignore value would be a fourth class.
+    assert make_plan(fingerprint, 512, 16, kinds=data.modality_kind)["num_classes"] == 4
+    content = json.loads((tmp_path / "raw" / "Dataset012_Ignore" / "dataset.json").read_text())
+    for bad in (5, [3], "3"):
+        content["labels"]["ignore"] = bad
+        (tmp_path / "raw" / "Dataset012_Ignore" / "dataset.json").write_text(json.dumps(content))
+        with pytest.raises(MedvolError, match=r"`labels.ignore` is .*; expected the integer one above every other"):
+            datamodule(tmp_path / "raw" / "Dataset012_Ignore", tmp_path)
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [

@@ -30,7 +30,7 @@ def segmenter_with_nnunets_weights() -> Segmenter:
     module = Segmenter(
         in_channels=setting["channels"], net="dynunet", regions=REGIONS, features=[2, 4, 8, 16],
         kernels=[[3, 3, 3]] * 4, strides=[[1, 1, 1], [2, 2, 2], [2, 2, 2], [2, 2, 2]], deep_supervision=True,
-        res_block=False, patch_size=setting["patch"], optimizer=optimizer,
+        res_block=False, transposed_bias=True, patch_size=setting["patch"], optimizer=optimizer,
     ).train()
     load_nnunet_weights(module.net, REFERENCE)
     return module
@@ -51,10 +51,31 @@ def test_the_first_step_is_nnunets_output_loss_and_gradient():
     assert float(loss) == pytest.approx(REFERENCE["losses"][0] + 1.0, abs=1e-5)
     loss.backward()
     parameters = dict(module.net.named_parameters())
+    compared = set()
     for name, norm in REFERENCE["grad_norms"].items():
         ours = dynunet_parameter(name, REFERENCE["stages"])
         if ours is not None:
             assert float(parameters[ours].grad.double().norm()) == pytest.approx(norm, rel=1e-4, abs=1e-7), name
+            compared.add(ours)
+    # Every parameter of medvol's network has nnU-Net's gradient, the upsampling biases included; only the coarsest
+    # head (weight 0) takes none in either.
+    coarsest = {dynunet_parameter(f"decoder.seg_layers.0.{f}", REFERENCE["stages"]) for f in ("weight", "bias")}
+    assert set(parameters) - compared == coarsest and any(n.endswith("transp_conv.conv.bias") for n in compared)
+
+
+def test_the_convolution_biases_medvol_leaves_out_never_move_in_nnunets_step():
+    """PlainConvUNet has a bias on every convolution (`conv_bias=True`); medvol's DynUNet only on the transposed ones
+    and the heads. Each bias it leaves out feeds an instance norm, which subtracts the channel mean: in nnU-Net's own
+    step its gradient is float noise, under 1e-6 of its convolution weight's, so it stays at its initial 0. The
+    transposed convolutions' biases do learn (the next convolution's zero padding keeps them from cancelling)."""
+    norms = REFERENCE["grad_norms"]
+    left_out = [n for n in norms if n.endswith("conv.bias") and dynunet_parameter(n, REFERENCE["stages"]) is None]
+    assert len(left_out) == 2 * (2 * REFERENCE["stages"] - 1)
+    for name in left_out:
+        assert norms[name] < 1e-6 * norms[name.removesuffix("bias") + "weight"], name
+    upsampling = [n for n in norms if n.startswith("decoder.transpconvs.") and n.endswith(".bias")]
+    assert len(upsampling) == REFERENCE["stages"] - 1
+    assert all(norms[n] > 1e-2 * norms[n.removesuffix("bias") + "weight"] for n in upsampling)
 
 
 def test_three_steps_follow_nnunets_losses():

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from monai.losses import DiceCELoss, DiceLoss
 from monai.metrics import DiceMetric, HausdorffDistanceMetric
 from scipy.ndimage import map_coordinates
+from scipy.special import softmax
 
 from lightning_modules.segmentation.label_scheme import LabelScheme
 from lightning_modules.segmentation.losses import build_loss
@@ -375,25 +376,27 @@ def test_whole_volume_evaluation_blends_windows_with_gaussian_weights():
     np.testing.assert_allclose(out[0].numpy(), hand_blend(volume[0].numpy(), gaussian_weights(ROI)), atol=1e-4)
 
 
-def test_probabilities_go_to_the_source_grid_before_the_argmax_so_a_thin_structure_survives():
-    # Model grid: 8^3 at 1 mm. Source grid: 2 mm along D, its voxels at model depths 1.5, 3.5, 5.5. A thin plane
-    # of class 1 at depth 1 (p 0.9), depth 2 at p 0.3: the source voxel at depth 1.5 lies halfway, p 0.6 > 0.5.
-    # Nearest-neighbour on the model-grid mask picks depth 2 (background) and loses the plane.
+def test_logits_go_to_the_source_grid_before_the_argmax_so_a_thin_structure_survives():
+    # Model grid: 8^3 at 1 mm. Source grid: 2 mm along D (2x, not separated), its voxels at model depths 1.5, 3.5,
+    # 5.5. A thin plane of class 1 at depth 1 (p 0.9), depth 2 at p 0.3: the source voxel at depth 1.5 lies halfway,
+    # its logits the mean of theirs, p 0.66 > 0.5. Nearest-neighbour on the model-grid mask picks depth 2 (background)
+    # and loses the plane.
     foreground = torch.full((8, 8, 8), 0.05)
     foreground[1], foreground[2] = 0.9, 0.3
     probabilities = torch.stack([1 - foreground, foreground])[None]
+    logits = torch.log(probabilities)
     source_affine = torch.tensor([[2.0, 0, 0, 1.5], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]], dtype=torch.float64)
     batch = {
         "image": torch.zeros(1, 1, 8, 8, 8), "affine": torch.eye(4, dtype=torch.float64)[None],
         "source_affine": source_affine[None], "source_shape": torch.tensor([[3, 8, 8]]),
     }
     module = Segmenter(in_channels=1, num_classes=2, features=[4, 8])
-    outputs = module.outputs_of(batch, probabilities, extras=["probabilities"])
+    outputs = module.outputs_of(batch, logits, extras=["probabilities"])
     seg = outputs["volumes"]["seg"][0][0]
     assert seg.shape == (3, 8, 8) and bool((seg[0] == 1).all()) and not bool(seg[1:].any())
-    # The reference: scipy's linear interpolation of each class's probabilities at the source voxels' positions.
+    # The reference: scipy's linear interpolation of each class's logits at the source voxels' positions, softmax.
     positions = np.meshgrid(np.arange(3) * 2 + 1.5, np.arange(8), np.arange(8), indexing="ij")
-    expected = np.stack([map_coordinates(c.numpy(), positions, order=1) for c in probabilities[0]])
+    expected = softmax(np.stack([map_coordinates(c.numpy(), positions, order=1) for c in logits[0]]), axis=0)
     np.testing.assert_allclose(outputs["volumes"]["probabilities"][0].numpy(), expected, atol=1e-5)
     assert np.array_equal(seg.numpy(), expected.argmax(0))
     # The old way, argmax on the model grid then nearest-neighbour: the plane is gone.
@@ -411,14 +414,14 @@ def test_test_time_metrics_score_the_label_file_as_stored_on_the_source_grid(tmp
     affine = np.diag([2.0, 2.0, 2.0, 1.0])
     nib.save(nib.Nifti1Image(truth, affine), str(path))
     module = Segmenter(in_channels=1, regions={"WT": [1, 2, 3], "TC": [1, 3], "ET": [3]}, features=[4, 8])
-    probabilities = torch.zeros(1, 3, 6, 6, 6)
-    probabilities[0, :, 1:4, 1:4, 1:4] = 0.9  # WT, TC and ET on the cube; the oedema voxel missed
+    logits = torch.full((1, 3, 6, 6, 6), -5.0)
+    logits[0, :, 1:4, 1:4, 1:4] = 5.0  # WT, TC and ET on the cube; the oedema voxel missed
     batch = {
         "image": torch.zeros(1, 1, 6, 6, 6), "affine": torch.from_numpy(affine)[None],
         "source_affine": torch.from_numpy(affine)[None], "source_shape": torch.tensor([[6, 6, 6]]),
         "source_label_file": [str(path)], "label_values": torch.tensor([[0, 1, 2, 4]]),
         "label": torch.zeros(1, 1, 6, 6, 6, dtype=torch.int64),  # the model-grid label is not what is scored
     }
-    metrics = module.outputs_of(batch, probabilities)["subject_metrics"]
+    metrics = module.outputs_of(batch, logits)["subject_metrics"]
     assert float(metrics["dice_ET"][0]) == pytest.approx(1.0) and float(metrics["dice_TC"][0]) == pytest.approx(1.0)
     assert float(metrics["dice_WT"][0]) == pytest.approx(2 * 27 / (27 + 28))

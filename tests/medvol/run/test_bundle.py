@@ -97,14 +97,20 @@ def segmentation_run(tmp_path_factory) -> tuple[Path, Path]:
         "dataset.val_fraction=0.25", "dataset.test_fraction=0.25", "dataset.batch_size=1", "dataset.num_workers=0",
         "logger=none", "callbacks.volume_slices=null",
     ])
-    # Keep the largest component of label 1 (TC outside ET), which the perturbed model scatters in some 50 pieces:
-    # that step changes about 4% of the voxels (ET's or all foreground's would change none, one blob each).
-    (run_dir / "postprocessing.json").write_text(json.dumps({"steps": [{"name": "label 1", "values": [1]}]}))
+    # Keep the largest component of label 1 (TC outside ET), which the perturbed model scatters in pieces: the step
+    # changes the masks (without it in the bundle, the mutation bundle-no-postprocessing, the test fails).
+    # Recorded as chosen on cross-validation folds, so that it applies by default (a single split's would not).
+    (run_dir / "postprocessing.json").write_text(
+        json.dumps({"steps": [{"name": "label 1", "values": [1]}], "folds": 5})
+    )
     scans = base / "scans"
     scans.mkdir()
     for path in sorted(root.glob("*/*_flair.nii.gz"))[:2]:
         shutil.copy(path, scans / path.name)
-    return perturbed(run_dir / "checkpoints" / "last.ckpt", 3.0), scans
+    # Output biases that make every region cover part of the first scan (a seeded perturbation alone leaves a
+    # structure out as soon as the network's parameters change, e.g. PlainConvUNet's upsampling biases).
+    ckpt = perturbed(run_dir / "checkpoints" / "last.ckpt", 3.0)
+    return with_small_regions(ckpt, sorted(scans.glob("*.nii.gz"))[:1], {"WT": 0.3, "TC": 0.15, "ET": 0.05}), scans
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +314,8 @@ def real_run(tmp_path_factory) -> tuple[Path, Path, Path]:
         "dataset.test_fraction=0.25", "dataset.num_workers=0", "logger=none", "callbacks.volume_slices=null",
     ])
     # ET's largest component alone: the regions stay scattered in hundreds of voxels, ET is cut to one piece.
-    (run_dir / "postprocessing.json").write_text(json.dumps({"steps": [{"name": "ET", "values": [3]}]}))
+    # Recorded as chosen on cross-validation folds, so that it applies by default (a single split's would not).
+    (run_dir / "postprocessing.json").write_text(json.dumps({"steps": [{"name": "ET", "values": [3]}], "folds": 5}))
     source = write_brain_lesions(base / "scans-brats", 2, (4.0, 4.0, 4.0), seed=7)
     real_scans(source, base / "channels", base / "scans", ["t1", "t1ce", "t2", "flair"])
     first = sorted((base / "channels").glob("*.nii.gz"))[:4]

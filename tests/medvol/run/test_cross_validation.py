@@ -28,7 +28,8 @@ FOLD_RUN = [
 ]
 
 
-def test_the_ensemble_is_the_mean_of_its_members_probabilities():
+def test_the_ensemble_takes_the_softmax_of_the_mean_of_its_members_logits():
+    """nnU-Net v2 averages its folds' logits (`predict_logits_from_preprocessed_data`) and takes the softmax after."""
     torch.manual_seed(0)
     members = [Segmenter(in_channels=1, num_classes=3, features=[4, 8], patch_size=[8, 8, 8], tta=False).eval()
                for _ in range(3)]
@@ -36,9 +37,12 @@ def test_the_ensemble_is_the_mean_of_its_members_probabilities():
     window = SlidingWindow.of([8, 8, 8])
     with torch.no_grad():
         outputs = Ensemble(members).predict_volumes({"image": image}, window, ["probabilities"])
-        # The window is the whole volume: each member's probabilities are its network's softmax.
-        expected = torch.stack([torch.softmax(m.net(image), 1) for m in members]).mean(0)
+        # The window is the whole volume: each member's logits are its network's.
+        logits = torch.stack([m.net(image) for m in members])
+    expected = torch.softmax(logits.mean(0), 1)
     torch.testing.assert_close(outputs["volumes"]["probabilities"], expected)
+    # The mean of the members' softmax (medvol's rule before) is another distribution.
+    assert not torch.allclose(torch.softmax(logits, 2).mean(0), expected, atol=1e-4)
     assert torch.equal(outputs["volumes"]["seg"], expected.argmax(1, keepdim=True))
     with pytest.raises(MedvolError, match="at least one checkpoint"):
         Ensemble([])
@@ -92,6 +96,34 @@ def test_predict_with_the_sweep_averages_the_folds(sweep, tmp_path):
         predict(predict_cfg(f"run_dir={sweep}", f"ckpt_path={checkpoints[0]}", "split=test", f"output_dir={out}"))
     with pytest.raises(MedvolError, match="holds no validated cross-validation runs"):
         predict(predict_cfg(f"run_dir={tmp_path}", "split=test", f"output_dir={out}"))
+
+
+def test_predict_applies_a_choice_made_on_the_folds_and_not_one_made_on_a_single_split(sweep, tmp_path):
+    """A fold run predicted alone: its own decision (chosen on its one validation fold) is written, not applied;
+    the sweep's ensemble: the decision chosen on both folds applies (nnU-Net's rule); `postprocessing=` overrides."""
+    record = {"steps": [{"name": "all foreground", "values": [1, 2]}]}
+    own = sweep / "0" / "postprocessing.json"
+    kept = own.read_text()
+    (sweep / "postprocessing.json").write_text(json.dumps({**record, "folds": 2}))
+    try:
+        own.write_text(json.dumps({**record, "folds": 1}))
+        checkpoint = fold_checkpoints(sweep)[0]
+        lines = {}
+        for name, overrides in (("single", [f"ckpt_path={checkpoint}"]), ("asked", [f"ckpt_path={checkpoint}",
+                                "postprocessing=true"]), ("folds", [f"run_dir={sweep}"]),
+                                ("off", [f"run_dir={sweep}", "postprocessing=false"])):
+            out = tmp_path / name
+            predict(predict_cfg(*overrides, "split=test", f"output_dir={out}"))
+            lines[name] = next(x for x in (out / "predict.log").read_text().splitlines() if "post-processing" in x)
+    finally:
+        own.write_text(kept)
+    assert "not applied" in lines["single"] and "all foreground" in lines["single"]
+    assert "chosen on one validation split, postprocessing=true" in lines["asked"]
+    assert "chosen on 2 cross-validation folds" in lines["folds"]
+    assert "post-processing: off" in lines["off"]
+    with pytest.raises(MedvolError, match="`postprocessing` is 'sometimes'; expected auto"):
+        predict(predict_cfg(f"run_dir={sweep}", "postprocessing=sometimes", "split=test",
+                            f"output_dir={tmp_path / 'bad'}"))
 
 
 def test_a_sweep_without_folds_is_left_alone(tmp_path):

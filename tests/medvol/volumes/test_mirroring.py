@@ -1,4 +1,5 @@
-"""Test-time mirroring: every flip combination, each copy flipped back before the average."""
+"""Test-time mirroring: every flip combination, each copy's logits flipped back before the average (nnU-Net v2's;
+tests/lightning_modules/segmentation/test_nnunet_rules.py holds it to nnU-Net's own predictor)."""
 
 from __future__ import annotations
 
@@ -27,22 +28,29 @@ def test_mirrored_copies_are_flipped_back_before_averaging_an_asymmetric_output(
     # change nothing. Half the 8 copies flip D, so the mean is x + 0.7 (D - 1) / 2 everywhere, in x's own
     # orientation (a copy not flipped back would put x upside down; a flip of the wrong dim would mix channels).
     x = torch.randn(2, 3, 5, 4, 6, generator=torch.Generator().manual_seed(0))
-    averaged = MirrorAveraged(RampAlongDepth(), lambda logits: logits)(x)
+    averaged = MirrorAveraged(RampAlongDepth())(x)
     torch.testing.assert_close(averaged, x + 0.7 * (5 - 1) / 2)
-    plain = MirrorAveraged(RampAlongDepth(), lambda logits: logits, axes=())(x)
+    plain = MirrorAveraged(RampAlongDepth(), axes=())(x)
     torch.testing.assert_close(plain, RampAlongDepth()(x))
 
 
-def test_the_softmax_is_averaged_not_the_logits():
+def test_the_logits_are_averaged_not_the_softmax():
     x = torch.zeros(1, 2, 4, 1, 1)
     x[:, 1, 0] = 6.0  # class 1 certain at depth 0, the background elsewhere
-    averaged = MirrorAveraged(lambda v: v, lambda logits: torch.softmax(logits, 1), axes=(0,))(x)
-    # An identity network is mirror-equivariant: every copy gives the plain softmax back.
-    torch.testing.assert_close(averaged, torch.softmax(x, 1))
-    asymmetric = MirrorAveraged(RampAlongDepth(), lambda logits: torch.softmax(logits, 1), axes=(0,))(x)
-    plain = torch.softmax(RampAlongDepth()(x), 1)
-    flipped_back = torch.flip(torch.softmax(RampAlongDepth()(torch.flip(x, [2])), 1), [2])
+
+    # Class 1's logit climbs 3 per voxel along depth: a network the mirrored copies disagree on.
+    ramp = torch.stack([torch.zeros(4), 3.0 * torch.arange(4.0)]).reshape(1, 2, 4, 1, 1)
+
+    def class_one_ramp(v: torch.Tensor) -> torch.Tensor:
+        return v + ramp
+
+    asymmetric = MirrorAveraged(class_one_ramp, axes=(0,))(x)
+    plain = class_one_ramp(x)
+    flipped_back = torch.flip(class_one_ramp(torch.flip(x, [2])), [2])
     torch.testing.assert_close(asymmetric, (plain + flipped_back) / 2)
+    # The softmax of the mean differs from the mean of the softmax where the copies disagree.
+    softmax_mean = (torch.softmax(plain, 1) + torch.softmax(flipped_back, 1)) / 2
+    assert not torch.allclose(torch.softmax(asymmetric, 1), softmax_mean)
 
 
 class ClassOneRamp(torch.nn.Module):
@@ -53,7 +61,7 @@ class ClassOneRamp(torch.nn.Module):
         return torch.stack([x[:, 0], x[:, 1] + 0.7 * ramp], 1)
 
 
-def test_the_segmenter_mirrors_when_asked_and_averages_the_flipped_back_softmax():
+def test_the_segmenter_mirrors_when_asked_and_takes_the_softmax_of_the_flipped_back_logits():
     module = Segmenter(in_channels=2, num_classes=2, features=[4, 8], patch_size=[4, 4, 4])
     module.net = ClassOneRamp()
     volume = torch.randn(1, 2, 4, 4, 4, generator=torch.Generator().manual_seed(1))
@@ -61,8 +69,9 @@ def test_the_segmenter_mirrors_when_asked_and_averages_the_flipped_back_softmax(
         mirrored, plain = module.probabilities(volume, tta=True), module.probabilities(volume, tta=False)
     depth = torch.arange(4.0).reshape(4, 1, 1)
     x0, x1 = volume[0, 0], volume[0, 1]
-    # Flipped along D, a voxel at depth i sees the ramp of depth 3 - i; H and W flips change nothing.
-    by_hand = (torch.sigmoid(x1 + 0.7 * depth - x0) + torch.sigmoid(x1 + 0.7 * (3 - depth) - x0)) / 2
+    # Flipped along D, a voxel at depth i sees the ramp of depth 3 - i; H and W flips change nothing: the mean logit
+    # of class 1 is x1 + 0.7 x 1.5 everywhere.
+    by_hand = torch.sigmoid(x1 + 0.7 * 1.5 - x0)
     torch.testing.assert_close(plain[0, 1], torch.sigmoid(x1 + 0.7 * depth - x0))
     torch.testing.assert_close(mirrored[0, 1], by_hand)
     torch.testing.assert_close(mirrored.sum(1), torch.ones(1, 4, 4, 4))

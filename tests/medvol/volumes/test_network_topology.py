@@ -58,10 +58,20 @@ def test_the_plan_of_each_case_is_nnunets_3d_fullres(name):
     assert plan["strides"] == [to_medvol(s, forward) for s in nnunet["strides"]]
     assert plan["kernels"] == [to_medvol(k, forward) for k in nnunet["kernels"]]
     assert plan["features"] == nnunet["features"]
+    assert plan["batch_dice"] == nnunet["batch_dice"]
     augmentation = nnunet["augmentation"]
     assert plan["augmentation"]["rotation"] == pytest.approx(augmentation["rotation"])
     assert plan["augmentation"]["in_plane"] == augmentation["in_plane"]
     assert plan["augmentation"]["initial_patch"] == to_medvol(augmentation["initial_patch"], forward)
+
+
+def test_batch_dice_where_nnunet_would_add_a_low_resolution_configuration():
+    """nnU-Net's planner sets `batch_dice` on its full-resolution plan where it also plans a 3d_lowres one (the patch
+    covers under a quarter of the median image): the 0.7x0.7x2.5 mm CT, not the others (the reference holds both)."""
+    answers = {name: case["nnunet"]["batch_dice"] for name, case in PLANNED.items()}
+    assert answers["ct_0.7x0.7x2.5"] is True and answers["isotropic_mr"] is False
+    plan = make_plan(fingerprint_of(PLANNED["ct_0.7x0.7x2.5"]), 8192, 32, {"batch_dice": False})
+    assert plan["batch_dice"] is False and "batch_dice" in plan["overridden"]
 
 
 def test_anisotropic_data_takes_the_10th_percentile_of_its_coarsest_axis():

@@ -1,0 +1,50 @@
+"""An nnU-Net raw dataset with an ignore label through the whole run: planned without it as a class, trained and
+validated on the annotated voxels, predicted without it (issue 50)."""
+
+from __future__ import annotations
+
+import json
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from benchmarks.nnunet_plans import write_raw
+from tests.conftest import compose_cfg
+from tests.medvol.run.test_predict import predict_cfg, saved_run
+
+
+@pytest.mark.slow
+def test_a_run_on_a_dataset_with_an_ignore_label_never_predicts_it(tmp_path):
+    from medvol.run.predicting import predict
+
+    rng = np.random.default_rng(0)
+    cases = {}
+    for i in range(5):
+        label = np.zeros((16, 14, 10), np.uint8)
+        label[5:10, 4:9, 3:7] = 1
+        label[:, :, 8:] = 2  # slices without truth
+        image = rng.normal(100, 5, label.shape).astype(np.float32) + 50 * (label == 1)
+        cases[f"case_{i:02d}"] = ([image], label, [1.0, 1.0, 2.0])
+    write_raw(tmp_path / "raw", "Dataset013_Ignore", ["T2"], {"background": 0, "lesion": 1, "ignore": 2}, cases)
+    root = tmp_path / "raw" / "Dataset013_Ignore"
+    run_dir = tmp_path / "run"
+    cfg = compose_cfg(run_dir, [
+        "model=segmentation", "dataset=nnunet", f"dataset.root={root}", "dataset.val_fraction=0.2",
+        "dataset.test_fraction=0.2", "dataset.num_workers=0", "model.plan.base_features=4",
+        "model.plan.iterations_per_epoch=1", "hardware=cpu", "callbacks.progress_bar=null",
+        "callbacks.model_summary=null", "trainer.max_epochs=1", "trainer.num_sanity_val_steps=0", "logger=none",
+    ], tiny=False)
+    saved_run(run_dir, cfg)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["ignore_label"] == 2 and plan["num_classes"] == 2 and plan["labels"]["2"] > 0
+    record = json.loads((run_dir / "run.json").read_text())
+    assert json.dumps(record).count('"ignore_label": 2') >= 1
+    fold = json.loads((run_dir / "validation" / "fold.json").read_text())
+    assert fold["labels"]["ignore_label"] == 2
+    out = tmp_path / "out"
+    metrics = predict(predict_cfg(f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", "split=test",
+                                  f"output_dir={out}"))
+    assert "dice_lesion" in metrics
+    (mask,) = out.glob("*_seg.nii.gz")
+    assert set(np.unique(np.asarray(nib.load(str(mask)).dataobj)).tolist()) <= {0, 1}
