@@ -265,7 +265,11 @@ LEARNS_WT_DICE = 0.56
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_the_planned_default_learns_on_real_anatomy_where_the_old_default_did_not(tmp_path):
+def test_the_planned_default_learns_on_real_anatomy(tmp_path):
+    """The default segmentation command learns brain lesions on real anatomy (0.634 WT Dice when calibrated). The old
+    default (`model.plan.use=false`) reached 0.481 on the same run, under the threshold: the mutation
+    `seg-plan-default-off` (benchmarks/mutations/segmentation-plan.yaml) runs it in place of the default, kept out of
+    the suite since it doubles a 7-minute test."""
     pytest.importorskip("nilearn.datasets")
     from datamodules.sources.brain_lesions import write_brain_lesions
 
@@ -278,8 +282,7 @@ def test_the_planned_default_learns_on_real_anatomy_where_the_old_default_did_no
         "logger=none", "model.plan.iterations_per_epoch=6",
     ]
     planned_dice = run(compose_cfg(tmp_path / "planned", common, tiny=False))["val/dice_WT"]
-    old_dice = run(compose_cfg(tmp_path / "old", [*common, "model.plan.use=false"], tiny=False))["val/dice_WT"]
-    assert planned_dice > LEARNS_WT_DICE >= old_dice, (planned_dice, old_dice)
+    assert planned_dice > LEARNS_WT_DICE, planned_dice
 
 
 @pytest.mark.parametrize(
