@@ -63,7 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -503,28 +503,45 @@ def medvol_arm(
     }
 
 
+def raw_folder(raw: Path, name: str) -> Path:
+    """nnU-Net's raw dataset folder `name` under `raw`, with its imagesTr, labelsTr and imagesTs."""
+    folder = raw / name
+    for sub in ("imagesTr", "labelsTr", "imagesTs"):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def raw_subjects(split: dict[str, list[str]]) -> Iterator[tuple[str, str]]:
+    """(images folder, subject) for every subject of `split`: training and validation in imagesTr, test in
+    imagesTs."""
+    for stage, images in (("train", "imagesTr"), ("val", "imagesTr"), ("test", "imagesTs")):
+        for subject in split[stage]:
+            yield images, subject
+
+
+def linked(target: Path, path: str | Path) -> None:
+    """`target` a link to `path` unless it is there already (an arm rerun on the same folder)."""
+    if not target.exists():
+        target.symlink_to(path)
+
+
 def nnunet_dataset(kind: str, root: Path, raw: Path, dataset_id: int, split: dict[str, list[str]]) -> str:
     """The files in nnU-Net's raw layout (imagesTr/labelsTr/imagesTs, its label values, dataset.json); its name."""
     import nibabel as nib
     import numpy as np
 
     name = f"Dataset{dataset_id:03d}_medvol{kind.capitalize()}"
-    folder = raw / name
-    for sub in ("imagesTr", "labelsTr", "imagesTs"):
-        (folder / sub).mkdir(parents=True, exist_ok=True)
-    for stage, images in (("train", "imagesTr"), ("val", "imagesTr"), ("test", "imagesTs")):
-        for subject in split[stage]:
-            for channel, path in enumerate(image_files(kind, root, subject)):
-                target = folder / images / f"{subject}_{channel:04d}.nii.gz"
-                if not target.exists():
-                    target.symlink_to(path)
-            if images == "imagesTr":
-                label = nib.load(label_file(kind, root, subject))
-                values = np.asarray(label.dataobj).astype(np.uint8)
-                converted = np.zeros_like(values)
-                for ours, theirs in TO_NNUNET[kind].items():
-                    converted[values == ours] = theirs
-                nib.save(nib.Nifti1Image(converted, label.affine), str(folder / "labelsTr" / f"{subject}.nii.gz"))
+    folder = raw_folder(raw, name)
+    for images, subject in raw_subjects(split):
+        for channel, path in enumerate(image_files(kind, root, subject)):
+            linked(folder / images / f"{subject}_{channel:04d}.nii.gz", path)
+        if images == "imagesTr":
+            label = nib.load(label_file(kind, root, subject))
+            values = np.asarray(label.dataobj).astype(np.uint8)
+            converted = np.zeros_like(values)
+            for ours, theirs in TO_NNUNET[kind].items():
+                converted[values == ours] = theirs
+            nib.save(nib.Nifti1Image(converted, label.affine), str(folder / "labelsTr" / f"{subject}.nii.gz"))
     record = {
         "channel_names": NNUNET_CHANNELS[kind], "labels": NNUNET_LABELS[kind],
         "numTraining": len(split["train"]) + len(split["val"]), "file_ending": ".nii.gz",

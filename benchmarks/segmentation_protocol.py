@@ -174,19 +174,12 @@ def nnunet_view(dataset: str, root: Path, raw: Path, dataset_id: int, split: dic
     if kind != "raw":
         return harness.nnunet_dataset(kind, root, raw, dataset_id, split)
     name = f"Dataset{dataset_id:03d}_medvol{dataset.capitalize()}"
-    folder = raw / name
-    for sub in ("imagesTr", "labelsTr", "imagesTs"):
-        (folder / sub).mkdir(parents=True, exist_ok=True)
-    for stage, images in (("train", "imagesTr"), ("val", "imagesTr"), ("test", "imagesTs")):
-        for subject in split[stage]:
-            for path in harness.image_files(kind, root, subject):
-                target = folder / images / Path(path).name
-                if not target.exists():
-                    target.symlink_to(path)
-            if images == "imagesTr":
-                target = folder / "labelsTr" / f"{subject}.nii.gz"
-                if not target.exists():
-                    target.symlink_to(harness.label_file(kind, root, subject))
+    folder = harness.raw_folder(raw, name)
+    for images, subject in harness.raw_subjects(split):
+        for path in harness.image_files(kind, root, subject):
+            harness.linked(folder / images / Path(path).name, path)
+        if images == "imagesTr":
+            harness.linked(folder / "labelsTr" / f"{subject}.nii.gz", harness.label_file(kind, root, subject))
     record = json.loads((root / "dataset.json").read_text())
     record["numTraining"] = len(split["train"]) + len(split["val"])
     (folder / "dataset.json").write_text(json.dumps(record, indent=2))

@@ -28,6 +28,18 @@ def touch(folder: Path, *names: str) -> list[Path]:
     return paths
 
 
+def nnunet_run(run_dir: Path, root: Path, test_fraction: float) -> None:
+    """One epoch of the planned segmentation at 4 base filters on the nnU-Net raw dataset `root`, saved in
+    `run_dir`."""
+    cfg = compose_cfg(run_dir, [
+        "model=segmentation", "dataset=nnunet", f"dataset.root={root}", "dataset.val_fraction=0.2",
+        f"dataset.test_fraction={test_fraction}", "dataset.num_workers=0", "model.plan.base_features=4",
+        "model.plan.iterations_per_epoch=1", "hardware=cpu", "callbacks.progress_bar=null",
+        "callbacks.model_summary=null", "trainer.max_epochs=1", "trainer.num_sanity_val_steps=0", "logger=none",
+    ], tiny=False)
+    saved_run(run_dir, cfg)
+
+
 def test_nnunet_channel_files_group_into_one_subject_per_case_in_channel_order(tmp_path):
     files = touch(tmp_path, "la_003_0001.nii.gz", "la_003_0000.nii.gz", "la_007_0000.nii.gz", "la_007_0001.nii.gz")
     groups = channel_groups(files, 2)
@@ -77,13 +89,7 @@ def test_a_model_trained_on_an_nnunet_dataset_predicts_a_folder_of_imagests(tmp_
     write_raw(tmp_path / "raw", "Dataset005_Prostate", ["T2", "ADC"], {"background": 0, "peripheral zone": 1}, cases)
     root = tmp_path / "raw" / "Dataset005_Prostate"
     run_dir = tmp_path / "run"
-    cfg = compose_cfg(run_dir, [
-        "model=segmentation", "dataset=nnunet", f"dataset.root={root}", "dataset.val_fraction=0.2",
-        "dataset.test_fraction=0.0", "dataset.num_workers=0", "model.plan.base_features=4",
-        "model.plan.iterations_per_epoch=1", "hardware=cpu", "callbacks.progress_bar=null",
-        "callbacks.model_summary=null", "trainer.max_epochs=1", "trainer.num_sanity_val_steps=0", "logger=none",
-    ], tiny=False)
-    saved_run(run_dir, cfg)
+    nnunet_run(run_dir, root, test_fraction=0.0)
     tests = tmp_path / "imagesTs"
     tests.mkdir()
     for name in ("0000", "0001"):

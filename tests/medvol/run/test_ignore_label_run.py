@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from benchmarks.nnunet_plans import write_raw
-from tests.conftest import compose_cfg
-from tests.medvol.run.test_predict import predict_cfg, saved_run
+from tests.medvol.run.test_channel_files import nnunet_run
+from tests.medvol.run.test_predict import predict_cfg
 
 
 @pytest.mark.slow
@@ -29,13 +29,7 @@ def test_a_run_on_a_dataset_with_an_ignore_label_never_predicts_it(tmp_path):
     write_raw(tmp_path / "raw", "Dataset013_Ignore", ["T2"], {"background": 0, "lesion": 1, "ignore": 2}, cases)
     root = tmp_path / "raw" / "Dataset013_Ignore"
     run_dir = tmp_path / "run"
-    cfg = compose_cfg(run_dir, [
-        "model=segmentation", "dataset=nnunet", f"dataset.root={root}", "dataset.val_fraction=0.2",
-        "dataset.test_fraction=0.2", "dataset.num_workers=0", "model.plan.base_features=4",
-        "model.plan.iterations_per_epoch=1", "hardware=cpu", "callbacks.progress_bar=null",
-        "callbacks.model_summary=null", "trainer.max_epochs=1", "trainer.num_sanity_val_steps=0", "logger=none",
-    ], tiny=False)
-    saved_run(run_dir, cfg)
+    nnunet_run(run_dir, root, test_fraction=0.2)
     plan = json.loads((run_dir / "plan.json").read_text())
     assert plan["ignore_label"] == 2 and plan["num_classes"] == 2 and plan["labels"]["2"] > 0
     record = json.loads((run_dir / "run.json").read_text())
