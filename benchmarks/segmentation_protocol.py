@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/segmentation.py protocol --dataset brats|tissue|thick [--arms medvol16,medvol32,nnunet]
         [--budgets steps,wall] [--seeds 0,1,2] [--steps 1250] [--iterations 250] [--subjects 48]
-        [--nnunet-venv /work/nnunet-venv] [--cores 1] [--out outputs/benchmarks/segmentation-protocol]
+        [--nnunet-venv /work/nnunet-venv] [--cores 1] [--cpus 0] [--out outputs/benchmarks/segmentation-protocol]
         [--docs docs/BENCHMARKS.md]
 
 The datasets (real anatomy: the MNI152 templates inside nilearn's wheel, deformed per subject,
@@ -27,9 +27,12 @@ calibration of medvol's 512 MiB; `nnUNetv2_train` fold 0 with nnU-Net's trainer 
 with the final checkpoint), one run per seed (nnU-Net takes no seed). Budgets: `steps`, `--steps` optimizer steps
 for every arm (1,250 = nnU-Net's 5 epochs of 250 batches); `wall`, each medvol arm trained for as many epochs as
 fit the wall time of nnU-Net's run of the same seed (its training command, start to end): epochs from the arm's
-own step and validation times, read from its `steps` run or, without one, from a one-epoch calibration run. Every
+own step and validation times, read from its `steps` run or, without one, from a one-epoch calibration run; where
+that gives the timing run's own epochs, the wall run is that run (the same command), recorded as such. Every
 process is pinned to `--cores` cores (`taskset`, one thread each, nnU-Net's CPU thread count set to the pinned
-cores: its `run_training` asks `multiprocessing.cpu_count()`, which ignores the pinning).
+cores: its `run_training` asks `multiprocessing.cpu_count()`, which ignores the pinning), the last ones or those
+`--cpus` names: two commands side by side, each with its own arms on its own core (a command that needs nnU-Net's
+reference for the wall budget is started once that run's `result.json` is there, or it would train nnU-Net again).
 
 Each finished run is recorded (`<out>/<dataset>/<arm>-<budget>-seed<s>/result.json`) and skipped when the command
 is run again; the table of every recorded run of the dataset (mean and spread over seeds) goes to `<out>/<dataset>/
@@ -189,15 +192,26 @@ def nnunet_view(dataset: str, root: Path, raw: Path, dataset_id: int, split: dic
 # ---- the arms -----------------------------------------------------------------------------------------------------
 
 
-def pinned(cores: int) -> list[str]:
-    """The command prefix that pins a process and its children to `cores` cores (the last ones), nicely."""
+def chosen_cpus(cores: int, cpus: Sequence[int] | None) -> list[int]:
+    """The cores the arms run on: `cpus` where given (two protocol commands side by side, one core each), else the
+    last `cores` of those this process may use."""
     available = sorted(os.sched_getaffinity(0))
-    chosen = available[-cores:] if cores < len(available) else available
-    return ["taskset", "-c", ",".join(map(str, chosen)), "nice", "-n", "5"]
+    if cpus:
+        missing = sorted(set(cpus) - set(available))
+        if missing:
+            raise SystemExit(f"--cpus {','.join(map(str, cpus))}: cores {missing} are not available; "
+                             f"expected some of {available}")
+        return sorted(set(cpus))
+    return available[-cores:] if cores < len(available) else available
 
 
-def thread_env(cores: int) -> dict[str, str]:
-    return {"OMP_NUM_THREADS": str(cores), "MKL_NUM_THREADS": str(cores)}
+def pinned(cpus: Sequence[int]) -> list[str]:
+    """The command prefix that pins a process and its children to `cpus`, nicely."""
+    return ["taskset", "-c", ",".join(map(str, cpus)), "nice", "-n", "5"]
+
+
+def thread_env(cpus: Sequence[int]) -> dict[str, str]:
+    return {"OMP_NUM_THREADS": str(len(cpus)), "MKL_NUM_THREADS": str(len(cpus))}
 
 
 # nnU-Net's entry points asked for the pinned cores' count: on the CPU `run_training` and `predict_entry_point` set
@@ -220,7 +234,7 @@ if __name__ == "__main__":  # nnU-Net's worker processes import this file again
 
 def nnunet_run(
     dataset: str, root: Path, split: dict[str, list[str]], out: Path, venv: Path, steps: int, iterations: int,
-    val_iterations: int, cores: int, dataset_id: int,
+    val_iterations: int, cpus: Sequence[int], dataset_id: int,
 ) -> dict[str, Any]:
     """nnU-Net v2 through its own entry points on the arm's raw view: plan and preprocess at the CPU budget, train
     fold 0 (= the split's train/val) for `steps` steps, predict the test subjects with the final checkpoint (its
@@ -236,9 +250,9 @@ def nnunet_run(
         # Augmentation in the training process itself (its SingleThreadedAugmenter): no worker to share the core.
         "nnUNet_extTrainer": str(trainers), "nnUNet_n_proc_DA": "0", "nnUNet_compile": "f",
         "MEDVOL_NNUNET_EPOCHS": str(max(1, steps // iterations)), "MEDVOL_NNUNET_ITERATIONS": str(iterations),
-        "MEDVOL_NNUNET_VAL_ITERATIONS": str(val_iterations), **thread_env(cores),
+        "MEDVOL_NNUNET_VAL_ITERATIONS": str(val_iterations), **thread_env(cpus),
     }
-    python = [*pinned(cores), str(venv / "bin" / "python"), str(out / "launch.py")]
+    python = [*pinned(cpus), str(venv / "bin" / "python"), str(out / "launch.py")]
     plan_wall, plan_peak = harness.timed(
         [*python, "plan", "-d", str(dataset_id), "-c", "3d_fullres", "-np", "1", "-npfp", "1", "-gpu_memory_target",
          str(NNUNET_MEMORY_GB)], out / "plan.log", {**env, "nnUNet_n_proc_DA": "1"},
@@ -271,14 +285,14 @@ def nnunet_run(
 
 def medvol_run(
     dataset: str, root: Path, split_file: Path, test: list[str], out: Path, width: list[str], epochs: int,
-    iterations: int, seed: int, cores: int, note: dict[str, Any] | None = None,
+    iterations: int, seed: int, cpus: Sequence[int], note: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """medvol's default command for `epochs` epochs of `iterations` batches, pinned to `cores` (`harness.medvol_arm`:
+    """medvol's default command for `epochs` epochs of `iterations` batches, pinned to `cpus` (`harness.medvol_arm`:
     the final and the best checkpoint scored); `note` recorded with the result."""
     result = harness.medvol_arm(
         DATASETS[dataset]["kind"], root, split_file, out, epochs, test,
         [*width, f"seed={seed}", f"model.plan.iterations_per_epoch={iterations}"], dataset=DATASETS[dataset]["medvol"],
-        structures=DATASETS[dataset]["structures"], prefix=pinned(cores), env=thread_env(cores),
+        structures=DATASETS[dataset]["structures"], prefix=pinned(cpus), env=thread_env(cpus),
     )
     return {**result, **(note or {})}
 
@@ -310,38 +324,40 @@ def run_protocol(args: argparse.Namespace) -> Path:
     split_file = out / "split.json"
     save_split(split_file, split, args.data_seed)
     epochs = max(1, args.steps // args.iterations)
+    cpus = chosen_cpus(args.cores, args.cpus)
     for seed in args.seeds:
         reference = None
         if "nnunet" in args.arms:
             folder = out / f"nnunet-steps-seed{seed}"
             reference = harness.finished(folder, partial(
                 nnunet_run, dataset, root, split, folder, Path(args.nnunet_venv), args.steps, args.iterations,
-                args.val_iterations, args.cores, 600 + 10 * list(DATASETS).index(dataset) + seed,
+                args.val_iterations, cpus, 600 + 10 * list(DATASETS).index(dataset) + seed,
             ))
         for arm in [a for a in args.arms if a != "nnunet"]:
-            timing = None
-            if "steps" in args.budgets:
-                folder = out / f"{arm}-steps-seed{seed}"
-                timing = harness.finished(folder, partial(
-                    medvol_run, dataset, root, split_file, split["test"], folder, ARMS[arm], epochs, args.iterations,
-                    seed, args.cores,
+            def trained(folder: Path, arm_epochs: int, note: dict[str, Any] | None = None, arm: str = arm,
+                        seed: int = seed) -> dict[str, Any]:
+                return harness.finished(folder, partial(
+                    medvol_run, dataset, root, split_file, split["test"], folder, ARMS[arm], arm_epochs,
+                    args.iterations, seed, cpus, note,
                 ))
-            if "wall" in args.budgets:
-                wall_s = reference["train_s"] if reference else args.wall_seconds
-                if wall_s is None:
-                    raise SystemExit("the wall budget needs the nnunet arm (its training time) or --wall-seconds")
-                if timing is None:
-                    folder = out / f"{arm}-calibration-seed{seed}"
-                    timing = harness.finished(folder, partial(
-                        medvol_run, dataset, root, split_file, split["test"], folder, ARMS[arm], 1, args.iterations,
-                        seed, args.cores,
-                    ))
-                wall = wall_epochs(wall_s, timing, args.iterations)
-                folder = out / f"{arm}-wall-seed{seed}"
-                harness.finished(folder, partial(
-                    medvol_run, dataset, root, split_file, split["test"], folder, ARMS[arm], wall, args.iterations,
-                    seed, args.cores, {"wall_reference_s": wall_s},
-                ))
+
+            timed_by = out / f"{arm}-steps-seed{seed}"
+            timing = trained(timed_by, epochs) if "steps" in args.budgets else recorded(timed_by)
+            if "wall" not in args.budgets:
+                continue
+            wall_s = reference["train_s"] if reference else args.wall_seconds
+            if wall_s is None:
+                raise SystemExit("the wall budget needs the nnunet arm (its training time) or --wall-seconds")
+            if timing is None:
+                timed_by = out / f"{arm}-calibration-seed{seed}"
+                timing = trained(timed_by, 1)
+            wall = wall_epochs(wall_s, timing, args.iterations)
+            folder = out / f"{arm}-wall-seed{seed}"
+            if wall == timing["epochs"]:
+                # The same command (arm, seed, epochs) as the run that timed it: that run is the wall run too.
+                harness.finished(folder, partial(dict, timing, wall_reference_s=wall_s, same_run_as=timed_by.name))
+            else:
+                trained(folder, wall, {"wall_reference_s": wall_s})
     table = protocol_table(dataset, out, args)
     (out / "results.md").write_text(table + "\n")
     print(table)
@@ -351,6 +367,12 @@ def run_protocol(args: argparse.Namespace) -> Path:
 
 
 # ---- the table ----------------------------------------------------------------------------------------------------
+
+
+def recorded(folder: Path) -> dict[str, Any] | None:
+    """A finished run's result, or None."""
+    record = folder / "result.json"
+    return json.loads(record.read_text()) if record.is_file() else None
 
 
 def recorded_runs(out: Path) -> dict[tuple[str, str], list[dict[str, Any]]]:
@@ -436,6 +458,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spacing-scale", type=float, default=1.0, help="every spacing times this (a toy check)")
     parser.add_argument("--data-seed", type=int, default=0)
     parser.add_argument("--cores", type=int, default=1, help="cores each arm is pinned to (taskset)")
+    parser.add_argument("--cpus", type=lambda v: [int(c) for c in harness.comma_list(v)], default=None,
+                        help="the cores themselves (e.g. 0 for one command and 1 for another run beside it)")
     parser.add_argument("--nnunet-venv", default="/work/nnunet-venv")
     parser.add_argument("--out", default="outputs/benchmarks/segmentation-protocol")
     parser.add_argument("--docs", default=None, help="write the table between the dataset's markers in this file")

@@ -1,0 +1,67 @@
+"""Issue 50's protocol arithmetic, worked by hand: how many epochs fill nnU-Net's wall time, which runs a table row
+holds, how Dice is averaged (nnU-Net's rule: a structure absent from both sides is NaN and left out), and which
+cores an arm is pinned to. The runs themselves are measurements (docs/BENCHMARKS.md), not tests."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from benchmarks import segmentation_protocol as protocol
+
+
+def test_wall_epochs_fill_the_reference_time_after_the_fixed_cost():
+    # A 5-epoch run of 250 steps at 1 s a step: 300 s an epoch (50 s of it validation), 1600 s in all (100 s fixed).
+    timing = {"epochs": 5, "steps": 1250, "step_s": 1.0, "epoch_s": 300.0, "train_s": 1600.0}
+    assert protocol.wall_epochs(3400.0, timing, 250) == 11  # (3400 - 100) / (250 + 50)
+    assert protocol.wall_epochs(1600.0, timing, 250) == 5  # its own time: the same run
+    assert protocol.wall_epochs(50.0, timing, 250) == 1  # never less than one epoch
+    # Half the batches an epoch: 125 s of steps + 50 s of validation.
+    assert protocol.wall_epochs(3600.0, timing, 125) == 20  # (3600 - 100) / 175
+
+
+def test_recorded_runs_serve_nnunet_to_both_budgets_and_leave_out_calibrations(tmp_path):
+    for name, dice in [("nnunet-steps-seed0", 0.9), ("medvol16-steps-seed0", 0.8), ("medvol16-wall-seed0", 0.85),
+                       ("medvol16-wall-seed1", 0.87), ("medvol32-calibration-seed0", 0.1)]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "result.json").write_text(json.dumps({"scores": {"dice_WT": dice}}))
+    (tmp_path / "medvol32-steps-seed0").mkdir()  # unfinished: no result
+    runs = protocol.recorded_runs(tmp_path)
+    assert sorted(runs) == [("medvol16", "steps"), ("medvol16", "wall"), ("nnunet", "steps"), ("nnunet", "wall")]
+    assert [r["scores"]["dice_WT"] for r in runs[("medvol16", "wall")]] == [0.85, 0.87]
+    assert runs[("nnunet", "wall")] == runs[("nnunet", "steps")]
+
+
+def test_mean_dice_leaves_out_a_structure_absent_from_every_subject_and_spread_is_the_sample_deviation():
+    scores = {"dice_WT": 0.9, "dice_TC": 0.6, "dice_ET": float("nan")}
+    assert protocol.mean_dice(scores, ["WT", "TC", "ET"]) == pytest.approx(0.75)
+    assert math.isnan(protocol.mean_dice({"dice_ET": float("nan")}, ["ET"]))
+    assert protocol.spread([0.7, 0.8, 0.9]) == "0.800 ± 0.100"  # stdev with n - 1: sqrt(0.02 / 2)
+    assert protocol.spread([0.5, float("nan")]) == "0.500"
+    assert protocol.spread([float("nan")]) == "-"
+
+
+def test_the_table_goes_between_its_dataset_markers_and_nowhere_else(tmp_path):
+    docs = tmp_path / "BENCHMARKS.md"
+    docs.write_text("# Figures\n\nbefore\n")
+    protocol.write_into(docs, "tissue", "| old |")
+    protocol.write_into(docs, "brats", "| brats |")
+    protocol.write_into(docs, "tissue", "| new |")
+    text = docs.read_text()
+    assert text.startswith("# Figures\n\nbefore\n")
+    assert "| old |" not in text and text.count("| new |") == 1 and text.count("| brats |") == 1
+    start, end = (protocol.MARKER.format(dataset="tissue", edge=e) for e in ("start", "end"))
+    assert text.index(start) < text.index("| new |") < text.index(end)
+
+
+def test_an_arm_is_pinned_to_the_cores_asked_for_and_a_missing_core_is_refused():
+    available = sorted(os.sched_getaffinity(0))
+    assert protocol.chosen_cpus(1, None) == available[-1:]
+    assert protocol.chosen_cpus(1, [available[0]]) == available[:1]
+    assert protocol.pinned([available[0]])[:3] == ["taskset", "-c", str(available[0])]
+    assert protocol.thread_env([0, 1]) == {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+    with pytest.raises(SystemExit, match="not available"):
+        protocol.chosen_cpus(1, [max(available) + 1])
