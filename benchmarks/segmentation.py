@@ -705,6 +705,7 @@ def finished(arm_dir: Path, compute: Any) -> dict[str, Any]:
         return json.loads(record.read_text())
     shutil.rmtree(arm_dir, ignore_errors=True)
     result = compute()
+    arm_dir.mkdir(parents=True, exist_ok=True)  # a result computed elsewhere (a run that is this one too)
     record.write_text(json.dumps(result, indent=2))
     return result
 

@@ -354,8 +354,7 @@ def run_protocol(args: argparse.Namespace) -> Path:
             wall = wall_epochs(wall_s, timing, args.iterations)
             folder = out / f"{arm}-wall-seed{seed}"
             if wall == timing["epochs"]:
-                # The same command (arm, seed, epochs) as the run that timed it: that run is the wall run too.
-                harness.finished(folder, partial(dict, timing, wall_reference_s=wall_s, same_run_as=timed_by.name))
+                same_run(folder, timed_by, wall_s)
             else:
                 trained(folder, wall, {"wall_reference_s": wall_s})
     table = protocol_table(dataset, out, args)
@@ -367,6 +366,13 @@ def run_protocol(args: argparse.Namespace) -> Path:
 
 
 # ---- the table ----------------------------------------------------------------------------------------------------
+
+
+def same_run(folder: Path, timed_by: Path, wall_s: float) -> dict[str, Any]:
+    """The wall run recorded as the finished run `timed_by`: the same command (arm, seed, epochs) as the wall budget
+    gives, so the same run."""
+    timing = json.loads((timed_by / "result.json").read_text())
+    return harness.finished(folder, partial(dict, timing, wall_reference_s=wall_s, same_run_as=timed_by.name))
 
 
 def recorded(folder: Path) -> dict[str, Any] | None:
