@@ -385,10 +385,10 @@ def recorded_runs(out: Path) -> dict[tuple[str, str], list[dict[str, Any]]]:
     """Every finished run of a dataset's folder by (arm, budget); nnU-Net's serve both budgets."""
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for record in sorted(out.glob("*-seed*/result.json")):
-        arm, budget, _ = record.parent.name.rsplit("-", 2)
+        arm, budget, seed = record.parent.name.rsplit("-", 2)
         if budget == "calibration":
             continue
-        result = json.loads(record.read_text())
+        result = {**json.loads(record.read_text()), "seed": int(seed.removeprefix("seed"))}
         budgets = BUDGETS if arm == "nnunet" else (budget,)
         for each in budgets:
             runs.setdefault((arm, each), []).append(result)
@@ -420,7 +420,7 @@ def protocol_table(dataset: str, out: Path, args: argparse.Namespace) -> str:
                f"--iterations {args.iterations} --subjects {args.subjects} --cores {args.cores}")
     lines = [
         f"`{command}`", "",
-        "| arm | budget | runs | optimizer steps | patch, batch, filters | train (min) | "
+        "| arm | budget | runs (seeds) | optimizer steps | patch, batch, filters | train (min) | "
         + " | ".join(f"Dice {n}" for n in names) + " | mean Dice | mean Dice, best checkpoint |",
         "|" + "---|" * (len(names) + 8),
     ]
@@ -430,8 +430,10 @@ def protocol_table(dataset: str, out: Path, args: argparse.Namespace) -> str:
         first = results[0]
         patch = "x".join(map(str, first.get("patch") or []))
         plan = f"{patch}, {first.get('batch')}, {(first.get('features') or [0])[0]}"
+        seeds = ",".join(str(r["seed"]) for r in results)
         lines.append(
-            f"| {arm} | {budget} | {len(results)} | {statistics.fmean([r['steps'] for r in results]):.0f} | {plan} | "
+            f"| {arm} | {budget} | {len(results)} ({seeds}) | {statistics.fmean([r['steps'] for r in results]):.0f} | "
+            f"{plan} | "
             f"{statistics.fmean([r['train_s'] for r in results]) / 60:.1f} | "
             + " | ".join(spread([r["scores"][f"dice_{n}"] for r in results]) for n in names)
             + f" | {spread(means)} | {spread(best) if best else '-'} |"

@@ -31,7 +31,7 @@ def test_recorded_runs_serve_nnunet_to_both_budgets_and_leave_out_calibrations(t
     (tmp_path / "medvol32-steps-seed0").mkdir()  # unfinished: no result
     runs = protocol.recorded_runs(tmp_path)
     assert sorted(runs) == [("medvol16", "steps"), ("medvol16", "wall"), ("nnunet", "steps"), ("nnunet", "wall")]
-    assert [r["scores"]["dice_WT"] for r in runs[("medvol16", "wall")]] == [0.85, 0.87]
+    assert [(r["seed"], r["scores"]["dice_WT"]) for r in runs[("medvol16", "wall")]] == [(0, 0.85), (1, 0.87)]
     assert runs[("nnunet", "wall")] == runs[("nnunet", "steps")]
 
 
@@ -75,4 +75,4 @@ def test_a_wall_run_with_its_timing_runs_epochs_is_recorded_as_that_run(tmp_path
     recorded = protocol.recorded(tmp_path / "medvol32-wall-seed0")
     assert recorded == {"epochs": 5, "scores": {"dice_WT": 0.86}, "wall_reference_s": 3176.0,
                         "same_run_as": "medvol32-steps-seed0"}
-    assert protocol.recorded_runs(tmp_path)[("medvol32", "wall")] == [recorded]
+    assert protocol.recorded_runs(tmp_path)[("medvol32", "wall")] == [{**recorded, "seed": 0}]
