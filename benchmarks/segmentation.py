@@ -697,16 +697,22 @@ def monai_arm_in_a_process(root: Path, split_file: Path, epochs: int, spacing: f
     return {**result, "peak_mib": timed_result[1]}
 
 
-def finished(arm_dir: Path, compute: Any) -> dict[str, Any]:
-    """An arm's figures: those it recorded (`<arm_dir>/result.json`, a finished arm of an interrupted benchmark),
-    else computed now (in a fresh folder) and recorded."""
+def recorded(arm_dir: Path) -> dict[str, Any] | None:
+    """The figures a finished arm recorded (`<arm_dir>/result.json`), or None."""
     record = arm_dir / "result.json"
-    if record.is_file():
-        return json.loads(record.read_text())
+    return json.loads(record.read_text()) if record.is_file() else None
+
+
+def finished(arm_dir: Path, compute: Any) -> dict[str, Any]:
+    """An arm's figures: those it recorded (a finished arm of an interrupted benchmark), else computed now (in a
+    fresh folder) and recorded."""
+    result = recorded(arm_dir)
+    if result is not None:
+        return result
     shutil.rmtree(arm_dir, ignore_errors=True)
     result = compute()
     arm_dir.mkdir(parents=True, exist_ok=True)  # a result computed elsewhere (a run that is this one too)
-    record.write_text(json.dumps(result, indent=2))
+    (arm_dir / "result.json").write_text(json.dumps(result, indent=2))
     return result
 
 

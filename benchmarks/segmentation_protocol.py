@@ -342,7 +342,7 @@ def run_protocol(args: argparse.Namespace) -> Path:
                 ))
 
             timed_by = out / f"{arm}-steps-seed{seed}"
-            timing = trained(timed_by, epochs) if "steps" in args.budgets else recorded(timed_by)
+            timing = trained(timed_by, epochs) if "steps" in args.budgets else harness.recorded(timed_by)
             if "wall" not in args.budgets:
                 continue
             wall_s = reference["train_s"] if reference else args.wall_seconds
@@ -354,7 +354,7 @@ def run_protocol(args: argparse.Namespace) -> Path:
             wall = wall_epochs(wall_s, timing, args.iterations)
             folder = out / f"{arm}-wall-seed{seed}"
             if wall == timing["epochs"]:
-                same_run(folder, timed_by, wall_s)
+                same_run(folder, timing, timed_by, wall_s)
             else:
                 trained(folder, wall, {"wall_reference_s": wall_s})
     table = protocol_table(dataset, out, args)
@@ -368,17 +368,10 @@ def run_protocol(args: argparse.Namespace) -> Path:
 # ---- the table ----------------------------------------------------------------------------------------------------
 
 
-def same_run(folder: Path, timed_by: Path, wall_s: float) -> dict[str, Any]:
-    """The wall run recorded as the finished run `timed_by`: the same command (arm, seed, epochs) as the wall budget
-    gives, so the same run."""
-    timing = json.loads((timed_by / "result.json").read_text())
+def same_run(folder: Path, timing: dict[str, Any], timed_by: Path, wall_s: float) -> dict[str, Any]:
+    """The wall run recorded as the finished run `timed_by` (its result `timing`): the same command (arm, seed,
+    epochs) as the wall budget gives, so the same run."""
     return harness.finished(folder, partial(dict, timing, wall_reference_s=wall_s, same_run_as=timed_by.name))
-
-
-def recorded(folder: Path) -> dict[str, Any] | None:
-    """A finished run's result, or None."""
-    record = folder / "result.json"
-    return json.loads(record.read_text()) if record.is_file() else None
 
 
 def recorded_runs(out: Path) -> dict[tuple[str, str], list[dict[str, Any]]]:
