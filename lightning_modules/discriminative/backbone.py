@@ -11,6 +11,7 @@ from monai.networks.nets.resnet import get_inplanes
 from torch import nn
 
 from medvol.core.errors import MedvolError
+from medvol.core.module_size import load_weights
 
 BACKBONES: dict[str, Callable[..., ResNet]] = {
     "resnet10": resnet10,
@@ -69,4 +70,4 @@ def load_local_weights(network: nn.Module, path: str) -> None:
             f"`model.pretrained_path`: {file} does not fit `model.backbone` ({len(missing)} missing, "
             f"{len(mismatched)} mis-shaped tensors, e.g. {key!r}); check the backbone and `dataset.image_modalities`"
         )
-    network.load_state_dict({k: state[k] for k in own})
+    load_weights(network, {k: state[k] for k in own})

@@ -45,6 +45,7 @@ from lightning_modules.ldm.slab_decoding import fits_on_device
 from lightning_modules.ldm.spacing_embedding import with_spacing_embedding
 from lightning_modules.vqgan.codebook import snapped_to_codes
 from medvol.core.errors import MedvolError
+from medvol.core.module_size import load_weights
 from medvol.volumes.volume_budget import check_volume_size
 
 log = logging.getLogger("medvol")
@@ -148,7 +149,7 @@ class LatentDiffusion(DiffusionModule):
             settings, weights = read_first_stage(first_stage_ckpt)
         self.first_stage = FirstStage(**settings)
         if weights is not None:
-            self.first_stage.load_state_dict(weights)
+            load_weights(self.first_stage, weights)
         self.hparams["first_stage_settings"] = settings
         self.cond_channels = int(cond_channels)
         if self.cond_channels and self.cond_channels != self.first_stage.in_channels:

@@ -22,7 +22,7 @@ from lightning_modules.xray2ct.denoiser import (
 )
 from medvol.core.checkpoint_read import load_checkpoint
 from medvol.core.errors import MedvolError
-from medvol.core.module_size import check_module_bytes, first_mismatch, on_meta
+from medvol.core.module_size import check_module_bytes, first_mismatch, load_weights, on_meta
 
 log = logging.getLogger("medvol")
 
@@ -64,7 +64,7 @@ def read_stage(path: str) -> tuple[dict[str, Any], ViewConditionedDenoiser]:
     if first_mismatch(shapes, weights) is None:
         check_module_bytes(shapes, source)
         network = frozen_network(hparams)
-        if not network.load_state_dict(weights, strict=False).unexpected_keys:
+        if not load_weights(network, weights, strict=False).unexpected_keys:
             return hparams, network
     raise MedvolError(
         f"{source} does not hold the network its settings describe "

@@ -45,6 +45,21 @@ def on_meta(build: Callable[[], nn.Module], source: str) -> nn.Module:
         raise MedvolError(f"{source}: its settings do not build the network ({type(err).__name__}: {reason})") from None
 
 
+def load_weights(module: nn.Module, weights: Mapping[str, Any], strict: bool = True) -> Any:
+    """`module.load_state_dict(weights, strict)`, but on the meta device (where a shape check builds a model whose
+    constructor loads weights: a resumed LDM's first stage, a cascade stage's earlier stages) nothing is copied:
+    PyTorch would warn once a tensor that the copy is a no-op (74 lines on a resumed LDM run). The keys are compared as
+    `load_state_dict` compares them, a strict mismatch raised as it raises it."""
+    if not any(t.is_meta for t in chain(module.parameters(), module.buffers())):
+        return module.load_state_dict(weights, strict=strict)
+    own = set(module.state_dict())
+    missing, unexpected = sorted(own - set(weights)), sorted(set(weights) - own)
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}: missing keys {missing}, "
+                           f"unexpected keys {unexpected}")
+    return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
 def first_mismatch(module: nn.Module, weights: Mapping[str, Any]) -> Mismatch | None:
     """The first weight of `module` that `weights` holds in another shape, else the first (by name) it lacks."""
     own = module.state_dict()

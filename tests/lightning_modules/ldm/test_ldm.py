@@ -3,6 +3,7 @@ predict."""
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 from pathlib import Path
 
@@ -520,3 +521,17 @@ def test_latents_are_cached_once_per_subject_and_another_first_stage_never_reuse
     assert len(list(cache.iterdir())) == len(folders) + 1
     torch.testing.assert_close(other["latent"], other_module.first_stage.encoder(other["image"][None].float())[0])
     assert not torch.allclose(other["latent"], item["latent"])
+
+
+def test_a_shape_check_on_the_meta_device_builds_the_first_stage_without_copying_or_warning(vqgan_ckpt):
+    # Resuming an LDM run builds the module on the meta device to compare its shapes with the checkpoint; its
+    # constructor loads the first stage, which on meta used to print a "no-op" warning for each of its tensors.
+    with warnings.catch_warnings(record=True) as caught, torch.device("meta"):
+        warnings.simplefilter("always")
+        module = tiny_ldm(vqgan_ckpt)
+    assert not [w for w in caught if "meta parameter" in str(w.message)]
+    assert all(p.is_meta for p in module.first_stage.parameters())
+    # Built for real, the first stage holds the VQ-GAN's weights.
+    vqgan = torch.load(vqgan_ckpt, weights_only=True)["state_dict"]
+    real = tiny_ldm(vqgan_ckpt).first_stage.state_dict()
+    assert real and all(torch.equal(value, vqgan[key]) for key, value in real.items())

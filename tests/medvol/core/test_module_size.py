@@ -13,7 +13,7 @@ from torch import nn
 from lightning_modules.vqgan.vqgan import VQGAN
 from medvol.core.build import build_model
 from medvol.core.errors import MedvolError
-from medvol.core.module_size import Mismatch, check_module_bytes, first_mismatch, on_meta
+from medvol.core.module_size import Mismatch, check_module_bytes, first_mismatch, load_weights, on_meta
 from medvol.volumes.volume_budget import BUDGET_ENV, GIB
 from tests.conftest import TINY_MODEL, compose_cfg
 from tests.lightning_modules.ldm.test_ldm import vqgan_ckpt  # noqa: F401 - a fixture
@@ -85,3 +85,18 @@ def test_a_latent_models_network_builds_on_the_meta_device_from_its_first_stage(
     model = compose_cfg(tmp_path, ["model=ldm", f"model.first_stage_ckpt={vqgan_ckpt}", *TINY_MODEL["ldm"]]).model
     meta, real = on_meta(lambda: build_model(model), "genuine"), build_model(model)
     assert first_mismatch(meta, real.state_dict()) is None
+
+
+def test_loading_weights_on_the_meta_device_compares_the_keys_as_load_state_dict_does_and_copies_nothing():
+    weights = nn.Linear(3, 2).state_dict()
+    real = nn.Linear(3, 2)
+    with torch.device("meta"):
+        meta = nn.Linear(3, 2)
+    for module in (real, meta):
+        assert load_weights(module, weights) is not None
+        extra = {**weights, "other": torch.zeros(1)}
+        assert load_weights(module, extra, strict=False).unexpected_keys == ["other"]
+        assert load_weights(module, {"weight": weights["weight"]}, strict=False).missing_keys == ["bias"]
+        with pytest.raises(RuntimeError, match="bias"):
+            load_weights(module, {"weight": weights["weight"]})
+    assert torch.equal(real.weight, weights["weight"]) and meta.weight.is_meta
