@@ -31,6 +31,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -123,13 +124,41 @@ def memory_step(args: argparse.Namespace) -> None:
 
     # The first step allocates Adam's moments (and on a GPU picks its kernels): timed only when it is the only one.
     times = [step()]
+    first_peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
+    if device.type == "cuda" and args.repeats:
+        torch.cuda.reset_peak_memory_stats()
     times = [step() for _ in range(args.repeats)] or times
-    result = {"step_ms": 1000 * statistics.median(times), "timed_steps": len(times)}
+    result = {"step_ms": 1000 * statistics.median(times), "timed_steps": len(times),
+              "norm_outputs": norm_output_dtypes(module, lambda: training_step(module, optimizer, x0, cond, autocast))}
     if device.type == "cuda":
-        result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        # The step's peak, the first step's (cuDNN's trial workspaces, Adam's moments) included; and the later steps'
+        # alone (the 2026-11-28 round measured 5.74 GiB where 3.26 were predicted: these tell the two apart).
+        later_peak = torch.cuda.max_memory_allocated()
+        result["peak_gib"] = max(first_peak, later_peak) / 2**30
+        result["first_step_peak_gib"] = first_peak / 2**30
+        result["later_steps_peak_gib"] = later_peak / 2**30 if args.repeats else None
     else:
         result.update(peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, built_rss_mib=before)
     print(json.dumps(result))
+
+
+def norm_output_dtypes(module: ConditionalDiffusion, step: Callable[[], None]) -> dict[str, int]:
+    """How many GroupNorm outputs of one training `step` (recomputations included) came out in each dtype: under
+    bf16 autocast with `--low-precision-norm` all bfloat16, without it all float32."""
+    counts: dict[str, int] = {}
+
+    def count(_module: torch.nn.Module, _inputs: Any, output: torch.Tensor) -> None:
+        name = str(output.dtype).removeprefix("torch.")
+        counts[name] = counts.get(name, 0) + 1
+
+    norms = [m for m in module.network.modules() if isinstance(m, torch.nn.GroupNorm)]
+    hooks = [norm.register_forward_hook(count) for norm in norms]
+    try:
+        step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return counts
 
 
 def memory(args: argparse.Namespace) -> None:
@@ -142,11 +171,14 @@ def memory(args: argparse.Namespace) -> None:
           f"checkpointing {args.checkpointing}, bf16 GroupNorm {args.low_precision_norm}, network channels "
           f"{args.channels} ({parameters / 1e6:.2f} M parameters)")
     if "peak_gib" in figures:
-        print(f"peak GPU memory: {figures['peak_gib']:.2f} GiB")
+        later = figures.get("later_steps_peak_gib")
+        print(f"peak GPU memory: {figures['peak_gib']:.2f} GiB (first step {figures['first_step_peak_gib']:.2f} GiB, "
+              f"later steps {'-' if later is None else f'{later:.2f}'} GiB)")
     else:
         print(f"peak host RSS: {figures['peak_rss_mib']:.0f} MiB "
               f"(model and data built: {figures['built_rss_mib']:.0f} MiB)")
     print(f"step time: {figures['step_ms']:.1f} ms (median of {figures['timed_steps']})")
+    print(f"GroupNorm outputs of a step by dtype: {figures['norm_outputs']}")
     if args.json:
         args.json.write_text(json.dumps({
             "size": args.size, "batch": args.batch, "device": args.device, "precision": args.precision,

@@ -227,12 +227,17 @@ def sample_whole(args: argparse.Namespace, device: torch.device) -> dict[str, An
 
 # The share of the free memory a window batch may plan to fill (the rest: the allocator's fragmentation).
 WINDOW_SHARE = 0.8
+# The most windows a call takes. A 64^3 window of stage 3 is 1.97 TFLOP (benchmarks/gpu_estimates.py), so 32 are
+# seconds of a GPU's work a call: more buys no speed. The 2026-11-28 round's H100 planned 92 from its free memory
+# (675 MiB a window of 79 GiB): stage 3's second step asked for 17.25 GiB at once with 23.5 GiB reserved but split
+# into smaller blocks, and ran out of memory.
+MAX_WINDOW_BATCH = 32
 
 
 def window_batch(module: XrayToCT, xray: torch.Tensor, autocast: Callable[[], AbstractContextManager]
                  ) -> dict[str, Any]:
-    """The most sampling windows a network call can take on the device: the memory one window adds, measured by
-    calling the stage's network on one and on two windows (no gradient), into the free memory."""
+    """The sampling windows a network call takes on the device: the memory one window adds, measured by calling
+    the stage's network on one and on two windows (no gradient), into the free memory, at most `MAX_WINDOW_BATCH`."""
     device = xray.device
     window = window_of(dict(module.hparams))
     peaks = []
@@ -249,7 +254,7 @@ def window_batch(module: XrayToCT, xray: torch.Tensor, autocast: Callable[[], Ab
     per_window = max(peaks[1] - peaks[0], 1)
     free, _ = torch.cuda.mem_get_info(device)
     free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    batch = max(1, int((WINDOW_SHARE * free - peaks[0]) // per_window))
+    batch = max(1, min(MAX_WINDOW_BATCH, int((WINDOW_SHARE * free - peaks[0]) // per_window)))
     return {"batch": batch, "per_window_mib": per_window / 2**20, "free_mib": free / 2**20}
 
 
@@ -361,6 +366,8 @@ def main() -> None:
             result = (train_step if args.one == "train" else sample_whole)(args, device)
         except torch.cuda.OutOfMemoryError as error:
             result = {"out_of_memory": str(error).splitlines()[0]}
+            if args.one == "sample":
+                result["size"] = [volume_of(len(STAGES)) // args.reduce] * 3
         print(json.dumps(result))
         return
     parts = set(args.parts.split(","))
@@ -385,6 +392,8 @@ def main() -> None:
         settings = {"device": args.device, "reduce": args.reduce, "batch_divisor": args.batch_divisor,
                     "sampling_steps": args.steps, "repeats": args.repeats, "window_overlap": overlap}
         args.json.write_text(json.dumps({**settings, "stages": rows, "whole": whole}, indent=1))
+    if whole is not None and "out_of_memory" in whole:
+        sys.exit(1)
 
 
 def train_rows(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -74,3 +74,28 @@ def test_every_gpu_row_is_estimated_at_a_reduced_size_and_fused_attention_holds_
     # Checkpointing keeps less still.
     assert rows["ldm-128-fused"]["peak_gib"] < rows["ldm-128-fused-only"]["peak_gib"]
     assert "sizes / 4" in done.stdout and "| CTPA LDM step, 128^3 latents" in done.stdout
+
+
+@pytest.mark.parametrize("low_precision_norm, dtype", [(False, "float32"), (True, "bfloat16")])
+def test_the_fast_ddpm_steps_groupnorm_outputs_are_counted_by_dtype_as_cuda_autocast_gives_them(low_precision_norm,
+                                                                                                  dtype):
+    # The ddpm-seed step's diagnostic (benchmarks/ddpm.py): under CUDA's autocast GroupNorm runs in float32 unless
+    # the network's norms are LowPrecisionGroupNorm; every norm of the step counted, the checkpointed blocks'
+    # recomputations too (each block's two norms run again in the backward pass).
+    from argparse import Namespace
+
+    from benchmarks import ddpm
+
+    torch.manual_seed(0)
+    args = Namespace(channels=[8, 8], attention=False, groups=4, head_channels=8, explicit_attention=False,
+                     checkpointing=True, low_precision_norm=low_precision_norm)
+    module = ddpm.build_module(args)
+    optimizer = torch.optim.Adam(module.network.parameters())
+    x0, cond = torch.rand(1, 1, 8, 8, 8), torch.rand(1, 1, 8, 8, 8)
+    norms = sum(isinstance(m, torch.nn.GroupNorm) for m in module.network.modules())
+    with cuda_autocast_policy():
+        counts = ddpm.norm_output_dtypes(module, lambda: ddpm.training_step(module, optimizer, x0, cond, gpu_autocast))
+    assert list(counts) == [dtype]
+    # Each norm once forward; those in checkpointed residual blocks once more in the backward pass (the network's
+    # closing norm is outside every block).
+    assert norms < counts[dtype] < 2 * norms

@@ -9,9 +9,11 @@ import sys
 import tarfile
 import time
 from argparse import Namespace
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import gpu_round
 from benchmarks.gpu_round import FAMILIES, GB, Round, Step, all_steps
@@ -292,3 +294,80 @@ def test_the_dry_run_runs_every_step_at_toy_size_on_the_cpu(tmp_path):
     assert steps["segmentation-planned"]["figures"]["rows"][0]["settings"]["net"] == "dynunet"
     assert steps["environment"]["figures"]["device"] == "cpu"
     assert "| vqgan-b1 | passed |" in (out / "summary.md").read_text()
+
+
+def test_a_gpu_step_that_exits_0_without_a_targets_figure_fails_and_says_why(tmp_path):
+    # The 2026-11-28 whole CT: xray2ct_memory.py caught CUDA's out-of-memory error, printed it and exited 0.
+    output = tmp_path / "xray2ct-whole-ct.json"
+    oom = "CUDA out of memory. Tried to allocate 17.25 GiB."
+    output.write_text(json.dumps({"device": "cuda", "sampling_steps": 10,
+                                  "whole": {"out_of_memory": oom, "size": [256, 256, 256]}}))
+    step = Step("xray2ct-whole-ct", "benchmarks", [[sys.executable, "-c", "pass"]], 30.0,
+                gpu_round.xray2ct_whole_figures, output)
+    step.targets = [("X-ray-to-CT whole 256^3 CT, 10 steps a stage (s)", "<= 120")]
+    args = round_args(tmp_path)
+    args.dry_run = False
+    Round(args, [step]).run(1, step)
+    assert step.record["status"] == "failed"
+    assert gpu_round.brief(step) == f"no figure: X-ray-to-CT whole 256^3 CT, 10 steps a stage (s) ({oom})"
+    # The same figure given: passed. In a dry run (CPU figures, none held against a GPU target) a missing value is
+    # no failure.
+    output.write_text(json.dumps({"device": "cuda", "sampling_steps": 10,
+                                  "whole": {"seconds": 61.0, "size": [256, 256, 256]}}))
+    Round(args, [step]).run(1, step)
+    assert step.record["status"] == "passed"
+    output.write_text(json.dumps({"device": "cpu", "stages": [{"stage": 1, "batch": 1, "peak_mib": 9.0}]}))
+    step.figures = gpu_round.xray2ct_stage_figures
+    Round(round_args(tmp_path), [step]).run(1, step)
+    assert step.record["status"] == "passed"
+
+
+def test_the_whole_cts_window_batch_is_the_free_memory_over_a_windows_and_at_most_the_cap(monkeypatch):
+    from benchmarks import xray2ct_memory
+
+    mib = 2**20
+    calls = []
+    state = {"allocated": 0, "peak": 0}
+
+    class Module:
+        hparams = {"sampling_window": [8, 8, 8]}
+
+        def sampling_network(self, x, *rest):
+            # A window adds 675 MiB at the peak, as the stage-3 network did on the H100; 100 MiB more for the call.
+            calls.append(x.shape[0])
+            state["peak"] = state["allocated"] + (100 + 675 * x.shape[0]) * mib
+
+    cuda = xray2ct_memory.torch.cuda
+    monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: state["peak"])
+    monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: state["allocated"])
+    xray = torch.zeros(1, 2, 4, 4)
+    for free_mib, batch in ((79059, xray2ct_memory.MAX_WINDOW_BATCH), (10000, int((0.8 * 10000 - 775) // 675)),
+                            (500, 1)):
+        monkeypatch.setattr(cuda, "mem_get_info", lambda device=None, free=free_mib: (free * mib, 80 * 1024 * mib))
+        probe = xray2ct_memory.window_batch(Module(), xray, nullcontext)
+        assert (probe["batch"], probe["per_window_mib"]) == (batch, 675)
+    assert calls == [1, 2] * 3
+    assert xray2ct_memory.MAX_WINDOW_BATCH == 32
+
+
+def test_the_summary_ends_with_the_command_that_runs_the_steps_not_passed_again():
+    def record(name: str, phase: str, status: str, limit: float) -> dict:
+        return {"step": name, "phase": phase, "limit_s": limit, "status": status, "seconds": 1.0, "figures": {}}
+
+    summary = {"started": "now", "dry_run": False, "budget_s": 530.0, "seconds": 1.0, "commit": "abc", "steps": [
+        record("family-ddpm", "families", "passed", 120.0), record("family-xray2ct", "families", "timed out", 150.0),
+        record("family-ldm", "families", "failed", 120.0), record("ddpm-seed", "benchmarks", "timed out", 75.0),
+        record("xray2ct-stages", "benchmarks", "skipped: budget spent", 110.0),
+        record("environment", "environment", "passed", 30.0)]}
+    # The two families run together (150 s), then 75 + 110 s.
+    assert gpu_round.markdown(summary).endswith(
+        "again, on the same machine while it is warm:\n\n    python3 benchmarks/gpu_round.py --only family-xray2ct "
+        "family-ldm ddpm-seed xray2ct-stages --budget 335\n")
+    for step in summary["steps"]:
+        step["status"] = "passed"
+    assert "again" not in gpu_round.markdown(summary)
+    summary["steps"] += [record(f"b{k}", "benchmarks", "failed", 120.0) for k in range(6)]
+    assert gpu_round.markdown(summary).endswith("b5 --budget 560\n")
