@@ -69,3 +69,40 @@ def test_links_are_read_from_prose_and_not_from_code(tmp_path):
     )
     folder = tmp_path.resolve()
     assert local_files(page) == [("a.md#part", folder / "a.md"), ("pics/b.png", folder / "pics" / "b.png")]
+
+
+HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t]*#*[ \t]*$", re.M)
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: the text lower-cased, punctuation (backticks, dots, slashes,
+    brackets...) dropped but for hyphens and underscores, spaces as hyphens; a repeated one gets -1, -2, ..."""
+    anchors: set[str] = set()
+    for text in HEADING.findall(FENCED_CODE.sub("", page.read_text(encoding="utf-8"))):
+        base = re.sub(r"[^\w\- ]", "", text.lower()).replace(" ", "-")
+        anchor, count = base, 0
+        while anchor in anchors:
+            count += 1
+            anchor = f"{base}-{count}"
+        anchors.add(anchor)
+    return anchors
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(ROOT)))
+def test_every_link_into_a_page_names_one_of_its_headings(page):
+    # A section moved, renamed or deleted leaves the links into it pointing nowhere (on 2026-11-28 an edit deleted
+    # 2,020 lines of BENCHMARKS.md; four links of other guides led into them).
+    broken = [target for target, path in local_files(page)
+              if urlsplit(target).fragment and path.suffix == ".md" and path.exists()
+              and unquote(urlsplit(target).fragment) not in heading_anchors(path)]
+    own = heading_anchors(page)
+    broken += [target for target in link_targets(page) if target.startswith("#") and unquote(target[1:]) not in own]
+    assert not broken, f"{page.relative_to(ROOT)} links to headings that do not exist: {broken}"
+
+
+def test_heading_anchors_are_githubs(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Scaling (`benchmarks/scaling.py`)\n## The GPU round of 2026-11-28 (one NVIDIA H100)\n"
+                    "### Notes\n### Notes\n```\n# not a heading\n```\n", encoding="utf-8")
+    assert heading_anchors(page) == {"scaling-benchmarksscalingpy", "the-gpu-round-of-2026-11-28-one-nvidia-h100",
+                                     "notes", "notes-1"}
