@@ -371,3 +371,18 @@ def test_the_summary_ends_with_the_command_that_runs_the_steps_not_passed_again(
     assert "again" not in gpu_round.markdown(summary)
     summary["steps"] += [record(f"b{k}", "benchmarks", "failed", 120.0) for k in range(6)]
     assert gpu_round.markdown(summary).endswith("b5 --budget 560\n")
+
+
+def test_the_vqgan_layout_row_is_the_batch_1_step_without_channels_last_and_holds_no_target(tmp_path):
+    steps = {s.name: s for s in all_steps(dry=False, work=tmp_path)}
+    with_layout, without = steps["vqgan-b1"].commands[0], steps["vqgan-b1-ncdhw"].commands[0]
+    assert [a for a in with_layout if a != "--channels-last"][:-1] == without[:-1] and "--channels-last" in with_layout
+    assert steps["vqgan-b1-ncdhw"].targets == []
+    output = tmp_path / "v.json"
+    output.write_text(json.dumps({"options": "bf16-mixed", "patches_per_second": 14.2, "step_ms": 70.4,
+                                  "device": "NVIDIA H100 80GB HBM3", "batch": 1, "size": 128}))
+    step = steps["vqgan-b1-ncdhw"]
+    step.output = output
+    step.record = {"figures": step.figures(step)}
+    assert "checks" not in step.record["figures"]
+    assert gpu_round.brief(step) == "bf16-mixed: 14.2 patches/s, 70 ms a step"
