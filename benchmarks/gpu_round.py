@@ -216,7 +216,7 @@ def benchmark_steps(dry: bool, scratch: Path) -> list[Step]:
         # was 28% of the step's kernel time on 2026-11-28 and `copy_` 13%; this row says whether the layout pays.
         ("vqgan-b1-ncdhw", ["gpu_vqgan.py", "--batch", "1", "--steps", "10", "--warmup", "3"],
          ["gpu_vqgan.py", "--batch", "1", "--steps", "1", "--warmup", "1", "--device", "cpu", "--size", "32",
-          "--precision", "32-true", *TOY_VQGAN], 45.0, vqgan_layout_figures, []),
+          "--precision", "32-true", *TOY_VQGAN], 45.0, read_output, []),
         ("ddpm-seed", ["ddpm.py", "memory", "--size", "128", "--device", "cuda", "--precision", "bf16-mixed",
                        "--checkpointing", "--low-precision-norm", "--channels", "32", "64", "128", "128", "--groups",
                        "32", "--head-channels", "32", "--repeats", "5"],
@@ -348,11 +348,6 @@ def vqgan_figures(target: float) -> Callable[[Step], dict[str, Any]]:
         return data
 
     return figures
-
-
-def vqgan_layout_figures(step: Step) -> dict[str, Any]:
-    """The VQ-GAN row measured beside the targets' (another layout): its rate, against no target."""
-    return read_output(step)
 
 
 def ddpm_figures(step: Step) -> dict[str, Any]:
