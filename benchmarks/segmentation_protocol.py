@@ -11,9 +11,14 @@ The datasets (real anatomy: the MNI152 templates inside nilearn's wheel, deforme
 - `brats`: BraTS-2021 case folders with nested lesions at 4 mm, four MR contrasts, three overlapping regions
   (WT/TC/ET, sigmoid), read by `dataset=brats dataset.label_regions=[WT,TC,ET]`;
 - `tissue`: grey and white matter as exclusive classes (softmax) on the same deformed brains without lesions, one
-  T1 channel at 4 mm, an nnU-Net raw dataset read by `dataset=nnunet`;
-- `thick`: the lesion brains of `brats` at 2 mm in-plane with 6 and 8 mm slices (subjects alternate), an nnU-Net
-  raw dataset (nnU-Net's BraTS labels and regions) read by `dataset=nnunet`.
+  T1 channel at 5 mm, an nnU-Net raw dataset read by `dataset=nnunet`;
+- `thick`: the lesion brains of `brats` at 4 mm in-plane with 12 and 16 mm slices (subjects alternate: 3 and 4
+  times anisotropic, so the 16 mm ones take nnU-Net's separate-z resampling), an nnU-Net raw dataset (nnU-Net's
+  BraTS labels and regions) read by `dataset=nnunet`.
+
+`tissue` and `thick` are at the spacings that keep nnU-Net's 1,250 steps under 30 minutes a core (measured with
+100 steps, 50 a batch, 10 validation batches an epoch, beside another run: 65 s an epoch at 5 mm, 27 minutes for
+1,250 steps; 48 s at 4 x 4 x 12/16 mm, 20 minutes). At 4 mm, `tissue` would take brats's 53-58 minutes.
 
 Every arm sees the same files, the same split (15% test, 15% validation: nnU-Net's fold 0 in `splits_final.json`)
 and is scored the same way: the test subjects' masks from the FINAL checkpoint, mirrored, without post-processing,
@@ -64,9 +69,9 @@ TISSUE_LABELS = {"background": 0, "grey matter": 1, "white matter": 2}
 DATASETS: dict[str, dict[str, Any]] = {
     "brats": {"kind": "brats", "spacings": [(4.0, 4.0, 4.0)], "structures": harness.STRUCTURES["brats"],
               "medvol": ["dataset=brats", "dataset.label_regions=[WT,TC,ET]"]},
-    "tissue": {"kind": "raw", "spacings": [(4.0, 4.0, 4.0)], "structures": {"GM": (1,), "WM": (2,)},
+    "tissue": {"kind": "raw", "spacings": [(5.0, 5.0, 5.0)], "structures": {"GM": (1,), "WM": (2,)},
                "medvol": ["dataset=nnunet"]},
-    "thick": {"kind": "raw", "spacings": [(2.0, 2.0, 6.0), (2.0, 2.0, 8.0)],
+    "thick": {"kind": "raw", "spacings": [(4.0, 4.0, 12.0), (4.0, 4.0, 16.0)],
               "structures": {"WT": (1, 2, 3), "TC": (2, 3), "ET": (3,)}, "medvol": ["dataset=nnunet"]},
 }
 ARMS = {"medvol16": ["model.plan.base_features=16"], "medvol32": ["model.plan.base_features=32"], "nnunet": None}
@@ -403,16 +408,32 @@ def mean_dice(scores: dict[str, float], names: Sequence[str]) -> float:
     return statistics.fmean(finite) if finite else float("nan")
 
 
+def reproducing_command(dataset: str, runs: dict[tuple[str, str], list[dict[str, Any]]],
+                        args: argparse.Namespace) -> str:
+    """The command that records every run of the table: its arms, budgets and seeds (not only this invocation's),
+    and each option that changes a result where it is not the default."""
+    arms = [a for a in ARMS if any(arm == a for arm, _ in runs)] or args.arms
+    budgets = [b for b in BUDGETS if any(budget == b and arm != "nnunet" for arm, budget in runs)] or args.budgets
+    seeds = sorted({r["seed"] for results in runs.values() for r in results}) or args.seeds
+    command = (f"python benchmarks/segmentation.py protocol --dataset {dataset} --arms {','.join(arms)} "
+               f"--budgets {','.join(budgets)} --seeds {','.join(map(str, seeds))} --steps {args.steps} "
+               f"--iterations {args.iterations} --subjects {args.subjects} --cores {args.cores}")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for option in ("val_iterations", "wall_seconds", "spacing_scale", "data_seed"):
+        value = getattr(args, option)
+        if value != parser.get_default(option):
+            command += f" --{option.replace('_', '-')} {value:g}"
+    return command
+
+
 def protocol_table(dataset: str, out: Path, args: argparse.Namespace) -> str:
     """One markdown table of every recorded run: per arm and budget the runs, steps, plan, training time, Dice per
     structure and its mean (final checkpoint; mean ± standard deviation over runs), medvol's best checkpoint apart."""
     names = list(DATASETS[dataset]["structures"])
     runs = recorded_runs(out)
-    command = (f"python benchmarks/segmentation.py protocol --dataset {dataset} --arms {','.join(args.arms)} "
-               f"--budgets {','.join(args.budgets)} --seeds {','.join(map(str, args.seeds))} --steps {args.steps} "
-               f"--iterations {args.iterations} --subjects {args.subjects} --cores {args.cores}")
     lines = [
-        f"`{command}`", "",
+        f"`{reproducing_command(dataset, runs, args)}`", "",
         "| arm | budget | runs (seeds) | optimizer steps | patch, batch, filters | train (min) | "
         + " | ".join(f"Dice {n}" for n in names) + " | mean Dice | mean Dice, best checkpoint |",
         "|" + "---|" * (len(names) + 8),

@@ -76,3 +76,28 @@ def test_a_wall_run_with_its_timing_runs_epochs_is_recorded_as_that_run(tmp_path
     assert recorded == {"epochs": 5, "scores": {"dice_WT": 0.86}, "wall_reference_s": 3176.0,
                         "same_run_as": "medvol32-steps-seed0"}
     assert protocol.recorded_runs(tmp_path)[("medvol32", "wall")] == [{**recorded, "seed": 0}]
+
+
+def test_the_tables_command_records_every_run_in_it_with_the_options_that_change_a_result(tmp_path):
+    import argparse
+    import shlex
+
+    for name in ["nnunet-steps-seed0", "nnunet-steps-seed2", "medvol16-steps-seed0", "medvol16-wall-seed2"]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "result.json").write_text(json.dumps({"scores": {"dice_GM": 0.8}}))
+    parser = argparse.ArgumentParser()
+    protocol.add_arguments(parser)
+    # This invocation ran one seed and one arm; the table holds two seeds and two arms.
+    asked = parser.parse_args(["--dataset", "tissue", "--seeds", "2", "--arms", "medvol16", "--spacing-scale",
+                               "1.25", "--val-iterations", "10", "--cpus", "1", "--out", str(tmp_path)])
+    command = protocol.reproducing_command("tissue", protocol.recorded_runs(tmp_path), asked)
+    words = shlex.split(command)
+    assert words[:3] == ["python", "benchmarks/segmentation.py", "protocol"]
+    again = parser.parse_args(words[3:])
+    assert again.seeds == [0, 2] and again.arms == ["medvol16", "nnunet"] and again.budgets == ["steps", "wall"]
+    for option in ("dataset", "steps", "iterations", "val_iterations", "subjects", "spacing_scale", "data_seed",
+                   "wall_seconds", "cores"):
+        assert getattr(again, option) == getattr(asked, option), option
+    # Defaults are left out: the command stays the one the docs give.
+    plain = parser.parse_args(["--dataset", "tissue"])
+    assert "--spacing-scale" not in protocol.reproducing_command("tissue", {}, plain)
