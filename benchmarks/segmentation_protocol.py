@@ -16,9 +16,9 @@ The datasets (real anatomy: the MNI152 templates inside nilearn's wheel, deforme
   times anisotropic, so the 16 mm ones take nnU-Net's separate-z resampling), an nnU-Net raw dataset (nnU-Net's
   BraTS labels and regions) read by `dataset=nnunet`.
 
-`tissue` and `thick` are at the spacings that keep nnU-Net's 1,250 steps under 30 minutes a core (measured with
-100 steps, 50 a batch, 10 validation batches an epoch, beside another run: 65 s an epoch at 5 mm, 27 minutes for
-1,250 steps; 48 s at 4 x 4 x 12/16 mm, 20 minutes). At 4 mm, `tissue` would take brats's 53-58 minutes.
+`tissue` and `thick` are at the spacings that keep nnU-Net's 1,250 steps under 30 minutes a core: chosen from 100
+steps (65 s and 48 s for 50 steps and 10 validation batches), then measured whole beside another run: 28.1 minutes
+at 5 mm, 21.5 at 4 x 4 x 12/16 mm (docs/BENCHMARKS.md). At 4 mm, `tissue` would take brats's 53-58 minutes.
 
 Every arm sees the same files, the same split (15% test, 15% validation: nnU-Net's fold 0 in `splits_final.json`)
 and is scored the same way: the test subjects' masks from the FINAL checkpoint, mirrored, without post-processing,
