@@ -395,6 +395,14 @@ def score_folder(
 ) -> dict:
     """Mean scores of the masks `folder/<name with {subject}>` against the dataset's label files (`structures`:
     name -> label values in the files; the kind's by default)."""
+    return mean_scores(subject_scores(kind, root, folder, subjects, name, back, structures))
+
+
+def subject_scores(
+    kind: str, root: Path, folder: Path, subjects: list[str], name: str, back: dict | None = None,
+    structures: dict[str, tuple[int, ...]] | None = None,
+) -> list[dict[str, float]]:
+    """`score_folder`'s scores of each subject, in the order of `subjects`."""
     import nibabel as nib
     import numpy as np
 
@@ -409,7 +417,7 @@ def score_folder(
             seg = mapped
         spacing = [float(z) for z in truth.header.get_zooms()[:3]]
         rows.append(structure_scores(seg, np.asarray(truth.dataobj), structures or STRUCTURES[kind], spacing))
-    return mean_scores(rows)
+    return rows
 
 
 def timed(

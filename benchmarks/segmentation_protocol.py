@@ -41,7 +41,9 @@ reference for the wall budget is started once that run's `result.json` is there,
 
 Each finished run is recorded (`<out>/<dataset>/<arm>-<budget>-seed<s>/result.json`) and skipped when the command
 is run again; the table of every recorded run of the dataset (mean and spread over seeds) goes to `<out>/<dataset>/
-results.md` and, with `--docs`, between the dataset's markers in that file.
+results.md` and, with `--docs`, between the dataset's markers in that file; below it, per test subject, the
+reference's voxels per structure and each arm's Dice (`<dataset> subjects` markers): a structure of one voxel
+scores 0 or 1, so a few such subjects can carry a difference of the means.
 """
 
 from __future__ import annotations
@@ -274,10 +276,8 @@ def nnunet_run(
          "-npp", "1", "-nps", "1", "--disable_progress_bar"], out / "predict.log", env,
     )
     plans = json.loads((preprocessed / name / "nnUNetPlans.json").read_text())["configurations"]["3d_fullres"]
-    kind = DATASETS[dataset]["kind"]
-    back = {theirs: ours for ours, theirs in harness.TO_NNUNET["brats"].items()} if kind == "brats" else None
-    scores = harness.score_folder(kind, root, predicted, split["test"], "{subject}.nii.gz", back,
-                                  DATASETS[dataset]["structures"])
+    scores = harness.score_folder(DATASETS[dataset]["kind"], root, predicted, split["test"], "{subject}.nii.gz",
+                                  nnunet_labels_back(dataset), DATASETS[dataset]["structures"])
     epochs = max(1, steps // iterations)
     return {
         "scores": scores, "checkpoint": "checkpoint_final.pth", "steps": epochs * iterations, "epochs": epochs,
@@ -286,6 +286,13 @@ def nnunet_run(
         "train_s": train_wall, "predict_s": predict_wall, "plan_s": plan_wall,
         "peak_mib": max(plan_peak, train_peak, predict_peak),
     }
+
+
+def nnunet_labels_back(dataset: str) -> dict[int, int] | None:
+    """nnU-Net's label values -> the dataset's files' (BraTS files: the harness converted their labels), or None."""
+    if DATASETS[dataset]["kind"] != "brats":
+        return None
+    return {theirs: ours for ours, theirs in harness.TO_NNUNET["brats"].items()}
 
 
 def medvol_run(
@@ -363,10 +370,12 @@ def run_protocol(args: argparse.Namespace) -> Path:
             else:
                 trained(folder, wall, {"wall_reference_s": wall_s})
     table = protocol_table(dataset, out, args)
-    (out / "results.md").write_text(table + "\n")
-    print(table)
+    subjects = subject_table(dataset, out, root, split["test"])
+    (out / "results.md").write_text(f"{table}\n\n{subjects}\n")
+    print(f"{table}\n\n{subjects}")
     if args.docs:
         write_into(Path(args.docs), dataset, table)
+        write_into(Path(args.docs), f"{dataset} subjects", subjects)
     return out
 
 
@@ -452,6 +461,51 @@ def protocol_table(dataset: str, out: Path, args: argparse.Namespace) -> str:
             + " | ".join(spread([r["scores"][f"dice_{n}"] for r in results]) for n in names)
             + f" | {spread(means)} | {spread(best) if best else '-'} |"
         )
+    return "\n".join(lines)
+
+
+def subject_table(dataset: str, out: Path, root: Path, test: Sequence[str]) -> str:
+    """Per test subject: its label file's voxel size, the reference's voxels per structure, and per arm and budget
+    the Dice of each structure (final checkpoint; the mean over the recorded seeds, `-` where absent from both):
+    which subjects a difference of the means comes from. A structure of a single voxel scores 0 or 1."""
+    import nibabel as nib
+    import numpy as np
+
+    kind, structures = DATASETS[dataset]["kind"], DATASETS[dataset]["structures"]
+    columns: dict[str, list[list[dict[str, float]]]] = {}
+    seeds: dict[str, list[str]] = {}
+    for budget in BUDGETS:
+        for arm in ARMS:
+            if arm == "nnunet" and budget != "steps":
+                continue
+            for record in sorted(out.glob(f"{arm}-{budget}-seed*/result.json")):
+                result = json.loads(record.read_text())
+                folder = out / result.get("same_run_as", record.parent.name) / "test-predictions"
+                name, back = ("{subject}.nii.gz", nnunet_labels_back(dataset)) if arm == "nnunet" else (
+                    "{subject}_seg.nii.gz", None)
+                column = arm if arm == "nnunet" else f"{arm} {budget}"
+                seeds.setdefault(column, []).append(record.parent.name.rsplit("-seed", 1)[1])
+                columns.setdefault(column, []).append(
+                    harness.subject_scores(kind, root, folder, list(test), name, back, structures))
+    names = "/".join(structures)
+    lines = [
+        f"| test subject | voxel (mm) | reference voxels {names} | "
+        + " | ".join(f"{column} (seeds {','.join(seeds[column])}): Dice {names}" for column in columns) + " |",
+        "|" + "---|" * (len(columns) + 3),
+    ]
+    for index, subject in enumerate(test):
+        truth = nib.load(harness.label_file(kind, root, subject))
+        labels = np.asarray(truth.dataobj)
+        voxel = "x".join(f"{float(z):g}" for z in truth.header.get_zooms()[:3])
+        counts = "/".join(str(int(np.isin(labels, values).sum())) for values in structures.values())
+        cells = []
+        for runs in columns.values():
+            means = []
+            for n in structures:
+                finite = [r[index][f"dice_{n}"] for r in runs if math.isfinite(r[index][f"dice_{n}"])]
+                means.append(f"{statistics.fmean(finite):.2f}" if finite else "-")
+            cells.append("/".join(means))
+        lines.append(f"| {subject} | {voxel} | {counts} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

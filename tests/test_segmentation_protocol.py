@@ -101,3 +101,46 @@ def test_the_tables_command_records_every_run_in_it_with_the_options_that_change
     # Defaults are left out: the command stays the one the docs give.
     plain = parser.parse_args(["--dataset", "tissue"])
     assert "--spacing-scale" not in protocol.reproducing_command("tissue", {}, plain)
+
+
+def test_the_subject_table_gives_each_test_subjects_reference_voxels_and_each_arms_dice_over_its_seeds(tmp_path):
+    """A hand-worked thick dataset of two test subjects (raw labels: 1 oedema, 2 necrosis, 3 enhancing) and its runs:
+    nnU-Net's and medvol16's at two seeds; the wall run of seed 0 is its steps run. One subject's tumour core and
+    enhancing tumour are a single voxel: seed 0 finds it (Dice 1), seed 1 does not (0), so the mean is 0.50."""
+    import nibabel as nib
+    import numpy as np
+
+    root = tmp_path / "data"
+    (root / "labelsTr").mkdir(parents=True)
+    affine = np.diag([4.0, 4.0, 16.0, 1.0])
+    big = np.zeros((6, 6, 3), np.uint8)
+    big[1:4, 1:4, 1] = 1  # 9 voxels of whole tumour
+    big[2, 2, 1] = 3  # one of them the core and the enhancing tumour
+    small = np.zeros((6, 6, 3), np.uint8)
+    small[0:2, 0, 0] = 1  # 2 voxels of oedema: no core, no enhancing tumour
+    for subject, label in (("s1", big), ("s2", small)):
+        nib.save(nib.Nifti1Image(label, affine), str(root / "labelsTr" / f"{subject}.nii.gz"))
+
+    def run(folder: str, masks: dict[str, np.ndarray], name: str, result: dict | None = None) -> None:
+        (tmp_path / folder / "test-predictions").mkdir(parents=True)
+        (tmp_path / folder / "result.json").write_text(json.dumps(result or {}))
+        for subject, mask in masks.items():
+            path = tmp_path / folder / "test-predictions" / name.format(subject=subject)
+            nib.save(nib.Nifti1Image(mask.astype(np.uint8), affine), str(path))
+
+    missed = big.copy()
+    missed[2, 2, 1] = 1  # the single core voxel predicted oedema
+    grown = small.copy()
+    grown[0:2, 1, 0] = 1  # 4 voxels against 2: WT Dice 2 * 2 / 6
+    run("nnunet-steps-seed0", {"s1": big, "s2": small}, "{subject}.nii.gz")
+    run("medvol16-steps-seed0", {"s1": big, "s2": grown}, "{subject}_seg.nii.gz")
+    run("medvol16-steps-seed1", {"s1": missed, "s2": small}, "{subject}_seg.nii.gz")
+    run("medvol16-wall-seed0", {}, "{subject}_seg.nii.gz", {"same_run_as": "medvol16-steps-seed0"})
+
+    table = protocol.subject_table("thick", tmp_path, root, ["s1", "s2"]).splitlines()
+    assert table[0] == ("| test subject | voxel (mm) | reference voxels WT/TC/ET | "
+                        "medvol16 steps (seeds 0,1): Dice WT/TC/ET | nnunet (seeds 0): Dice WT/TC/ET | "
+                        "medvol16 wall (seeds 0): Dice WT/TC/ET |")
+    assert table[2] == "| s1 | 4x4x16 | 9/1/1 | 1.00/0.50/0.50 | 1.00/1.00/1.00 | 1.00/1.00/1.00 |"
+    # WT: (2 * 2 / 6 + 1) / 2; no core or enhancing tumour on either side: left out, shown as "-".
+    assert table[3] == "| s2 | 4x4x16 | 2/0/0 | 0.83/-/- | 1.00/-/- | 0.67/-/- |"
