@@ -389,13 +389,15 @@ def same_run(folder: Path, timing: dict[str, Any], timed_by: Path, wall_s: float
 
 
 def recorded_runs(out: Path) -> dict[tuple[str, str], list[dict[str, Any]]]:
-    """Every finished run of a dataset's folder by (arm, budget); nnU-Net's serve both budgets."""
+    """Every finished run of a dataset's folder by (arm, budget), with its seed and folder name; nnU-Net's serve both
+    budgets."""
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for record in sorted(out.glob("*-seed*/result.json")):
         arm, budget, seed = record.parent.name.rsplit("-", 2)
         if budget == "calibration":
             continue
-        result = {**json.loads(record.read_text()), "seed": int(seed.removeprefix("seed"))}
+        result = {**json.loads(record.read_text()), "seed": int(seed.removeprefix("seed")),
+                  "folder": record.parent.name}
         budgets = BUDGETS if arm == "nnunet" else (budget,)
         for each in budgets:
             runs.setdefault((arm, each), []).append(result)
@@ -474,19 +476,17 @@ def subject_table(dataset: str, out: Path, root: Path, test: Sequence[str]) -> s
     kind, structures = DATASETS[dataset]["kind"], DATASETS[dataset]["structures"]
     columns: dict[str, list[list[dict[str, float]]]] = {}
     seeds: dict[str, list[str]] = {}
-    for budget in BUDGETS:
-        for arm in ARMS:
-            if arm == "nnunet" and budget != "steps":
-                continue
-            for record in sorted(out.glob(f"{arm}-{budget}-seed*/result.json")):
-                result = json.loads(record.read_text())
-                folder = out / result.get("same_run_as", record.parent.name) / "test-predictions"
-                name, back = ("{subject}.nii.gz", nnunet_labels_back(dataset)) if arm == "nnunet" else (
-                    "{subject}_seg.nii.gz", None)
-                column = arm if arm == "nnunet" else f"{arm} {budget}"
-                seeds.setdefault(column, []).append(record.parent.name.rsplit("-seed", 1)[1])
-                columns.setdefault(column, []).append(
-                    harness.subject_scores(kind, root, folder, list(test), name, back, structures))
+    for (arm, budget), results in sorted(recorded_runs(out).items(), key=lambda i: (BUDGETS.index(i[0][1]), i[0][0])):
+        if arm == "nnunet" and budget != "steps":
+            continue
+        column = arm if arm == "nnunet" else f"{arm} {budget}"
+        name, back = ("{subject}.nii.gz", nnunet_labels_back(dataset)) if arm == "nnunet" else (
+            "{subject}_seg.nii.gz", None)
+        for result in results:
+            folder = out / result.get("same_run_as", result["folder"]) / "test-predictions"
+            seeds.setdefault(column, []).append(str(result["seed"]))
+            columns.setdefault(column, []).append(
+                harness.subject_scores(kind, root, folder, list(test), name, back, structures))
     names = "/".join(structures)
     lines = [
         f"| test subject | voxel (mm) | reference voxels {names} | "

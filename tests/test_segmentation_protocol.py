@@ -75,7 +75,8 @@ def test_a_wall_run_with_its_timing_runs_epochs_is_recorded_as_that_run(tmp_path
     recorded = protocol.harness.recorded(tmp_path / "medvol32-wall-seed0")
     assert recorded == {"epochs": 5, "scores": {"dice_WT": 0.86}, "wall_reference_s": 3176.0,
                         "same_run_as": "medvol32-steps-seed0"}
-    assert protocol.recorded_runs(tmp_path)[("medvol32", "wall")] == [{**recorded, "seed": 0}]
+    wall = [{**recorded, "seed": 0, "folder": "medvol32-wall-seed0"}]
+    assert protocol.recorded_runs(tmp_path)[("medvol32", "wall")] == wall
 
 
 def test_the_tables_command_records_every_run_in_it_with_the_options_that_change_a_result(tmp_path):
