@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from itertools import permutations, product
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,9 @@ from medvol.volumes.volume_reader import LoadVolumed
 
 INTENSITY_MODES = ("percentile", "window", "zscore", "none")
 RESAMPLINGS = ("linear", "nnunet")
+# The 48 orientations: each axis once, one of L/R, one of A/P, one of S/I, in any order (MONAI's axis codes). Only
+# these reach Orientationd, and a MONAI bundle's config (where a string starting with `$` is Python).
+AXIS_CODES = frozenset("".join(codes) for axes in permutations(("LR", "AP", "SI")) for codes in product(*axes))
 # The hole-filled non-zero mask a masked z-score used, carried with the image so augmentation can re-zero the
 # background as nnU-Net's MaskImageTransform does (training only; dropped before the batch).
 MASK_KEY = "norm_mask"
@@ -113,6 +117,12 @@ class TransformSettings:
                 f"`dataset.transforms.{unknown[0]}` is not a transform setting; expected one of {sorted(known)}"
             )
         settings = cls(**{k: plain(v) for k, v in config.items()})
+        if settings.orientation is not None and settings.orientation not in AXIS_CODES:
+            shown = repr(settings.orientation)[:80]
+            raise MedvolError(
+                f"`dataset.transforms.orientation` is {shown}; expected null or one of the 48 axis codes (3 letters: "
+                "one of L/R, one of A/P, one of S/I, e.g. RAS)"
+            )
         if settings.intensity not in INTENSITY_MODES:
             raise MedvolError(
                 f"`dataset.transforms.intensity` is {settings.intensity!r}; expected one of {list(INTENSITY_MODES)}"

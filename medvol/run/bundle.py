@@ -38,6 +38,7 @@ from typing import Any
 import numpy
 import torch
 from monai import __version__ as monai_version
+from monai.bundle.utils import EXPR_KEY, ID_REF_KEY, MACRO_KEY
 from omegaconf import DictConfig
 
 from datamodules.pipeline.transforms import TransformSettings
@@ -68,6 +69,9 @@ SOURCE_KEY = "source"
 TRAINING_ONLY = ("random_crop", "foreground_crop", "foreground_ratio", "flip_prob", "affine_prob", "rotate_range",
                  "scale_range", "augmentation")
 MODEL_FILE = "models/model.ts"
+# What MONAI's config reads at the start of a string (`$` Python, `@` a reference, `%` a macro that loads a file) and
+# has no escape for: a value a file gave (an orientation, a label or channel name) that starts with one is refused.
+MONAI_SYNTAX = (EXPR_KEY, ID_REF_KEY, MACRO_KEY)
 # How each transform's `_desc_` names the step of predict.py it does.
 DESCRIPTION_PREFIX = "as predict.py's "
 
@@ -99,6 +103,7 @@ def write_bundle(
     packages = {name: importlib.metadata.version(name) for name in sorted(steps.packages)}
     metadata = bundle_metadata(module, run, ckpt, settings, size, channels, segmentation, packages)
     metadata["authors"], metadata["copyright"] = authors, owner
+    as_text(metadata, "configs/metadata.json")
     problem = metadata_problem(metadata)
     if problem:
         raise MedvolError(f"`format=bundle`: the metadata written is incomplete ({problem})")
@@ -152,8 +157,8 @@ class BundleSteps:
         ]
         nnunet = settings.get("resampling") == "nnunet"
         if settings.get("orientation"):
-            steps.append(step("Orientationd", "Orientationd", keys="image", axcodes=settings["orientation"],
-                              labels=None))
+            steps.append(step("Orientationd", "Orientationd", keys="image",
+                              axcodes=as_text(settings["orientation"], "dataset.transforms.orientation"), labels=None))
         if settings.get("spacing") and not nnunet:
             steps.append(step("Spacingd", "Spacingd", keys="image", pixdim=[float(s) for s in settings["spacing"]],
                               mode="bilinear"))
@@ -184,7 +189,8 @@ class BundleSteps:
             masked = any(c["kind"] == "mr" and c.get("use_mask", True) for c in plan)
             mask = f"{self.helper('nonzero_mask')}(v)" if masked else "None"
             return [step("PlannedNormalized", "Lambdad", keys="image", func=(
-                f"$lambda x: (lambda v: monai.utils.convert_to_dst_type({self.helper('normalized')}(v, {plan!r}, "
+                f"$lambda x: (lambda v: monai.utils.convert_to_dst_type({self.helper('normalized')}(v, "
+                f"{literal(plan, 'dataset.transforms.normalization')}, "
                 f"{mask}), x, dtype=torch.float32)[0])(torch.nan_to_num(x.as_tensor().double()))"))]
         if mode == "percentile":
             lower, upper = (float(v) for v in settings.get("percentiles", [0.5, 99.5]))
@@ -332,6 +338,38 @@ HELPERS: dict[str, tuple[str, tuple[str, ...]]] = {
 # it imports each package a helper uses.
 BASE_IMPORTS = ("$import functools", "$import glob", "$import os", "$import numpy", "$import torch", "$import monai")
 IMPORTS = {"scipy": "$import scipy.ndimage as ndimage"}
+
+
+def as_text(value: Any, where: str) -> Any:
+    """`value` (a string, or a tree of them: keys too), refused in one line where a string in it starts with MONAI's
+    config syntax (`MONAI_SYNTAX`), which MONAI would run, look up or load rather than read as text."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            as_text(key, where)
+            as_text(item, f"{where}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            as_text(item, f"{where}[{index}]")
+    elif isinstance(value, str) and value.startswith(MONAI_SYNTAX):
+        read = {EXPR_KEY: "Python", ID_REF_KEY: "a reference", MACRO_KEY: "a macro"}[value[0]]
+        raise MedvolError(
+            f"`format=bundle`: `{where}` is {value[:60]!r}, which MONAI's config would read as {read}; expected text "
+            f"that starts with none of {', '.join(MONAI_SYNTAX)}"
+        )
+    return value
+
+
+def literal(value: Any, where: str) -> str:
+    """`value` as a Python literal inside one of inference.json's expressions, refused where a string in it holds
+    `@` (MONAI rewrites `@name` anywhere in an expression into a lookup) or starts with MONAI's syntax."""
+    as_text(value, where)
+    written = repr(value)
+    if ID_REF_KEY in written:
+        raise MedvolError(
+            f"`format=bundle`: `{where}` holds {ID_REF_KEY!r} ({written[:60]}), which MONAI's config reads as a "
+            "reference inside an expression; expected values without it"
+        )
+    return written
 
 
 def background(settings: Mapping[str, Any], channels: int) -> list[float]:
