@@ -17,6 +17,8 @@ from pytorch_lightning.utilities import rank_zero_only
 from rich.console import Console
 from rich.table import Table
 
+from medvol.core.run_files import open_in
+
 
 def _batch_size(batch: Any) -> int:
     if isinstance(batch, dict):
@@ -141,10 +143,10 @@ class RunSummary(pl.Callback):
     @rank_zero_only
     def _write(self, trainer: pl.Trainer, stage: str) -> None:
         summary = self.summary(trainer)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
         # Never over a training run's record: a test-only command writes a file of its own.
         path = self.summary_file(stage)
-        path.write_text(json.dumps(summary, indent=2) + "\n")
+        with open_in(self.output_dir, path, "w") as handle:
+            handle.write(json.dumps(summary, indent=2) + "\n")
         self._pending = ({**summary, "summary": str(path)}, stage)
 
     def _print(self, summary: dict[str, Any], stage: str) -> None:

@@ -68,7 +68,7 @@ def atomic_torch_save(checkpoint: Any, target: Path, shared: bool = False) -> No
         partial = partial_path(target)
     try:
         # 0o666 so the user's umask decides the mode, as for a plain open().
-        descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
         with os.fdopen(descriptor, "wb") as stream:
             torch.save(checkpoint, stream)
             stream.flush()

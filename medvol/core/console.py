@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.text import Text
 
 from medvol.core.errors import MedvolError
+from medvol.core.run_files import open_in
 
 LIBRARY_LOGGERS = ("pytorch_lightning", "lightning_fabric", "lightning", "lightning.pytorch", "lightning.fabric")
 QUIET_ON_CONSOLE = (
@@ -74,12 +75,14 @@ def quiet_console() -> None:
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 
-class _LogFile(logging.FileHandler):
-    """A log file made with its folder at the first record: a command that logs nothing leaves no file behind."""
+class LogFile(logging.FileHandler):
+    """A log file (`train.log` through Hydra's `job_logging`, `predict.log`) opened with its folder at the first
+    record where delayed (a command that logs nothing leaves no file behind), and never through a link in its place
+    (`medvol.core.run_files`): a run folder sent by someone else cannot make medvol append to a file outside."""
 
     def _open(self):  # type: ignore[no-untyped-def]
-        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
-        return super()._open()
+        path = Path(self.baseFilename)
+        return open_in(path.parent, path, self.mode, encoding=self.encoding, errors=self.errors)
 
 
 @contextlib.contextmanager
@@ -88,7 +91,7 @@ def log_file(path: Path) -> Iterator[None]:
     console drops library warnings (`ConsoleFilter`), the file keeps them. A command refused inside (a
     `MedvolError`) takes back the file and folder it made: a refusal leaves nothing behind."""
     made = [p for p in (path, path.parent) if not p.exists()]
-    handler = _LogFile(path, mode="a", delay=True)
+    handler = LogFile(path, mode="a", delay=True)
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     root = logging.getLogger()
     level = root.level

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from pytorch_lightning.loggers import TensorBoardLogger
+from pytorch_lightning.loggers.logger import rank_zero_experiment
 from pytorch_lightning.utilities import rank_zero_only
+
+from medvol.core.run_files import writable_path
 
 
 class MedvolTensorBoardLogger(TensorBoardLogger):
@@ -22,6 +26,9 @@ class MedvolTensorBoardLogger(TensorBoardLogger):
     cost about 30 ms on a busy shared disk, every `log_every_n_steps` steps: the largest fixed
     cost of medvol's training step (see benchmarks/overhead.py).
 
+    TensorBoard writes into a folder: a `log_dir` that is a link, or a link on its way below `save_dir` (the run) or
+    in place of `hparams.yaml`, is refused in one line (`medvol.core.run_files`), never followed.
+
     Args:
         optimized_metric: the metric the run is judged by, e.g. `val/psnr`.
         flush_seconds: least time between two flushes from `save()`.
@@ -36,6 +43,16 @@ class MedvolTensorBoardLogger(TensorBoardLogger):
         self.flush_seconds = flush_seconds
         self._last_flush = float("-inf")
         self._declaring = False
+
+    def _refuse_links(self) -> None:
+        writable_path(Path(self.save_dir), Path(self.log_dir) / self.NAME_HPARAMS_FILE)
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> Any:
+        if self._experiment is None:
+            self._refuse_links()
+        return super().experiment
 
     def log_hyperparams(self, params: Any, metrics: dict[str, Any] | None = None, step: int | None = None) -> None:
         columns = dict.fromkeys(["hp_metric", *([self.optimized_metric] if self.optimized_metric else [])], 0.0)
@@ -60,4 +77,5 @@ class MedvolTensorBoardLogger(TensorBoardLogger):
         now = time.monotonic()
         if now - self._last_flush >= self.flush_seconds:
             self._last_flush = now
+            self._refuse_links()
             super().save()

@@ -35,6 +35,8 @@ from lightning_modules.segmentation.label_scheme import LabelScheme
 from lightning_modules.segmentation.postprocessing import Postprocessing, choose
 from lightning_modules.segmentation.segmentation import Segmenter
 from medvol.core.build import build
+from medvol.core.run_files import open_in
+from medvol.core.subject_names import SubjectFiles
 from medvol.run.fold_records import (
     FOLD_FILE,
     LABEL_MAPS_DIR,
@@ -101,9 +103,9 @@ def validate(cfg: DictConfig, checkpoint: str, device: torch.device) -> dict[str
         window_size(cfg), overlap=float(cfg.model.overlap), mode="gaussian", batch_size=int(cfg.model.sw_batch_size),
         device=device,
     )
-    writer = PredictionWriter(out, skip=("input", "label", "reference"))
+    writer = PredictionWriter(out, skip=("input", "label", "reference"), root=run_dir)
     maps = out / LABEL_MAPS_DIR
-    maps.mkdir(parents=True, exist_ok=True)
+    names = SubjectFiles()
     subjects, label_values = [], None
     for batch in batches(inputs.dataset):
         label_values = batch.get("label_values")
@@ -112,13 +114,12 @@ def validate(cfg: DictConfig, checkpoint: str, device: torch.device) -> dict[str
         writer.write(outputs, batch)
         for i, subject in enumerate(batch["subject"]):
             prediction, reference = outputs["volumes"]["seg"][i], outputs["volumes"]["reference"][i]
-            np.savez_compressed(
-                maps / f"{subject}.npz", prediction=label_array(prediction), reference=label_array(reference)
-            )
+            with open_in(run_dir, label_map_file(maps, subject, names), "wb") as handle:
+                np.savez_compressed(handle, prediction=label_array(prediction), reference=label_array(reference))
             subjects.append(str(subject))
     write_json(run_dir / VOLUMES_FILE, training_volumes(
         cfg, module.scheme.segments, label_values[0].tolist() if label_values is not None else None
-    ))
+    ), run_dir)
     module.volume_range = writer.volume_range = read_volume_range(run_dir)
     writer.write_metrics()
     fold = cfg.dataset.get("fold")
@@ -129,9 +130,9 @@ def validate(cfg: DictConfig, checkpoint: str, device: torch.device) -> dict[str
     write_json(out / FOLD_FILE, {
         "fold": fold, "checkpoint": os.path.relpath(Path(checkpoint).resolve(), run_dir.resolve()), "labels": labels,
         "subjects": subjects,
-    })
+    }, run_dir)
     decision = choose(module.scheme, cases(maps, subjects), folds=1)
-    write_json(run_dir / POSTPROCESSING_FILE, decision.to_json())
+    write_json(run_dir / POSTPROCESSING_FILE, decision.to_json(), run_dir)
     means = {k: v for k, v in mean_metrics(writer.rows).items() if not k.startswith("volume_")}
     names = module.scheme.names
     metrics = {f"validation/{k}": v for k, v in means.items()}
@@ -178,13 +179,18 @@ def label_array(volume: torch.Tensor) -> np.ndarray:
     return array.astype(np.uint8 if array.max(initial=0) < 256 and array.min(initial=0) >= 0 else np.int32)
 
 
+def label_map_file(folder: Path, subject: str, names: SubjectFiles | None = None) -> Path:
+    """`label_maps/<subject>.npz`, the subject id made a file name inside `folder` (`medvol.core.subject_names`)."""
+    return folder / f"{(names or SubjectFiles()).stem(subject)}.npz"
+
+
 def cases(folder: Path, subjects: Sequence[str]) -> list[Callable[[], tuple[np.ndarray, np.ndarray]]]:
     """Per subject, a loader of its (prediction, reference) label maps: read when a trial needs them, so every
     fold's subjects are never all in memory."""
 
     def loader(subject: str) -> Callable[[], tuple[np.ndarray, np.ndarray]]:
         def load() -> tuple[np.ndarray, np.ndarray]:
-            with np.load(folder / f"{subject}.npz") as record:
+            with np.load(label_map_file(folder, subject)) as record:
                 return record["prediction"], record["reference"]
 
         return load

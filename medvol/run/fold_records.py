@@ -10,7 +10,6 @@ nnU-Net; a single split's is written, and applied only when asked (`postprocessi
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -19,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from lightning_modules.segmentation.postprocessing import Postprocessing
 from medvol.core.errors import MedvolError
 from medvol.core.file_data import read_json
+from medvol.core.run_files import replace_in
 
 VALIDATION_DIR = "validation"
 LABEL_MAPS_DIR = "label_maps"
@@ -28,12 +28,10 @@ SUMMARY_FILE = "cross_validation.json"
 VOLUMES_FILE = "structure_volumes.json"
 
 
-def write_json(path: Path, record: Any) -> None:
-    """`record` as JSON at `path`, replaced in one step (a reader never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
+def write_json(path: Path, record: Any, root: Path | None = None) -> None:
+    """`record` as JSON at `path`, replaced in one step (a reader never sees half a file); a link in place of the file
+    or of a folder below `root` (default: its folder) is refused (`medvol.core.run_files`)."""
+    replace_in(root or path.parent, path, lambda handle: handle.write(json.dumps(record, indent=2) + "\n"))
 
 
 class _Record(BaseModel):

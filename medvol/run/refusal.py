@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from medvol.core.run_files import open_in
 from medvol.run.run_record import RECORD_FILE
 
 
@@ -69,7 +70,7 @@ class RunDirectoryBefore:
             shutil.rmtree(self.output_dir / self.hydra_subdir, ignore_errors=True)
         if not self.had_record:
             (self.output_dir / RECORD_FILE).unlink(missing_ok=True)
-        if self.log_file.is_file():
-            with self.log_file.open("r+b") as file:
+        if self.log_file.is_file() and not self.log_file.is_symlink():
+            with open_in(self.output_dir, self.log_file, "r+b") as file:
                 file.truncate(self.log_size)
         return True

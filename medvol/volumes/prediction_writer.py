@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from medvol.core.errors import MedvolError
+from medvol.core.run_files import open_in, writable_path
+from medvol.core.subject_names import SubjectFiles
 from medvol.volumes.dicom_io import series_geometry
 from medvol.volumes.dicom_write import write_derived_series, write_segmentation
 from medvol.volumes.intensity import (
@@ -134,14 +136,19 @@ class PredictionWriter:
             (`medvol.volumes.segment_codes`; unnamed segments are coded from their names).
         channels: batch key -> the dataset's channel names (`image_modalities`, `cond_modalities`): a derived
             series of an output in a `ct` channel's units is a CT, in a `t2` channel's an MR.
+        root: the output folder `output_dir` lies in (default: itself): no file or folder below it is written through
+            a symbolic link (`medvol.core.run_files`). Subject ids become file names through
+            `medvol.core.subject_names` (`../x` is written as `.._x`; two ids sharing a name are refused).
     """
 
     def __init__(
         self, output_dir: str | Path, skip: Iterable[str] = ("input", "label"), protected: Iterable[str | Path] = (),
         output_format: str = "nifti", segment_codes: Mapping[str, Any] | None = None,
-        channels: Mapping[str, Any] | None = None,
+        channels: Mapping[str, Any] | None = None, root: str | Path | None = None,
     ) -> None:
         self.output_dir = Path(output_dir)
+        self.root = Path(root) if root is not None else self.output_dir
+        self.names = SubjectFiles()
         self.output_format = check_output_format(output_format)
         self.segment_codes = dict(segment_codes or {})
         self.channels = {key: [str(c) for c in names or []] for key, names in (channels or {}).items()}
@@ -160,13 +167,13 @@ class PredictionWriter:
         subjects = batch.get("subject")
         if subjects is None:
             return []
-        stems = [str(s).replace("/", "_") for s in subjects]
+        stems = [self.names.stem(s) for s in subjects]
         planned = [(self.output_dir / f"{stem}_{name}.npy", array[i])
                    for name, array in (outputs.get("arrays") or {}).items() for i, stem in enumerate(stems)]
         volumes = self._volumes(outputs, batch, [str(s) for s in subjects]) \
             if "volumes" in outputs and batch.get("affine") is not None else []
         for path in [p for p, _ in planned] + [v.path for v in volumes]:
-            self._refuse_replacing_an_input(path)
+            self._check_target(path)
         if self.output_format == "dicom":
             self._refuse_without_a_series(volumes)
         self.prediction_rows.extend(outputs.get("rows") or [])
@@ -198,7 +205,7 @@ class PredictionWriter:
         self.structures = list(dict.fromkeys([*self.structures, *segments]))
         scan = self._scan(planned, outputs, label_map.shape)
         path = self.output_dir / f"{planned.path.name.removesuffix('.nii.gz')}.png"
-        self._refuse_replacing_an_input(path)
+        self._check_target(path)
         self.pictures[planned.subject] = path.name
         return render_picture(scan, label_map, segments, affine, volumes, planned.subject, path)
 
@@ -235,7 +242,7 @@ class PredictionWriter:
         if not torch.is_floating_point(planned.volume):
             segments = planned.segments or {f"label {v}": [int(v)] for v in sorted(set(volume.flat)) if v != 0}
             target = self.output_dir / f"{stem}.dcm"
-            self._refuse_replacing_an_input(target)
+            self._check_target(target)
             description = f"medvol {planned.name}"
             return [write_segmentation(volume, geometry, target, segments, description, self.segment_codes)]
         if volume.ndim != 3:
@@ -244,19 +251,21 @@ class PredictionWriter:
             )
         names = self.channels.get(planned.units) or []
         channel = names[0] if len(names) == 1 else None
-        return write_derived_series(volume, geometry, self.output_dir / stem, f"medvol {planned.name}", channel)
+        folder = writable_path(self.root, self.output_dir / stem)
+        return write_derived_series(volume, geometry, folder, f"medvol {planned.name}", channel)
 
-    def _refuse_replacing_an_input(self, path: Path) -> None:
+    def _check_target(self, path: Path) -> None:
+        """`path` may be written: it replaces no input, and neither it nor a folder below `root` is a link."""
+        writable_path(self.root, path)
         if path.expanduser().resolve() in self.protected:
             raise MedvolError(
                 f"`output_dir`: the output {path} would replace the input file {path.resolve()}; "
                 "choose another `output_dir`"
             )
 
-    @staticmethod
-    def _write_array(array: torch.Tensor, path: Path) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        np.save(path, array.detach().cpu().numpy())
+    def _write_array(self, array: torch.Tensor, path: Path) -> Path:
+        with open_in(self.root, path, "wb") as handle:
+            np.save(handle, array.detach().cpu().numpy())
         return path
 
     def _volumes(
@@ -276,7 +285,7 @@ class PredictionWriter:
             if name in self.skip:
                 continue
             for i, subject in enumerate(subjects):
-                stem = subject.replace("/", "_")
+                stem = self.names.stem(subject)
                 if origins is not None:
                     stem += "_patch" + "-".join(str(int(v)) for v in origins[i])
                 volume = batch_volumes[i].detach().cpu()
@@ -331,8 +340,8 @@ class PredictionWriter:
         rows = self.rows if rows is None else rows
         path = self._write_table(rows, "metrics.csv")
         if self.structures and rows:
-            self._refuse_replacing_an_input(self.output_dir / INDEX_FILE)
-            pictures = {str(r["subject"]): f"{str(r['subject']).replace('/', '_')}" for r in rows}
+            self._check_target(self.output_dir / INDEX_FILE)
+            pictures = {str(r["subject"]): self.names.stem(r["subject"]) for r in rows}
             pictures = {s: self.pictures.get(s, self._picture_name(stem)) for s, stem in pictures.items()}
             write_index(self.output_dir, rows, pictures, self.structures, self.volume_range)
         return path
@@ -351,10 +360,9 @@ class PredictionWriter:
             return None
         rows = sorted(rows, key=lambda row: row["subject"])
         columns = list(dict.fromkeys(key for row in rows for key in row))
-        self.output_dir.mkdir(parents=True, exist_ok=True)
         path = self.output_dir / name
-        self._refuse_replacing_an_input(path)
-        with path.open("w", newline="") as handle:
+        self._check_target(path)
+        with open_in(self.root, path, "w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=columns)
             writer.writeheader()
             writer.writerows(rows)
