@@ -16,7 +16,7 @@ from medvol.core.errors import MedvolError
 from medvol.run.override_check import extra_error, override_error
 from medvol.run.refusal import RunDirectoryBefore
 from medvol.run.resolvers import run_dir_of_checkpoint
-from medvol.run.training import run, sweep_objective
+from medvol.run.training import command_ckpt_path, refuse_a_linked_run, run, sweep_objective
 from medvol.run.world import global_rank
 
 log = logging.getLogger("medvol")
@@ -63,6 +63,10 @@ if __name__ == "__main__":
     # Hydra would report a misspelt key or option, or a plugin that is not installed, in several lines with exit code 1.
     argv = sys.argv[1:]
     problem = extra_error(argv) or override_error(Path(__file__).resolve().parent / "conf", "train", argv)
+    try:
+        refuse_a_linked_run(command_ckpt_path(argv))
+    except MedvolError as err:
+        problem = problem or str(err)
     if problem:
         print(f"medvol: error: {problem}", file=sys.stderr)
         sys.exit(2)

@@ -17,6 +17,7 @@ from medvol.core.checkpoint_read import TRUST_KEY, checkpoints_trusted, weights_
 from medvol.core.console import print_config_tree
 from medvol.core.errors import MedvolError
 from medvol.core.process_group import release_at_exit, run_started
+from medvol.core.run_files import refuse_links
 from medvol.core.sync_batchnorm import layer_sync_plugins
 from medvol.run.batch_arithmetic import BatchArithmetic, scale_learning_rates
 from medvol.run.cascade import run_cascade
@@ -25,6 +26,7 @@ from medvol.run.cross_validation import after_training
 from medvol.run.fingerprint import RecordFingerprint
 from medvol.run.launch import local_ranks
 from medvol.run.planning import planned
+from medvol.run.resolvers import run_dir_of_checkpoint
 from medvol.run.resume import resumed
 from medvol.run.run_check import check_label_regions, check_run, check_trainer
 from medvol.run.run_record import write_run_record
@@ -114,9 +116,25 @@ def run(cfg: DictConfig) -> dict[str, float]:
     command says `trust_checkpoints=true` (`medvol.core.checkpoint_read`). A `ckpt_path` inside a run continues
     that run: its record with this command's overrides on top (`medvol.run.resume`).
     """
+    refuse_a_linked_run(cfg.get("ckpt_path"))
     with checkpoints_trusted(cfg.get(TRUST_KEY, False)):
         cfg, record = resumed(cfg)
         return _stages_or_run(cfg, recorded=record is not None)
+
+
+def refuse_a_linked_run(ckpt_path: str | None) -> None:
+    """A resume continues a run folder that may come from someone else: one that holds a symbolic link anywhere is
+    refused in one line before anything is written (`medvol.core.run_files`), as every writer refuses one too."""
+    run_dir = run_dir_of_checkpoint(ckpt_path)
+    if run_dir is not None:
+        refuse_links(run_dir)
+
+
+def command_ckpt_path(argv: list[str]) -> str | None:
+    """The `ckpt_path=` a command line gives (the last one), before Hydra composes: Hydra opens a resumed run's
+    train.log and writes its `.hydra/resume-<stamp>/` first."""
+    given = [value for key, _, value in (a.partition("=") for a in argv) if key.lstrip("+") == "ckpt_path"]
+    return given[-1].strip("'\"") if given else None
 
 
 def _stages_or_run(cfg: DictConfig, recorded: bool = False) -> dict[str, float]:
