@@ -129,16 +129,20 @@ def test_an_old_config_of_a_billion_laughs_is_refused_before_it_is_copied(attack
 
 
 @pytest.mark.parametrize(("edit", "refusal"), [
-    (lambda r, p: r["config"]["model"].update(evil=_oc_create(p)), r"`config\.model\.evil` holds an interpolation"),
-    (lambda r, p: r["config"]["model"].update(evil=_load_target(p)),
-     r"`model\.evil\._target_: torch\.load` .* is no class"),
-    (lambda r, p: r["config"]["callbacks"].update(
+    (lambda r, p: r["values"]["model"].update(n_codes=_oc_create(p)),
+     r"`values\.model\.n_codes` holds an interpolation"),
+    (lambda r, p: r["values"]["model"].update(optimizer=_load_target(p)),
+     r"`model\.optimizer\._target_` is a Hydra key"),
+    (lambda r, p: r["values"]["callbacks"].update(
         evil={"_target_": "pytorch_lightning.callbacks.LambdaCallback", "on_fit_start": _load_target(p)}),
-     r"`callbacks\.evil\._target_: pytorch_lightning\.callbacks\.LambdaCallback` .* calls the functions it is given"),
-    (lambda r, p: r["relative_paths"].append({"key": ["dataset", "root"], "base": "output_dir", "rest": "../../etc"}),
-     r"`relative_paths` puts \['dataset', 'root'\] at 'output_dir'/'\.\./\.\./etc'; expected a path inside"),
+     r"`callbacks\.evil\._target_` is a Hydra key"),
+    (lambda r, p: r["values"]["model"].update(evil=1), r"`model\.evil` is no setting of medvol's config"),
+    (lambda r, p: r["values"]["model"].update(n_codes=[1, 2]), r"`model\.n_codes` is list .* where medvol's config has "
+     r"number"),
+    (lambda r, p: r["choices"].update(model="../../evil"), r"`choices\.model` is '\.\./\.\./evil'; expected one of"),
     (lambda r, p: r.update(format_extra=True), r"run\.json: `format_extra` extra inputs are not permitted"),
-], ids=["interpolation", "target-by-value", "lambda-callback", "path-out-of-the-run", "unknown-key"])
+], ids=["interpolation", "target-by-value", "lambda-callback", "new-key", "type-change", "choice-outside-conf",
+        "unknown-key"])
 def test_a_crafted_run_record_is_refused_by_predict(attack, edit, refusal):
     run_dir, payload, marker, scan = attack
     record = _record(run_dir)
@@ -276,25 +280,19 @@ def test_a_fold_record_may_not_send_predict_to_a_checkpoint_outside_its_run(tmp_
 
 
 def test_a_record_may_name_a_class_of_the_users_own_only_where_the_command_names_it_again(trained_run, tmp_path):  # noqa: F811
-    # A run trained with a callback of the user's own (`+callbacks.mine._target_=...` on its command line) is
-    # resumed or tested by a command that names it again; a record naming it where the command does not is refused.
+    # A run trained with a callback of the user's own (`+callbacks.mine._target_=...` on its command line) records
+    # the key, never the class: a resume must name a class there again, and the command's class is the one built.
     from medvol.run.resume import resumed
 
     run_dir = tmp_path / "run"
     shutil.copytree(trained_run, run_dir)
     mine = "tests.ddp_support.RankRecorder"
     record = _record(run_dir)
-    record["config"].setdefault("callbacks", {})["mine"] = {"_target_": mine, "path": str(tmp_path / "ranks")}
+    record["own_classes"] = ["callbacks.mine"]
     _save_record(run_dir, record)
     resume = [f"ckpt_path={run_dir}/checkpoints/last.ckpt", "train=false"]
-    with pytest.raises(MedvolError, match=rf"`callbacks\.mine\._target_: {mine}` in .*run\.json lies outside"):
+    with pytest.raises(MedvolError, match=r"run\.json: the run built `callbacks\.mine` from a class of your own; name "
+                                          r"it again on this command"):
         resumed(compose_cfg(run_dir, resume, tiny=False))
-    with pytest.raises(MedvolError, match=r"`callbacks\.mine\._target_: tests\.payloads\.RunsACommand`"):
-        # The command's class at that key, not any class of the user's: the record's must be the same.
-        record["config"]["callbacks"]["mine"]["_target_"] = "tests.payloads.RunsACommand"
-        _save_record(run_dir, record)
-        resumed(compose_cfg(run_dir, [*resume, f"+callbacks.mine._target_={mine}"], tiny=False))
-    record["config"]["callbacks"]["mine"]["_target_"] = mine
-    _save_record(run_dir, record)
     cfg, source = resumed(compose_cfg(run_dir, [*resume, f"+callbacks.mine._target_={mine}"], tiny=False))
     assert source == run_dir / RECORD_FILE and cfg.callbacks.mine._target_ == mine

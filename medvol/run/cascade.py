@@ -91,7 +91,7 @@ def handoff_keys(cfg: DictConfig) -> dict[str, str | None]:
     return {**HANDOFF, **{k: (None if v is None else str(v)) for k, v in given.items()}}
 
 
-def _with_stage_settings(cfg: DictConfig, settings: DictConfig) -> DictConfig:
+def with_stage_settings(cfg: DictConfig, settings: DictConfig) -> DictConfig:
     """`cfg` with a stage's settings merged on top; a stage `model` naming another `_target_` replaces the model."""
     model = settings.get("model")
     replaces = model is not None and model.get("_target_") not in (None, cfg.model.get("_target_"))
@@ -108,7 +108,7 @@ def _stage_config(cfg: DictConfig, stage: int, stage_dir: Path, ckpt_path: str |
     if settings is None:
         raise MedvolError(f"`cascade.stages` lists stage {stage} but `cascade.stage{stage}` is not configured")
     handoff = handoff_keys(cfg)
-    stage_cfg = _with_stage_settings(cfg, settings)
+    stage_cfg = with_stage_settings(cfg, settings)
     with open_dict(stage_cfg):
         del stage_cfg["cascade"]
         stage_cfg.paths.output_dir = str(stage_dir)
@@ -128,7 +128,7 @@ def _check_sizes(cfg: DictConfig, stages: list[int]) -> None:
     sizes = []
     for stage in stages:
         settings = cfg.cascade.get(f"stage{stage}") or {}
-        size = _with_stage_settings(cfg, settings).model.get("size")
+        size = with_stage_settings(cfg, settings).model.get("size")
         if size is None:
             return  # stages that do not grow a volume (an autoencoder, then a model of its latents)
         sizes.append([int(size)] * 3 if isinstance(size, int) else [int(s) for s in size])

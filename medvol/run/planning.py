@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from lightning_modules.segmentation.segmentation import Segmenter
 from medvol.core.build import target_class
 from medvol.core.errors import MedvolError
+from medvol.core.literal_text import literal_names
 from medvol.run.survival_planning import is_survival_plan, survival_planned, with_survival_plan
 from medvol.run.world import global_rank
 from medvol.volumes.plan import PLAN_FILE, background_values, describe, make_plan, read_plan, write_plan
@@ -138,7 +139,8 @@ def planned(
     base = int(cfg.model.plan.get("base_features") or BASE_FEATURES[device])
     regions = model_regions(cfg, datamodule)
     names = getattr(datamodule, "label_names", None)
-    class_names = names() if callable(names) and not regions else None
+    listed = names() if callable(names) and not regions else None
+    class_names = None if listed is None else literal_names(listed, "the dataset's label names")
     plan = make_plan(
         datamodule.plan_fingerprint(), memory_budget(cfg, accelerator), base, given_values(cfg),
         getattr(datamodule, "modality_kind", None), regions,
@@ -176,7 +178,7 @@ def with_data_classes(cfg: DictConfig, datamodule: pl.LightningDataModule) -> Di
     with open_dict(cfg):
         cfg.model.num_classes = len(names()) + 1
         if cfg.model.get("class_names") is None:
-            cfg.model.class_names = list(names())
+            cfg.model.class_names = literal_names(names(), "the dataset's label names")
     return cfg
 
 

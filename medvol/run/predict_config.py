@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from medvol.core.build import target_class
 from medvol.core.errors import MedvolError
 from medvol.run.resolvers import run_dir_of_checkpoint
-from medvol.run.run_record import RECORD_FILE, legacy_record, read_record, settings
+from medvol.run.run_record import RECORD_FILE, legacy_record, read_record, settled
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -38,10 +38,11 @@ def reader_paths(run_dir: Path) -> dict[str, str]:
     return {str(k): str(v) for k, v in paths.items()}
 
 
-def run_config(ckpt_path: str) -> DictConfig:
-    """The settings of the run a checkpoint belongs to, as its record holds them (`medvol.run.run_record`: read as
-    data, never re-planned or resolved; an old run's config converted by its one path), `paths.output_dir` the folder
-    the run (or cascade stage) wrote."""
+def run_config(ckpt_path: str, named: tuple[str, ...] = ()) -> DictConfig:
+    """The settings of the run a checkpoint belongs to: medvol's config composed from its record's choices with the
+    record's values set on it (`medvol.run.run_record`: read as data, never re-planned; an old run's config converted
+    by the same path), `paths.output_dir` the folder the run (or cascade stage) wrote. `named`: the keys where this
+    command names a class itself (`model`)."""
     path = Path(ckpt_path).expanduser()
     if not path.is_file():
         raise MedvolError(
@@ -73,12 +74,13 @@ def run_config(ckpt_path: str) -> DictConfig:
                 "checkpoint written by train.py"
             )
         record, source = legacy_record(config_file, run_dir, paths), config_file
-    return settings(record, paths, source)
+    return settled(record, paths, source, named=named)
 
 
 def recovered_run(cfg: DictConfig) -> DictConfig:
     """The checkpoint's run config with the command's `model.*` merged on top and the model's settings resolved."""
-    run = merged(run_config(str(cfg.ckpt_path)), {"model": cfg.get("model") or {}})
+    own = cfg.get("model") or {}
+    run = merged(run_config(str(cfg.ckpt_path), ("model",) if own.get("_target_") else ()), {"model": own})
     # The command's own `model.*` may interpolate the run's values: resolved before a dataset override.
     with open_dict(run):
         run.model = OmegaConf.create(OmegaConf.to_container(run.model, resolve=True))

@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from medvol.core.literal_text import literal_names
 from medvol.run.world import agreed_stamp
 
 STAMP_ENV = "MEDVOL_RUN_STAMP"
@@ -125,7 +126,7 @@ def nnunet_channels(root: str) -> list[str]:
     from datamodules.sources.nnunet_raw import dataset_channels, read_dataset_json
 
     folder = Path(str(root)).expanduser()
-    return dataset_channels(read_dataset_json(folder), folder)
+    return literal_names(dataset_channels(read_dataset_json(folder), folder), f"{folder / 'dataset.json'}")
 
 
 def background_value(transforms: Any, channels: int) -> list[float]:

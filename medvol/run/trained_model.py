@@ -12,8 +12,9 @@ from omegaconf import DictConfig
 
 from lightning_modules.base import MedvolModule
 from medvol.core.build import build_model, target_class
-from medvol.core.config_targets import check_file_targets
 from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes
+from medvol.run.run_record import check_restored
+from medvol.run.settings_bounds import check_checkpoint_settings
 
 
 def load_module(run: DictConfig, ckpt_path: str, device: torch.device) -> MedvolModule:
@@ -24,8 +25,9 @@ def load_module(run: DictConfig, ckpt_path: str, device: torch.device) -> Medvol
     family = target_class(run.model._target_)
     restored = family.restoring_settings(dict(checkpoint.get("hyper_parameters") or {}))
     # Hydra would build a `_target_` inside them: what a checkpoint restores (plain data, `load_checkpoint` checked it)
-    # is checked as a run's record is.
-    check_file_targets({"model": restored}, Path(ckpt_path))
+    # holds values of the run's types only, as a run's record does.
+    check_restored(restored, run.model, Path(ckpt_path))
+    check_checkpoint_settings(run.model._target_, restored, checkpoint, ckpt_path)
     check_checkpoint_shapes(ckpt_path, lambda: build_model(run.model, **restored), checkpoint)
     module: MedvolModule = build_model(run.model, **restored)
     module.on_load_checkpoint(checkpoint)

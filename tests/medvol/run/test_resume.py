@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from medvol.run.resume import _apply, _changes
+from medvol.run.run_record import _changes, _set
 
 
 def test_the_changes_are_the_leaves_that_differ_and_the_keys_dropped():
@@ -17,6 +17,7 @@ def test_the_changes_are_the_leaves_that_differ_and_the_keys_dropped():
     assert [k for k, v in changes if v is ...] == [["model", "old"]]
     record = OmegaConf.create({"trainer": {"max_epochs": 1, "devices": 1, "planned": 3}, "model": {"old": 2},
                                "ckpt_path": None})
-    _apply(record, changes)
+    for key, value in changes:
+        _set(record, key, value)
     assert OmegaConf.to_container(record) == {
         "trainer": {"max_epochs": 20, "devices": 1, "planned": 3}, "model": {"new": [1, 2]}, "ckpt_path": "x"}
