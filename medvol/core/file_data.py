@@ -9,13 +9,20 @@ and callback states, an old run's YAML config) passes `check_data` before anythi
   `MAX_VALUES` or `MAX_DEPTH`;
 - no string may hold `${`: OmegaConf evaluates `${...}` wherever a value reaches a config (`${oc.create:...}` builds
   new `_target_` nodes, a resolver can call anything it was registered with), and an escaped `\\${` becomes one
-  after a second pass. Nothing medvol writes holds one; a file that does was not written by medvol.
+  after a second pass. Nothing medvol writes holds one; a file that does was not written by medvol;
+- no integer reaches `MAX_INTEGER` in size: no setting, count or seed needs more than 64 bits, and one of thousands of
+  digits costs time wherever it is converted or compared (Python parses at most 4300 digits from text: past that,
+  `read_json` / `read_yaml` refuse the file as unparsable).
+
+Every parse or value error of a reader is one line naming the file, cut to `SHOWN` characters: nothing a file holds
+reaches the console at a length the file chose.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +38,25 @@ MAX_DEPTH = 48
 # A run's records are kilobytes; a config or plan of megabytes was not written by medvol.
 MAX_RECORD_BYTES = 16 * 1024**2
 INTERPOLATION = "${"
+MAX_INTEGER = 2**64
+# The most characters of a value, a key or a parser's message a refusal shows.
+SHOWN = 120
 SCALARS = (str, int, float, bool, type(None))
 
 
 def _key(path: list[Any]) -> str:
     shown = ""
     for part in path:
-        shown += f"[{part}]" if isinstance(part, int) else (f".{part}" if shown else str(part))
-    return shown or "<root>"
+        if isinstance(part, int) and not isinstance(part, bool):
+            shown += f"[{part}]" if abs(part) < MAX_INTEGER else "[...]"
+        else:
+            shown += f".{part}" if shown else str(part)
+    return cut(shown) or "<root>"
+
+
+def cut(text: str, length: int = SHOWN) -> str:
+    """`text` at most `length` characters long (its start, then `...`)."""
+    return text if len(text) <= length else text[: length - 3] + "..."
 
 
 def check_data(value: Any, source: str | Path, tensors: bool = False, interpolations: bool = False) -> Any:
@@ -65,7 +83,7 @@ def check_data(value: Any, source: str | Path, tensors: bool = False, interpolat
         if isinstance(item, str):
             if INTERPOLATION in item and not interpolations:
                 raise MedvolError(
-                    f"{source}: `{_key(path)}` holds an interpolation ({item[:60]!r}); values read from a file are "
+                    f"{source}: `{_key(path)}` holds an interpolation ({cut(item, 60)!r}); values read from a file are "
                     "data and are never evaluated, and medvol writes none: refused"
                 )
         elif isinstance(item, dict):
@@ -78,6 +96,14 @@ def check_data(value: Any, source: str | Path, tensors: bool = False, interpolat
                 stack.append((member, [*path, name]))
         elif isinstance(item, (list, tuple)):
             stack.extend((member, [*path, index]) for index, member in enumerate(item))
+        elif isinstance(item, int) and not isinstance(item, bool) and abs(item) >= MAX_INTEGER:
+            # Counted from the bits: formatting the digits of a huge number is itself the cost refused here.
+            digits = math.floor(item.bit_length() * math.log10(2)) + 1
+            digits -= abs(item) < 10 ** (digits - 1)
+            raise MedvolError(
+                f"{source}: `{_key(path)}` is an integer of {digits} digits; no setting medvol reads needs more than "
+                "64 bits: refused"
+            )
         elif isinstance(item, float) or type(item) in SCALARS:
             continue
         elif isinstance(item, (int, bool)) or (tensors and isinstance(item, torch.Tensor)):
@@ -113,10 +139,18 @@ def read_json(path: Path, what: str) -> Any:
     text = _bounded_text(path, what)
     try:
         value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as err:
-        reason = "nests too deep" if isinstance(err, RecursionError) else str(err)
-        raise MedvolError(f"{path}: is not {what} ({reason})") from None
+    except (ValueError, RecursionError) as err:
+        # ValueError: malformed JSON (JSONDecodeError), and an integer past Python's 4300 digits.
+        raise _unparsable(path, what, err) from None
     return check_data(value, path)
+
+
+def _unparsable(path: Path, what: str, err: BaseException) -> MedvolError:
+    reason = "nests too deep" if isinstance(err, RecursionError) else (str(err).strip().splitlines() or [""])[0]
+    if "integer string conversion" in reason:
+        # Python's own line advises raising its limit: the number is refused, not the limit.
+        reason = f"an integer of more than {sys.get_int_max_str_digits()} digits; no setting needs more than 64 bits"
+    return MedvolError(f"{path}: is not {what} ({cut(reason)})")
 
 
 def read_yaml(path: Path, what: str, interpolations: bool = False) -> Any:
@@ -125,9 +159,8 @@ def read_yaml(path: Path, what: str, interpolations: bool = False) -> Any:
     text = _bounded_text(path, what)
     try:
         value = yaml.load(text, Loader=yaml.CSafeLoader if hasattr(yaml, "CSafeLoader") else yaml.SafeLoader)
-    except (yaml.YAMLError, RecursionError) as err:
-        reason = "nests too deep" if isinstance(err, RecursionError) else str(err).splitlines()[0]
-        raise MedvolError(f"{path}: is not {what} ({reason})") from None
+    except (yaml.YAMLError, ValueError, RecursionError) as err:
+        raise _unparsable(path, what, err) from None
     return check_data(value, path, interpolations=interpolations)
 
 
