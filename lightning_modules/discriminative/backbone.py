@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from monai.networks.nets import ResNet, resnet10, resnet18, resnet34, resnet50
 from monai.networks.nets.resnet import get_inplanes
 from torch import nn
 
+from medvol.core.checkpoint_read import load_checkpoint
 from medvol.core.errors import MedvolError
 from medvol.core.module_size import load_weights
 
@@ -53,10 +53,7 @@ def load_local_weights(network: nn.Module, path: str) -> None:
     file = Path(path).expanduser()
     if not file.is_file():
         raise MedvolError(f"`model.pretrained_path`: no file at {file}; expected a local state dict (.pt/.pth)")
-    try:
-        loaded = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - any unreadable file is the user's input problem
-        raise MedvolError(f"`model.pretrained_path`: cannot read {file} as a torch state dict ({err})") from err
+    loaded = load_checkpoint(file, "model.pretrained_path", "a local state dict (.pt/.pth), e.g. MedicalNet weights")
     state = loaded.get("state_dict", loaded) if isinstance(loaded, dict) else None
     if not isinstance(state, dict):
         raise MedvolError(f"`model.pretrained_path`: {file} holds no state dict")

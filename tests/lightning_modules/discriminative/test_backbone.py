@@ -46,7 +46,7 @@ def test_local_weights_are_loaded_without_prefix_or_classifier(tmp_path):
 
 @pytest.mark.parametrize(("content", "message"), [
     (None, "no file at"),
-    (b"not a checkpoint", "cannot read"),
+    (b"not a checkpoint", "is not a readable checkpoint"),
     ([1, 2], "holds no state dict"),
     ("two channels", r"does not fit `model.backbone` \(0 missing, 1 mis-shaped tensors, e.g. 'conv1.weight'\)"),
 ])
