@@ -21,14 +21,20 @@ from typing import Any
 import numpy as np
 from scipy import ndimage
 
-from lightning_modules.segmentation.label_scheme import LabelScheme
+from lightning_modules.segmentation.label_scheme import MAX_CLASSES, LabelScheme
 from medvol.core.errors import MedvolError
+from medvol.core.file_data import cut
 
 # 26-connectivity (every voxel sharing a face, an edge or a corner), nnU-Net's and MONAI's default in 3D.
 NEIGHBOURS = np.ones((3, 3, 3), dtype=bool)
 ALL_FOREGROUND = "all foreground"
 # `model.postprocessing` / predict.py's `postprocessing`: which recorded decision applies.
 POSTPROCESSING_SWITCHES = ("auto", True, False)
+# A recorded decision holds a step per structure and one for all foreground at most (`choose`); 1024 structures is
+# past any dataset medvol has met (TotalSegmentator's 117), and each step is a pass over every label map.
+MAX_STEPS = 1025
+# A structure's name, as dataset.json gives it and the console shows it.
+MAX_NAME = 200
 
 
 def keep_largest(label_map: np.ndarray, values: Sequence[int]) -> np.ndarray:
@@ -66,7 +72,7 @@ class Postprocessing:
 
     def kept(self) -> str:
         """The structures whose largest component is kept, for a line of text."""
-        return ", ".join(name for name, _ in self.steps) or "none"
+        return cut(", ".join(name for name, _ in self.steps), 300) or "none"
 
     def to_json(self) -> dict[str, Any]:
         return {"steps": [{"name": n, "values": list(v)} for n, v in self.steps], "folds": self.folds, **self.scores}
@@ -80,12 +86,38 @@ class Postprocessing:
             and all(isinstance(v, int) for v in s["values"]) for s in steps
         ):
             raise MedvolError(f"{where}: expected {{'steps': [{{'name': ..., 'values': [ints]}}, ...]}}")
+        _check_steps(steps, where)
         recorded = record.get("folds", folds)
         if isinstance(recorded, bool) or not isinstance(recorded, int) or not 1 <= recorded <= 1000:
             raise MedvolError(
                 f"{where}: `folds` is {recorded!r}; expected the number of folds it was chosen on (1-1000)"
             )
         return cls(tuple((s["name"], tuple(s["values"])) for s in steps), folds=recorded)
+
+
+def _check_steps(steps: list[dict[str, Any]], where: str) -> None:
+    """Refuse in one line steps no run chose (`choose`: a step per structure and one for all foreground, each named
+    once, each a set of label values), before any is applied or shown."""
+    if len(steps) > MAX_STEPS:
+        raise MedvolError(
+            f"{where}: {len(steps):,} steps; a post-processing holds a step per structure and one for all foreground, "
+            f"at most {MAX_STEPS}: refused"
+        )
+    seen: set[str] = set()
+    for index, step in enumerate(steps):
+        name, values = step["name"], step["values"]
+        if len(name) > MAX_NAME:
+            raise MedvolError(f"{where}: `steps[{index}].name` is longer than {MAX_NAME} characters: refused")
+        if name in seen:
+            raise MedvolError(f"{where}: `steps[{index}]`: {name!r} is named twice; a run chooses each structure once")
+        seen.add(name)
+        if not values or len(set(values)) != len(values) or len(values) > MAX_CLASSES or not all(
+            1 <= v <= MAX_CLASSES for v in values
+        ):
+            raise MedvolError(
+                f"{where}: `steps[{index}].values` expected distinct label values, each 1-{MAX_CLASSES} (got "
+                f"{len(values):,} values)"
+            )
 
 
 def candidates(scheme: LabelScheme) -> tuple[tuple[int, ...], list[tuple[str, tuple[int, ...]]]]:
