@@ -8,7 +8,6 @@ caching and data checks here.
 from __future__ import annotations
 
 import csv
-import json
 import re
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import asdict
@@ -41,6 +40,7 @@ from datamodules.pipeline.transforms import (
 )
 from datamodules.pipeline.volume_datamodule import Record, VolumeDataModule, fingerprint_sample
 from medvol.core.errors import MedvolError
+from medvol.core.file_data import read_json
 from medvol.volumes.dicom_io import is_dicom_series, read_series
 from medvol.volumes.intensity import intensity_keys
 from medvol.volumes.plan import MODALITY_KINDS, DataFingerprint, channel_statistics
@@ -279,14 +279,14 @@ class NiftiDataModule(VolumeDataModule):
         assert path is not None
         if not path.is_file():
             raise MedvolError(f"`dataset.list_file`: no file at {path}; expected a CSV or JSON list of subjects")
-        try:
-            if path.suffix.lower() == ".json":
-                rows = json.loads(path.read_text())
-            else:
+        if path.suffix.lower() == ".json":
+            rows = read_json(path, "a `dataset.list_file` (a JSON list of subjects)")
+        else:
+            try:
                 with path.open(newline="") as handle:
                     rows = list(csv.DictReader(handle))
-        except (OSError, json.JSONDecodeError, csv.Error) as err:
-            raise MedvolError(f"`dataset.list_file`: cannot read {path} ({err})") from err
+            except (OSError, UnicodeDecodeError, csv.Error) as err:
+                raise MedvolError(f"`dataset.list_file`: cannot read {path} ({err})") from err
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             raise MedvolError(
                 f"`dataset.list_file`: {path} must be a list of objects (JSON) or a table with a header (CSV)"

@@ -11,12 +11,13 @@ that does not exist but `<name>_0000...` files do (nnU-Net v1's conversion) is r
 
 From the file: the channels and their names (a channel named CT is normalized as CT, any other as MR, as nnU-Net's
 `get_normalization_scheme`), the classes and their names, and regions (a label whose value is a list, nnU-Net's
-region training). A malformed dataset.json is refused in one line naming the key.
+region training). A malformed dataset.json is refused in one line naming the key; it is read by medvol's checked
+reader (`medvol.core.file_data.read_json`: size, depth, integers and no `${` in any name, which OmegaConf would
+resolve once a label name reached a config).
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -26,6 +27,7 @@ from datamodules.pipeline.check import LABEL_KEY, Problem
 from datamodules.pipeline.volume_datamodule import Record
 from datamodules.sources.nifti import NiftiDataModule
 from medvol.core.errors import MedvolError
+from medvol.core.file_data import read_json
 
 DATASET_JSON = "dataset.json"
 # nnU-Net's label name for voxels without truth.
@@ -43,10 +45,7 @@ def read_dataset_json(root: Path) -> dict[str, Any]:
             f"`dataset.root`: {root} has no {DATASET_JSON}; expected an nnU-Net raw dataset (dataset.json, imagesTr/, "
             "labelsTr/) or a Medical Segmentation Decathlon task folder"
         )
-    try:
-        content = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise MedvolError(f"{path}: not readable as JSON ({err})") from err
+    content = read_json(path, "an nnU-Net dataset.json")
     if not isinstance(content, dict):
         raise MedvolError(f"{path}: expected a JSON object with channel_names (or modality) and labels")
     return content

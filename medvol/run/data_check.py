@@ -19,7 +19,7 @@ from omegaconf import open_dict
 import medvol.run.resolvers  # noqa: F401 - the configs use medvol's resolvers
 from datamodules.pipeline.check import format_table
 from medvol.core.build import build
-from medvol.core.errors import MedvolError
+from medvol.core.errors import refusal_within
 from medvol.run.override_check import override_error
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -47,8 +47,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"medvol: {cfg.dataset._target_} has no files to check")
             return 0
         problems, checked = datamodule.data_problems(full=True)
-    except MedvolError as err:
-        print(f"medvol: error: {err}", file=sys.stderr)
+    except Exception as err:
+        # A refusal met while OmegaConf resolves `${nnunet_channels:...}` (a dataset.json read) reaches here wrapped.
+        refusal = refusal_within(err)
+        if refusal is None:
+            raise
+        print(f"medvol: error: {refusal}", file=sys.stderr)
         return 2
     if problems:
         print(format_table(problems))
