@@ -86,3 +86,51 @@ def streamed_nifti(
             handle.write(member)
         handle.write(gzip.compress(b"\0" * (zeros % chunk)))
     return path
+
+
+def deflated_checkpoint(path: Path, inflated: int) -> Path:
+    """A torch zip checkpoint (`state_dict.w`, float32) whose one tensor record holds `inflated` zero bytes stored
+    deflated (~230x: 2 GiB in 9 MB), its pickle saying the tensor is that large. torch.save stores records
+    uncompressed; this one is written record by record, the zeros streamed a MiB at a time and never held."""
+    import io
+    import zipfile
+
+    marker = 123_457
+    genuine = io.BytesIO()
+    torch.save({"state_dict": {"w": torch.zeros(marker)}, "loops": {}}, genuine)
+    source = zipfile.ZipFile(genuine)
+    count = struct.pack("<i", marker)
+    with zipfile.ZipFile(path, "w") as out:
+        for info in source.infolist():
+            if info.filename.endswith("/data/0"):
+                record = zipfile.ZipInfo(info.filename)
+                record.compress_type, record._compresslevel = zipfile.ZIP_DEFLATED, 1
+                chunk = bytes(1 << 20)
+                with out.open(record, "w", force_zip64=True) as handle:
+                    for _ in range(inflated // len(chunk)):
+                        handle.write(chunk)
+                    handle.write(bytes(inflated % len(chunk)))
+                continue
+            data = source.read(info)
+            if info.filename.endswith("/data.pkl"):
+                # The element count, in the storage's key and the tensor's size (pickle's 4-byte BININT).
+                data = data.replace(b"J" + count, b"J" + struct.pack("<i", inflated // 4))
+            out.writestr(info, data)
+    return path
+
+
+def legacy_checkpoint(path: Path, value: dict) -> Path:
+    """`value` saved in PyTorch's pre-1.6 format (a pickle followed by raw storages, no zip)."""
+    torch.save(value, path, _use_new_zipfile_serialization=False)
+    return path
+
+
+def nested_json(path: Path, depth: int, leaf: str = "0") -> Path:
+    """A JSON file of lists `depth` deep around `leaf` (a few hundred kB for 100,000)."""
+    path.write_text("[" * depth + leaf + "]" * depth)
+    return path
+
+
+def long_integer(digits: int) -> str:
+    """An integer of `digits` digits, as JSON or YAML writes it (Python parses at most 4300 by default)."""
+    return "9" * digits
