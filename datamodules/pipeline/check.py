@@ -9,20 +9,18 @@ no voxel reads) in `preflight()` and refuses to start on errors.
 
 from __future__ import annotations
 
-import gzip
 import shlex
-import struct
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import nibabel as nib
 import numpy as np
 
 from medvol.core.errors import MedvolError
 from medvol.volumes.dicom_io import SeriesGeometry, is_dicom_series, read_series, series_geometry
+from medvol.volumes.scan_checks import shape_problem, truncation_problem
 from medvol.volumes.volume_budget import VolumeTooLarge, check_resampled_size, load_nifti
 
 LABEL_KEY = "label"
@@ -52,25 +50,6 @@ def duplicate_subjects(records: Iterable[dict[str, Any]], source: str) -> list[P
     ]
 
 
-def _gzip_size_mismatch(path: Path, expected: int) -> bool:
-    """Cheap truncation test: a gzip file ends with its uncompressed size mod 2^32; a cut file does not."""
-    with path.open("rb") as handle:
-        handle.seek(0, 2)
-        if handle.tell() < 22:
-            return True
-        handle.seek(-4, 2)
-        stored = struct.unpack("<I", handle.read(4))[0]
-    return stored != expected % 2**32
-
-
-def _expected_bytes(image: Any) -> int:
-    # nibabel gives a loaded image's header a data offset of 0; the file's own (352 for a .nii) is the array proxy's.
-    header = image.header
-    offset = getattr(image.dataobj, "offset", None)
-    offset = header.get_data_offset() if offset is None else offset
-    return int(offset) + int(np.prod(image.shape)) * header.get_data_dtype().itemsize
-
-
 def _read_header(path: Path) -> tuple[_Header | None, str | None]:
     try:
         image = load_nifti(path)
@@ -81,14 +60,8 @@ def _read_header(path: Path) -> tuple[_Header | None, str | None]:
         return None, f"unusable: {str(err).removeprefix(f'{path}: ')}"
     except Exception as err:  # noqa: BLE001 - every reader failure means the same thing to the user
         return None, f"unreadable: {type(err).__name__}: {str(err)[:100]}"
-    expected = _expected_bytes(image)
-    if path.name.endswith(".gz"):
-        suspicious = _gzip_size_mismatch(path, expected)
-    else:
-        suspicious = path.stat().st_size < expected
-    if suspicious and _full_read_fails(path, expected):
-        return None, "truncated: the file ends before all its voxels (re-copy or re-export it)"
-    return header, None
+    problem = truncation_problem(path, image)
+    return (None, problem) if problem else (header, None)
 
 
 @dataclass
@@ -108,28 +81,13 @@ def _read_series_header(path: Path, series: str | None) -> tuple[_Header | None,
         geometry = series_geometry(path, series)
     except MedvolError as err:
         return None, [f"DICOM series: {str(err).removeprefix(f'{path}: ')}"]
+    problem = shape_problem(geometry.shape)
+    if problem:
+        return None, [problem]
     findings = (
         [f"{len(geometry.dropped)} localizer image(s) among the slices (dropped when read)"] if geometry.dropped else []
     )
     return _Header(geometry.shape, geometry.affine, _SeriesImage(geometry)), findings
-
-
-def _full_read_fails(path: Path, expected: int) -> bool:
-    """Whether the file ends before its `expected` bytes (a gzip stream is inflated up to them, never further: a
-    stream that inflates without end behind a modest header costs no more than the header promises)."""
-    try:
-        if path.name.endswith(".gz"):
-            left = expected
-            with gzip.open(path, "rb") as handle:
-                while left > 0:
-                    chunk = handle.read(min(left, 1 << 24))
-                    if not chunk:
-                        return True
-                    left -= len(chunk)
-        np.asarray(nib.load(str(path)).dataobj)
-    except Exception:  # noqa: BLE001 - EOFError, zlib.error, OSError: the file is cut or corrupt
-        return True
-    return False
 
 
 def check_record(
@@ -170,8 +128,9 @@ def check_record(
             problems.append(Problem(subject, str(path), error))
             continue
         assert header is not None
-        if len(header.shape) < 3:
-            problems.append(Problem(subject, str(path), f"not a 3D volume: shape {header.shape}"))
+        problem = shape_problem(header.shape)
+        if problem:
+            problems.append(Problem(subject, str(path), problem))
             continue
         headers[name] = header
     if spacing:

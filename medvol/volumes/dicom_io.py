@@ -26,7 +26,7 @@ attribute.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -233,7 +233,22 @@ def is_localizer(header: FileDataset) -> bool:
 def _orientation(item: Slice) -> np.ndarray:
     if "ImageOrientationPatient" not in item.header or "ImagePositionPatient" not in item.header:
         raise MedvolError(f"{item.path}: no ImageOrientationPatient/ImagePositionPatient; a volume needs both")
-    return np.asarray([float(v) for v in item.header.ImageOrientationPatient], dtype=np.float64)
+    return finite_numbers(item.path, "ImageOrientationPatient", item.header.ImageOrientationPatient, 6)
+
+
+def finite_numbers(path: Path, keyword: str, values: Any, count: int, positive: bool = False) -> np.ndarray:
+    """A geometry attribute's `count` numbers (float64), refused in one line naming the file and the attribute
+    unless each is finite (and with `positive`, above 0): NaN or inf would place no slice anywhere."""
+    listed = list(values) if isinstance(values, Iterable) and not isinstance(values, (str, bytes)) else [values]
+    try:
+        numbers = np.asarray([float(v) for v in listed], dtype=np.float64)
+    except (TypeError, ValueError):
+        numbers = np.full(1, np.nan)
+    if len(numbers) != count or not np.all(np.isfinite(numbers)) or positive and not np.all(numbers > 0):
+        shown = " ".join(str([str(v) for v in listed]).split())[:80]
+        kind = "positive finite" if positive else "finite"
+        raise MedvolError(f"{path}: {keyword} is {shown}; expected {count} {kind} number{'s' if count > 1 else ''}")
+    return numbers
 
 
 def _frames(header: FileDataset) -> int:
@@ -286,14 +301,15 @@ def _check_uniform(folder: Path, slices: Sequence[Slice]) -> np.ndarray:
 
 def _pixel_spacing(item: Slice) -> np.ndarray:
     """(between rows, between columns) in mm."""
-    spacing = item.header.get("PixelSpacing") or item.header.get("ImagerPixelSpacing")
+    keyword = "PixelSpacing" if item.header.get("PixelSpacing") else "ImagerPixelSpacing"
+    spacing = item.header.get(keyword)
     if spacing is None:
         raise MedvolError(f"{item.path}: no PixelSpacing; the voxel size is unknown")
-    return np.asarray([float(v) for v in spacing], dtype=np.float64)
+    return finite_numbers(item.path, keyword, spacing, 2, positive=True)
 
 
 def _position(item: Slice) -> np.ndarray:
-    return np.asarray([float(v) for v in item.header.ImagePositionPatient], dtype=np.float64)
+    return finite_numbers(item.path, "ImagePositionPatient", item.header.ImagePositionPatient, 3)
 
 
 @dataclass(frozen=True)
@@ -310,7 +326,10 @@ def _slice_grid(folder: Path, uid: str, ordered: Sequence[Slice], distances: np.
     """The even grid of the slices; refuses doubled slices and gaps, resamples a series whose step changes."""
     if len(ordered) == 1:
         header = ordered[0].header
-        return SliceGrid(float(header.get("SpacingBetweenSlices") or header.get("SliceThickness") or 1.0))
+        keyword = next((k for k in ("SpacingBetweenSlices", "SliceThickness") if header.get(k)), None)
+        if keyword is None:
+            return SliceGrid(1.0)
+        return SliceGrid(float(finite_numbers(ordered[0].path, keyword, header.get(keyword), 1)[0]))
     steps = np.diff(distances)
     step = float(np.median(steps))
     for k, gap in enumerate(steps):

@@ -27,7 +27,7 @@ import numpy as np
 import pydicom
 
 from medvol.core.errors import MedvolError
-from medvol.volumes.dicom_io import Slice, refuse_multi_frame, stored_pixels
+from medvol.volumes.dicom_io import Slice, finite_numbers, refuse_multi_frame, stored_pixels
 from medvol.volumes.dicom_read import read_dicom
 from medvol.volumes.volume_budget import check_volume_size
 
@@ -59,16 +59,19 @@ def _direction(path: Path, value: str, which: str) -> np.ndarray:
 
 def _spacing(path: Path, header: pydicom.Dataset) -> tuple[float, float]:
     if header.get("PixelSpacing"):
-        values = header.PixelSpacing
+        keyword, values = "PixelSpacing", header.PixelSpacing
     elif header.get("ImagerPixelSpacing"):
-        magnification = float(header.get("EstimatedRadiographicMagnificationFactor", 1.0) or 1.0)
-        values = [float(v) / magnification for v in header.ImagerPixelSpacing]
+        magnification = finite_numbers(path, "EstimatedRadiographicMagnificationFactor",
+                                       header.get("EstimatedRadiographicMagnificationFactor", 1.0) or 1.0, 1, True)
+        keyword = "ImagerPixelSpacing / EstimatedRadiographicMagnificationFactor"
+        values = [float(v) / float(magnification[0]) for v in header.ImagerPixelSpacing]
     else:
         raise MedvolError(
             f"`input`: {path.name} has neither PixelSpacing nor ImagerPixelSpacing; the model needs each view's "
             "pixel size in mm"
         )
-    return float(values[0]), float(values[1])
+    row, column = finite_numbers(path, keyword, values, 2, positive=True)
+    return float(row), float(column)
 
 
 def read_radiograph(path: str | Path) -> Radiograph:

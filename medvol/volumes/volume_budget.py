@@ -28,6 +28,7 @@ import numpy as np
 from monai.data.utils import compute_shape_offset, zoom_affine
 
 from medvol.core.errors import MedvolError
+from medvol.volumes.scan_checks import geometry_problem
 
 BUDGET_ENV = "MEDVOL_VOLUME_BUDGET_GIB"
 # Bytes per voxel as the pipeline holds a volume (float32).
@@ -168,7 +169,10 @@ def check_file_size(path: str | Path) -> None:
 
 def load_nifti(path: str | Path) -> Any:
     """`nib.load(path)` (the header; voxels stay on disk until asked for), refused unless its voxels, as read and as
-    float32, fit the budget."""
+    float32, fit the budget, and its geometry is finite."""
     image = nib.load(str(path))
     check_volume_size(path, image.shape, stored=read_dtype(path, image))
+    problem = geometry_problem(image)
+    if problem:
+        raise MedvolError(f"{path}: {problem}")
     return image

@@ -12,14 +12,17 @@ from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import nibabel as nib
 import numpy as np
 from monai.data import ImageReader, NibabelReader
 from monai.data.utils import is_no_channel
 from monai.transforms import LoadImaged
 from monai.utils import MetaKeys, SpaceKeys, ensure_tuple
 
+from medvol.core.errors import MedvolError
 from medvol.volumes.dicom_io import is_dicom_series, read_series, series_geometry
-from medvol.volumes.volume_budget import check_resampled_size, load_nifti
+from medvol.volumes.scan_checks import shape_problem, truncation_problem
+from medvol.volumes.volume_budget import check_resampled_size, load_nifti, resampled_shape
 
 # The meta key naming the SeriesInstanceUID a volume was read from ('' for NIfTI).
 SERIES_KEY = "dicom_series"
@@ -35,13 +38,65 @@ def volume_grid(path: str | Path, series: str | None = None) -> tuple[tuple[int,
 
 
 def check_volume_file(
-    path: str | Path, spacing: Sequence[float] | None = None, orientation: str | None = None, series: str | None = None
+    path: str | Path, spacing: Sequence[float] | None = None, orientation: str | None = None, series: str | None = None,
+    smallest: tuple[Sequence[int], str] | None = None,
 ) -> None:
-    """A NIfTI file's or series folder's headers against the memory budget, before a voxel is read: the volume as
-    read, and the grid resampling to `spacing` mm (after `orientation`) makes of it; one `MedvolError` line else."""
-    shape, affine = volume_grid(path, series)
+    """A NIfTI file's or series folder's headers, before a voxel is read: a 3D volume whose file holds all its voxels
+    (`medvol.volumes.scan_checks`), within the memory budget as read and on the grid resampling to `spacing` mm
+    (after `orientation`) makes of it, and that grid at least `smallest` = ((D, H, W), why) where the model
+    needs as many; one `MedvolError` line else."""
+    if Path(path).is_dir():
+        geometry = series_geometry(path, series)
+        shape, affine, problem = geometry.shape, geometry.affine, None
+    else:
+        image = load_nifti(path)
+        shape, affine = tuple(int(s) for s in image.shape), np.asarray(image.affine, dtype=np.float64)
+        problem = truncation_problem(path, image)
+    problem = problem or shape_problem(shape)
+    if problem:
+        raise MedvolError(f"{path}: {problem}")
     if spacing:
         check_resampled_size(path, shape, affine, spacing, orientation)
+    if smallest:
+        check_smallest_grid(path, shape, affine, spacing, orientation, *smallest)
+
+
+def check_smallest_grid(
+    path: str | Path, shape: Sequence[int], affine: np.ndarray, spacing: Sequence[float] | None,
+    orientation: str | None, smallest: Sequence[int], why: str,
+) -> None:
+    """Refuse a volume whose grid, reoriented to `orientation` and resampled to `spacing` mm where given, has fewer
+    voxels along an axis than `smallest` (D, H, W; `why`: what in the model needs them), in one line naming its size
+    as stored and as the model would see it."""
+    if spacing:
+        grid = resampled_shape(shape, affine, spacing, orientation)
+    else:
+        zooms = np.sqrt((np.asarray(affine, dtype=np.float64)[:3, :3] ** 2).sum(axis=0))
+        grid = resampled_shape(shape, affine, oriented(zooms, affine, orientation), orientation)
+    if all(size >= least for size, least in zip(grid, smallest, strict=True)):
+        return
+    stored = "x".join(str(int(s)) for s in shape[:3])
+    size = f"{'x'.join(map(str, grid))} voxels" + (
+        f" once resampled to {'x'.join(f'{float(s):.4g}' for s in spacing)} mm ({stored} as stored)" if spacing
+        else f" ({stored} as stored)" if orientation else ""
+    )
+    raise MedvolError(
+        f"{path}: {size}, smaller than the model takes: at least {'x'.join(map(str, smallest))} voxels ({why})"
+    )
+
+
+def oriented(values: Sequence[float], affine: np.ndarray, orientation: str | None) -> list[float]:
+    """Per-axis `values` of a grid stored with `affine`, in the axis order reorienting to `orientation` gives."""
+    if not orientation:
+        return [float(v) for v in values]
+    turn = nib.orientations.ornt_transform(
+        nib.orientations.io_orientation(np.asarray(affine, dtype=np.float64)),
+        nib.orientations.axcodes2ornt(tuple(orientation)),
+    )
+    turned = [0.0] * 3
+    for axis, (to, _) in enumerate(turn):
+        turned[int(to)] = float(values[axis])
+    return turned
 
 
 class VolumeReader(ImageReader):
