@@ -356,9 +356,10 @@ def test_a_dataset_refuses_a_grid_past_the_budget_before_monais_spacing_allocate
 
 def test_predict_passes_a_refusal_met_while_reading_pixels_as_its_one_line(phantom_run, tmp_path):
     # A series whose headers are genuine and one slice's deflated pixel data inflates to 1 GiB: met when its pixels
-    # are read, inside MONAI's transforms, which wrap it in a RuntimeError.
+    # are read, inside MONAI's transforms, which wrap it in a RuntimeError. 8^3 voxels of 6 mm: as large as the model
+    # takes (its per-subject SSIM needs 6x6x7 at its 6 mm), so only the pixels can refuse it.
     folder = tmp_path / "series"
-    facts = write_series(folder, ramp(8, 6, 3))
+    facts = write_series(folder, ramp(8, 8, 8), spacing=(6.0, 6.0), step=6.0)
     victim = Path(facts["files"][1])
     deflated_bomb(victim, pydicom.dcmread(victim), 1024**3, in_pixels=True)
     out = tmp_path / "out"

@@ -22,6 +22,8 @@ from medvol.volumes.volume_reader import check_volume_file
 
 SPLITS = ("train", "val", "test")
 DEFAULT_OVERLAP = 0.25
+# torchmetrics' SSIM window: a Gaussian of sigma 1.5 (its default) spans int(3.5 * 1.5 + 0.5) * 2 + 1 voxels.
+SSIM_GAUSSIAN = 11
 
 
 def check_predict(cfg: DictConfig, run: DictConfig) -> float:
@@ -86,7 +88,7 @@ def check_inputs(
     """Every input's header against the model (channels; a coarse scan for a model that refines resolution; DICOM
     series for DICOM outputs), before the first file is written; return whether the outputs go on the model's
     grid (refined)."""
-    check_input_sizes(inputs)
+    check_input_sizes(inputs, smallest_input(module))
     generation = module.generation_inputs()
     image_channels = len(run.dataset.image_modalities) if run.dataset.get("image_modalities") is not None else None
     expected = {**({"image": image_channels} if image_channels and not inputs.condition_only else {}), **generation}
@@ -100,15 +102,31 @@ def check_inputs(
     return refine
 
 
-def check_input_sizes(inputs: Inputs) -> None:
-    """Every input file's headers against the memory budget, as read and on the grid its dataset resamples it to,
-    before the first output is written (a header of 10^12 voxels, or of few voxels 120 mm wide)."""
+def check_input_sizes(inputs: Inputs, smallest: tuple[tuple[int, int, int], str] | None = None) -> None:
+    """Every input file's headers, before the first output is written: a 3D volume holding all its voxels, within
+    the memory budget as read and on the grid its dataset resamples it to (a header of 10^12 voxels, or of few voxels
+    120 mm wide), and on that grid at least `smallest` ((D, H, W), why) where the model needs as many."""
     transforms = inputs.config.get("transforms") or {}
     spacing, orientation = transforms.get("spacing"), transforms.get("orientation")
     for record in inputs.records:
         for path in (record.get("files") or {}).values():
             if path is not None:
-                check_volume_file(path, spacing, orientation, inputs.config.get("series"))
+                check_volume_file(path, spacing, orientation, inputs.config.get("series"), smallest)
+
+
+def smallest_input(module: MedvolModule) -> tuple[tuple[int, int, int], str] | None:
+    """The fewest voxels per axis (D, H, W) a whole volume needs in `module` at predict, and why; None where any size
+    goes (the sliding window pads a volume smaller than its window: the network itself takes every size).
+
+    A family that scores each subject by SSIM on the whole volume (`ssim_kernel_size`, torchmetrics' Gaussian SSIM)
+    needs its window to fit: torchmetrics reflects half its 11-voxel Gaussian at each edge of D and H (more voxels
+    than that), and along W only half of `ssim_kernel_size`, where the padded axis must still span the Gaussian."""
+    kernel = (getattr(module, "hparams", None) or {}).get("ssim_kernel_size")
+    if not kernel:
+        return None
+    half = int(kernel) // 2
+    sizes = (SSIM_GAUSSIAN // 2 + 1, SSIM_GAUSSIAN // 2 + 1, max(half + 1, SSIM_GAUSSIAN - 2 * half))
+    return sizes, f"its per-subject SSIM's {SSIM_GAUSSIAN}-voxel Gaussian window, ssim_kernel_size {int(kernel)}"
 
 
 def window_roi(cfg: DictConfig, run: DictConfig) -> list[int]:
