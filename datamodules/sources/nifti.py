@@ -41,6 +41,7 @@ from datamodules.pipeline.transforms import (
 from datamodules.pipeline.volume_datamodule import Record, VolumeDataModule, fingerprint_sample
 from medvol.core.errors import MedvolError
 from medvol.core.file_data import read_json
+from medvol.core.subject_names import check_subject_id
 from medvol.volumes.dicom_io import is_dicom_series, read_series
 from medvol.volumes.intensity import intensity_keys
 from medvol.volumes.plan import MODALITY_KINDS, DataFingerprint, channel_statistics
@@ -304,7 +305,7 @@ class NiftiDataModule(VolumeDataModule):
             files = {name: self._resolve(path.parent, row.get(name)) for name in self.channel_names()}
             if has_label:
                 files[LABEL_KEY] = self._resolve(path.parent, row.get(LABEL_KEY))
-            records.append(self.make_record(str(row["subject"]), files))
+            records.append(self.make_record(check_subject_id(row["subject"], str(path)), files))
         return records, duplicate_subjects(records, str(path))
 
     @staticmethod

@@ -28,6 +28,7 @@ from datamodules.pipeline.volume_datamodule import Record
 from datamodules.sources.nifti import NiftiDataModule
 from medvol.core.errors import MedvolError
 from medvol.core.file_data import read_json
+from medvol.core.subject_names import check_subject_id
 
 DATASET_JSON = "dataset.json"
 # nnU-Net's label name for voxels without truth.
@@ -217,7 +218,7 @@ class NnunetDataModule(NiftiDataModule):
             paths = [self._resolve(self.root, p) for p in entry["images"]]
             files: dict[str, str | None] = dict(zip(self.image_modalities, paths, strict=False))
             files[LABEL_KEY] = self._resolve(self.root, entry["label"])
-            records.append(self.make_record(str(case), files))
+            records.append(self.make_record(check_subject_id(case, str(where)), files))
         return records, []
 
     def _decathlon(self, where: Path) -> tuple[list[Record], list[Problem]]:
@@ -229,7 +230,7 @@ class NnunetDataModule(NiftiDataModule):
         for entry in training:
             image = self._resolve(self.root, entry["image"])
             assert image is not None
-            case = Path(image).name.removesuffix(".gz").removesuffix(".nii")
+            case = check_subject_id(Path(image).name.removesuffix(".gz").removesuffix(".nii"), str(where))
             if len(self.image_modalities) == 1:
                 files: dict[str, str | None] = {FOUR_D: image}
             else:
