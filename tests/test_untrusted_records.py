@@ -194,3 +194,22 @@ def test_a_dataset_name_that_would_interpolate_never_reaches_a_config():
     assert literal_names(["edema", "tumour core"], "dataset.json") == ["edema", "tumour core"]
     with pytest.raises(MedvolError, match=r"dataset\.json: the name '\$\{oc\.create:.*' holds `\$\{`"):
         literal_names(["edema", "${oc.create:{_target_:os.system}}"], "dataset.json")
+
+
+@pytest.mark.parametrize("name", ["../../../escaped", "/tmp/escaped", "~/escaped"])
+def test_a_record_may_not_turn_a_file_name_into_a_path_out_of_the_run(copied, name):
+    # Found attacking the new design: a checkpoint's file name template is no path, but Lightning joins it to the
+    # checkpoint folder, so `../../x` or an absolute name would write outside the run.
+    run_dir, _, scan = copied
+    record = _record(run_dir)
+    record["values"]["callbacks"]["model_checkpoint"]["filename"] = name
+    _save(run_dir, record)
+    with pytest.raises(MedvolError, match=r"`callbacks\.model_checkpoint\.filename` is .*, a path out of its folder "
+                                          r"where medvol's config has a name"):
+        resumed(_resume_cfg(run_dir, "trainer.max_epochs=2"))
+    record["values"]["callbacks"]["model_checkpoint"]["filename"] = "fine-{epoch}"
+    record["values"]["dataset"]["root"] = "/data/elsewhere/../scans"
+    _save(run_dir, record)
+    cfg, _ = resumed(_resume_cfg(run_dir, "trainer.max_epochs=2"))
+    # A path where medvol's config takes one (the data's folder, to read) stays the record's.
+    assert cfg.callbacks.model_checkpoint.filename == "fine-{epoch}" and cfg.dataset.root == "/data/elsewhere/../scans"

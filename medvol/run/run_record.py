@@ -262,6 +262,41 @@ def _written(node: DictConfig, name: Any) -> Any:
     return child._value() if child is not None else None
 
 
+def _path_like(text: str) -> bool:
+    return text.startswith(("/", "~", "\\")) or ".." in re.split(r"[/\\]", text)
+
+
+def _takes_paths(current: Any) -> bool:
+    """Whether medvol's config takes a path at a key whose composed value is `current`: a user's path (`???`, null,
+    an empty list) or one of its own."""
+    if current is _ABSENT or current is None or current == []:
+        return True
+    if isinstance(current, str):
+        return _path_like(current)
+    if isinstance(current, (list, ListConfig)):
+        return any(isinstance(item, str) and _path_like(item) for item in current)
+    return False
+
+
+def _refuse_paths(value: Any, current: Any, where: list[Any], source: Path) -> None:
+    """Refuse a recorded text that leaves a folder (absolute, `~`, a `..` part) where medvol's config has a name, not
+    a path: a checkpoint's file name or a logger's folder name never leads out of the run."""
+    if _takes_paths(current):
+        return
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str) and _path_like(item):
+            raise MedvolError(
+                f"{source}: `{_shown(where)}` is {item[:60]!r}, a path out of its folder where medvol's config has a "
+                f"name ({str(current)[:60]!r}); a run's record never says where to write: refused"
+            )
+
+
 def overlay(node: DictConfig, values: Mapping[str, Any], key: list[Any], source: Path,
             deferred: list[tuple[DictConfig, Any, Any, list[Any]]], open_keys: Collection[str] = ()) -> None:
     """Set `values` (read from `source`) onto the composed `node`, each checked against the key it replaces: a new key,
@@ -292,6 +327,7 @@ def overlay(node: DictConfig, values: Mapping[str, Any], key: list[Any], source:
         if isinstance(current, DictConfig) and isinstance(value, dict):
             overlay(current, value, where, source, deferred, open_keys)
             continue
+        _refuse_paths(value, current, where, source)
         if value is not None and current is not None and _kind(value) != _kind(current):
             raise MedvolError(
                 f"{source}: `{_shown(where)}` is {_kind(value)} ({str(value)[:60]}) where medvol's config has "
@@ -301,16 +337,17 @@ def overlay(node: DictConfig, values: Mapping[str, Any], key: list[Any], source:
             node[name] = value
 
 
-def settle_derived(deferred: list[tuple[DictConfig, Any, Any, list[Any]]]) -> None:
+def settle_derived(deferred: list[tuple[DictConfig, Any, Any, list[Any]]], source: Path) -> None:
     """A key medvol's config derives from others keeps its interpolation where it gives the recorded value (so a
     cascade's stage, merged in later, still derives it); the recorded value replaces it where it does not (a plan set
     it)."""
-    for node, name, value, _ in deferred:
+    for node, name, value, where in deferred:
         try:
             now = node[name]
             now = OmegaConf.to_container(now, resolve=True) if OmegaConf.is_config(now) else now
         except Exception:  # noqa: BLE001 - an interpolation that cannot resolve here gives no value: the record's does
             now = _ABSENT
+        _refuse_paths(value, now, where, source)
         if now != value:
             with open_dict(node):
                 node[name] = value
@@ -399,7 +436,7 @@ def settled(record: Record, paths: Mapping[str, str], source: Path, command: Seq
         _drop(result, str(key))
     deferred: list[tuple[DictConfig, Any, Any, list[Any]]] = []
     overlay(result, values, [], source, deferred, named_again)
-    settle_derived(deferred)
+    settle_derived(deferred, source)
     # What this command changes wins over the record: what it types, and what follows from it.
     if command:
         for change_key, value in _changes(_plain(chosen), _plain(recorded), []):
