@@ -213,3 +213,15 @@ def test_a_record_may_not_turn_a_file_name_into_a_path_out_of_the_run(copied, na
     cfg, _ = resumed(_resume_cfg(run_dir, "trainer.max_epochs=2"))
     # A path where medvol's config takes one (the data's folder, to read) stays the record's.
     assert cfg.callbacks.model_checkpoint.filename == "fine-{epoch}" and cfg.dataset.root == "/data/elsewhere/../scans"
+
+
+def test_a_record_asking_for_thousands_of_cpu_ranks_is_refused_before_one_starts(copied):
+    # Found attacking the new design: a resume runs the recorded trainer, and on the CPU each device is a process.
+    run_dir, _, _ = copied
+    record = _record(run_dir)
+    record["values"]["trainer"]["devices"] = 10_000
+    _save(run_dir, record)
+    with pytest.raises(MedvolError, match=r"`trainer\.devices=10000` asks for 10000 processes on the CPU; this "
+                                          r"machine has \d+ cores"):
+        run(_resume_cfg(run_dir, "trainer.max_epochs=2"))
+    assert not list((run_dir / "checkpoints").glob("epoch001-*"))

@@ -59,6 +59,10 @@ def _count_devices(devices: Any, accelerator: str, visible_gpus: int) -> int:
     return count
 
 
+# CPU ranks a core may carry: the tests run two ranks on one core; a count past this only exhausts the machine.
+CPU_RANKS_PER_CORE = 4
+
+
 def plan_world(trainer: DictConfig) -> World:
     """The accelerator and process counts the trainer settings ask for, checked against the machine.
 
@@ -83,6 +87,13 @@ def plan_world(trainer: DictConfig) -> World:
         raise MedvolError(
             f"`trainer.devices={trainer.get('devices')}` asks for {devices} GPUs but {visible} are visible "
             "(check CUDA_VISIBLE_DEVICES); lower `trainer.devices` or use `trainer.devices=auto`"
+        )
+    cores = os.cpu_count() or 1
+    if accelerator == "cpu" and devices > CPU_RANKS_PER_CORE * cores:
+        # Each rank is a process importing torch (~0.5 GiB): a count no CPU run uses, given by a typo or a record.
+        raise MedvolError(
+            f"`trainer.devices={trainer.get('devices')}` asks for {devices} processes on the CPU; this machine has "
+            f"{cores} cores (at most {CPU_RANKS_PER_CORE} ranks a core); lower `trainer.devices`"
         )
     num_nodes = int(trainer.get("num_nodes", 1) or 1)
     if num_nodes < 1:
