@@ -256,6 +256,9 @@ def nnunet_run(
         "nnUNet_raw": str(raw), "nnUNet_preprocessed": str(preprocessed), "nnUNet_results": str(results),
         # Augmentation in the training process itself (its SingleThreadedAugmenter): no worker to share the core.
         "nnUNet_extTrainer": str(trainers), "nnUNet_n_proc_DA": "0", "nnUNet_compile": "f",
+        # nnU-Net's default of 8 processes for its pools (preprocessing, export) on one pinned core only lengthens
+        # its reference time: one.
+        "nnUNet_def_n_proc": "1",
         "MEDVOL_NNUNET_EPOCHS": str(max(1, steps // iterations)), "MEDVOL_NNUNET_ITERATIONS": str(iterations),
         "MEDVOL_NNUNET_VAL_ITERATIONS": str(val_iterations), **thread_env(cpus),
     }
