@@ -8,15 +8,18 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-import medvol.run.resolvers  # noqa: F401 - registers the resolvers the run configs use
 from medvol.core.console import quiet_console
 from medvol.core.errors import MedvolError
-from medvol.run.override_check import override_error
-from medvol.run.predicting import predict
+from medvol.run.override_check import added_argument_error, asks_for_help, override_error
+
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="predict")
 def main(cfg: DictConfig) -> None:
+    # Imported here, not above: a typo or `--help` is answered before torch and Lightning load.
+    from medvol.run.predicting import predict
+
     quiet_console()
     try:
         predict(cfg)
@@ -27,7 +30,15 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    problem = override_error(Path(__file__).resolve().parent / "conf", "predict", sys.argv[1:])
+    argv = sys.argv[1:]
+    problem = override_error(CONF_DIR, "predict", argv)
+    if not problem and not asks_for_help(argv):
+        import medvol.run.resolvers  # noqa: F401 - registers the resolvers the run configs use
+
+        try:
+            problem = added_argument_error(CONF_DIR, "predict", argv)
+        except MedvolError as err:
+            problem = str(err)
     if problem:
         print(f"medvol: error: {problem}", file=sys.stderr)
         sys.exit(2)

@@ -8,17 +8,14 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
-import medvol.run.resolvers  # noqa: F401 - registers the run-directory resolvers before Hydra composes
 from medvol.core.console import quiet_console
 from medvol.core.errors import MedvolError
-from medvol.run.override_check import extra_error, override_error
-from medvol.run.refusal import RunDirectoryBefore
-from medvol.run.resolvers import run_dir_of_checkpoint
-from medvol.run.training import command_ckpt_path, refuse_a_linked_run, run, sweep_objective
-from medvol.run.world import global_rank
+from medvol.run.override_check import added_argument_error, asks_for_help, extra_error, override_error
 
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 log = logging.getLogger("medvol")
 
 
@@ -31,6 +28,12 @@ def _to_log_file_only(record: logging.LogRecord) -> None:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    # Imported here, not above: a typo or `--help` is answered before torch and Lightning load.
+    from medvol.run.refusal import RunDirectoryBefore
+    from medvol.run.resolvers import run_dir_of_checkpoint
+    from medvol.run.training import run, sweep_objective
+    from medvol.run.world import global_rank
+
     hydra_cfg = HydraConfig.get()
     output_dir = hydra_cfg.runtime.output_dir
     before = RunDirectoryBefore.record(
@@ -46,6 +49,9 @@ def main(cfg: DictConfig) -> float | None:
     except MedvolError as err:
         if global_rank() == 0 and not before.take_back():
             _to_log_file_only(log.makeRecord(log.name, logging.ERROR, __file__, 0, "medvol: error: %s", (err,), None))
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            # A sweep's job: the sweep's summary gives its line as the job's row, and the other jobs go on.
+            raise
         # One write: with PYTHONUNBUFFERED (common in batch jobs) print() writes the newline separately,
         # and the same line from another rank would land in between.
         sys.stderr.write(f"medvol: error: {err}\n")
@@ -62,11 +68,16 @@ def main(cfg: DictConfig) -> float | None:
 if __name__ == "__main__":
     # Hydra would report a misspelt key or option, or a plugin that is not installed, in several lines with exit code 1.
     argv = sys.argv[1:]
-    problem = extra_error(argv) or override_error(Path(__file__).resolve().parent / "conf", "train", argv)
-    try:
-        refuse_a_linked_run(command_ckpt_path(argv))
-    except MedvolError as err:
-        problem = problem or str(err)
+    problem = extra_error(argv) or override_error(CONF_DIR, "train", argv)
+    if not problem and not asks_for_help(argv):
+        import medvol.run.resolvers  # noqa: F401 - registers the run-directory resolvers before Hydra composes
+        from medvol.run.training import command_ckpt_path, refuse_a_linked_run
+
+        try:
+            problem = added_argument_error(CONF_DIR, "train", argv)
+            refuse_a_linked_run(command_ckpt_path(argv))
+        except MedvolError as err:
+            problem = problem or str(err)
     if problem:
         print(f"medvol: error: {problem}", file=sys.stderr)
         sys.exit(2)

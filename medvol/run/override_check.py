@@ -2,9 +2,12 @@
 `medvol: error:` line, like every other bad value.
 
 Hydra reports these itself, in several lines and with exit code 1, before medvol runs. The
-command's overrides are composed once here first; only a single run's plain `key=value` and
-`group=option` overrides are checked (flags such as `-m`, `--help`, `--cfg` and sweep values
-are left to Hydra). Options that need one of medvol's extras are checked for every command, sweeps included.
+command's overrides are composed once here first, with Hydra's compose API and nothing of medvol that imports torch
+or Lightning, so a typo is answered in well under the time `import torch` takes: the `key=value` and `group=option`
+overrides are checked, with the closest key or option (`difflib`) as a suggestion; Hydra's flags (`-m`, `--help`,
+`--cfg`) and sweep values are left to Hydra. Options that need one of medvol's extras are checked for every command,
+sweeps included. A `+key=value` that gives a class an argument it does not take is checked once the classes may be
+imported (`added_argument_error`), still before Hydra makes a run folder.
 """
 
 from __future__ import annotations
@@ -12,11 +15,14 @@ from __future__ import annotations
 import importlib.util
 import re
 from collections.abc import Sequence
+from difflib import get_close_matches
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig, OmegaConf
 
 # Group options that need an extra of pyproject.toml: (group, option) -> (what needs it, its modules, the extra).
 EXTRAS = {
@@ -57,30 +63,125 @@ def extra_error(argv: Sequence[str]) -> str | None:
     return None
 
 
-def override_error(config_dir: Path, config_name: str, argv: Sequence[str]) -> str | None:
-    """None if the command's overrides compose, else one line saying which override is wrong and why."""
-    if any(arg.startswith("-") for arg in argv):
-        return None
-    overrides = [arg for arg in argv if not arg.lstrip("+~").startswith("hydra")]
+# Hydra's flags that compose another config or replay a run: such a command is Hydra's to read.
+_OTHER_CONFIG = ("-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun",
+                 "-sc", "--shell-completion")
+# Hydra's flags whose value is the next word of the command, not an override.
+_VALUE_FLAGS = {"-c": None, "--cfg": None, "-p": None, "--package": None,
+                "-i": ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath"),
+                "--info": ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")}
+HELP_FLAGS = ("-h", "--help", "--hydra-help")
+_ABSENT = object()
+
+
+def asks_for_help(argv: Sequence[str]) -> bool:
+    """Whether Hydra answers the command with a help text and runs nothing."""
+    return any(arg in HELP_FLAGS for arg in argv)
+
+
+def command_overrides(argv: Sequence[str]) -> list[str] | None:
+    """The `key=value` and `group=option` words of a command, Hydra's flags and sweep values left out; None where a
+    flag makes Hydra compose another config."""
+    overrides: list[str] = []
+    words = iter(argv)
+    for arg in words:
+        flag = arg.split("=", 1)[0]
+        if flag in _OTHER_CONFIG:
+            return None
+        if arg in _VALUE_FLAGS:
+            choices = _VALUE_FLAGS[arg]
+            value = next(words, None)
+            if value is not None and choices is not None and value not in choices:
+                overrides.append(value)
+            continue
+        if not arg.startswith("-") and not arg.lstrip("+~").startswith("hydra"):
+            overrides.append(arg)
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException:
+        return overrides  # composing them gives the one-line error
+    # Each value of a sweep (`lr=1e-4,3e-4`, `range(...)`) is composed by Hydra for its own job.
+    return [o.input_line for o in parsed if not o.is_sweep_override()]
+
+
+def _composed(config_dir: Path, config_name: str, overrides: Sequence[str]) -> DictConfig | None:
+    """The config `overrides` compose, unresolved; None where they do not compose."""
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(version_base="1.3", config_dir=str(config_dir), job_name="train"):
+        with initialize_config_dir(version_base="1.3", config_dir=str(config_dir), job_name=config_name):
+            return compose(config_name=config_name, overrides=list(overrides))
+    except Exception:  # noqa: BLE001 - a config that does not compose has no keys to suggest
+        return None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _dotted_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    """Every key of `node` and of the nodes below it (not into lists), dotted, without resolving a value."""
+    keys = []
+    for key in node.keys():
+        name = f"{prefix}{key}"
+        keys.append(name)
+        value = node._get_node(key)
+        if isinstance(value, DictConfig) and not value._is_missing() and not value._is_none() \
+                and not value._is_interpolation():
+            keys += _dotted_keys(value, f"{name}.")
+    return keys
+
+
+def _key_problem(cfg: DictConfig | None, override: str, key: str, config_name: str) -> str:
+    """Why `key` cannot be set, with the closest existing key and, where the node it names builds a class (which may
+    take arguments the config leaves out) and nothing in that node is close to it, how to add it."""
+    parent, _, name = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent, default=None) if cfg is not None and parent else cfg
+    siblings = [str(k) for k in node.keys()] if isinstance(node, DictConfig) else []
+    # 0.75: one slip in a short name (`max_epoch`, `fromat`) is close; two names sharing only `_` and a few letters
+    # (`enable_progress_bar`, `default_root_dir`) are not.
+    close = [f"{parent}.{match}" if parent else match for match in get_close_matches(name, siblings, 1, 0.75)]
+    close = close or (get_close_matches(key, _dotted_keys(cfg), 1, 0.75) if cfg is not None else [])
+    if not parent:
+        where = f"there is no key `{key}`"
+    elif siblings:
+        where = f"`{parent}` has no key `{name}`"
+    else:
+        where = f"`{parent}` holds a value, not keys" if node is not None else f"there is no `{parent}`"
+    message = f"`{override}`: cannot set this key ({where}); "
+    if close:
+        message += f"did you mean `{close[0]}`? "
+    # A plain settings node or a value takes nothing more, and a name close to a key of the node is a misspelling.
+    if siblings and "_target_" in node and not (close and close[0].rpartition(".")[0] == parent):
+        message += f"`+{override.lstrip('+~')}` passes {node._get_node('_target_')} an argument the config leaves out; "
+    return f"{message}`python {config_name}.py --cfg job` lists the keys"
+
+
+def override_error(config_dir: Path, config_name: str, argv: Sequence[str]) -> str | None:
+    """None if the command's overrides compose, else one line saying which override is wrong, why, and the closest
+    key or option. Imports neither torch nor Lightning: a typo is answered before they load."""
+    overrides = command_overrides(argv)
+    if overrides is None:
+        return None
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=str(config_dir), job_name=config_name):
             compose(config_name=config_name, overrides=overrides)
     except MissingConfigException as err:
-        group = (err.missing_cfg_file or "").split("/")[0]
+        group, _, option = (err.missing_cfg_file or "").rpartition("/")
         chosen = next((o for o in overrides if o.split("=")[0].lstrip("+~") == group), group)
-        options = ", ".join(err.options or [])
-        return f"`{chosen}`: no such option in the `{group}` group; expected one of: {options}"
+        options = list(err.options or [])
+        close = get_close_matches(option, options, n=1)
+        suggestion = f"; did you mean `{group}={close[0]}`?" if close else ""
+        return f"`{chosen}`: no such option in the `{group}` group; expected one of: {', '.join(options)}{suggestion}"
     except ConfigCompositionException as err:
         quoted = re.search(r"'([^']+)'", str(err))
         key = quoted.group(1) if quoted else str(err).splitlines()[0]
         chosen = next((o for o in overrides if o.split("=")[0].lstrip("+~") == key), key)
+        others = [o for o in overrides if o != chosen]
+        cfg = _composed(config_dir, config_name, others) or _composed(config_dir, config_name, [])
+        if cfg is not None and OmegaConf.select(cfg, key, default=_ABSENT) is _ABSENT:
+            return _key_problem(cfg, chosen, key, config_name)
         reason = str(err.__cause__ or "").splitlines()
         detail = f" ({reason[0]})" if reason else ""
-        return (
-            f"`{chosen}`: cannot set this key{detail}; `python {config_name}.py --cfg job` lists the keys, "
-            "`+key=value` adds one"
-        )
+        return f"`{chosen}`: cannot set this key{detail}; `python {config_name}.py --cfg job` lists the keys"
     except OverrideParseException as err:
         return (
             f"cannot read the overrides {' '.join(overrides)!r} ({str(err).splitlines()[0]}); "
@@ -90,4 +191,36 @@ def override_error(config_dir: Path, config_name: str, argv: Sequence[str]) -> s
         return None
     finally:
         GlobalHydra.instance().clear()
+    return None
+
+
+def added_argument_error(config_dir: Path, config_name: str, argv: Sequence[str]) -> str | None:
+    """None unless a `+key=value` of the command adds to a node that builds a class an argument that class does not
+    take (Lightning's TypeError, a traceback, once the run has started); then one line with the closest argument.
+
+    Imports the classes named, so it runs after `override_error`, and only reads anything for a command that adds.
+    """
+    overrides = command_overrides(argv) or []
+    added = [o for o in overrides if o.startswith("+")]
+    cfg = _composed(config_dir, config_name, overrides) if added else None
+    if cfg is None:
+        return None
+    # Here, not above: the classes bring torch and Lightning, which a typo must be answered without.
+    from medvol.core.build import target_class
+    from medvol.run.run_check import constructor_settings
+
+    for override in added:
+        key = override.lstrip("+").split("=", 1)[0]
+        parent, _, name = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent, default=None) if parent else None
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            continue
+        target = str(node._get_node("_target_"))
+        cls = target_class(target)
+        accepted = constructor_settings(cls) if isinstance(cls, type) else None
+        if accepted is None or name in accepted:
+            continue
+        close = get_close_matches(name, sorted(accepted), n=1)
+        suggestion = f"; did you mean `{parent}.{close[0]}`?" if close else ""
+        return f"`{override}`: {target} takes no argument `{name}`{suggestion}"
     return None
