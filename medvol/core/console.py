@@ -41,9 +41,12 @@ CONSOLE_INFO_LOGGERS = ("medvol", "hydra", "root", "__main__", *LIBRARY_LOGGERS)
 
 class ConsoleFilter(logging.Filter):
     """Drops third-party chatter from a console handler: library tips and hardware lines, library warnings, the INFO
-    lines of libraries other than medvol's, Hydra's and Lightning's."""
+    lines of libraries other than medvol's, Hydra's and Lightning's; and medvol's lines meant for the log file only."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        # A record logged with `extra={"file_only": True}` is for the log file (the per-epoch line under a Rich bar).
+        if getattr(record, "file_only", False):
+            return False
         message = record.getMessage()
         if record.name == "py.warnings":
             return "site-packages" not in message
