@@ -1,8 +1,10 @@
 """medvol's OmegaConf resolvers: where a run writes, and values derived from the machine or config.
 
-A fresh run gets `<log_dir>/<task>/runs/<stamp>`; a resume (`ckpt_path=<run>/checkpoints/x.ckpt`)
-continues in `<run>`, and Hydra's record of the resumed invocation goes to a new
-`.hydra/resume-<stamp>` folder so the original `.hydra/` files are never overwritten.
+A fresh run gets `<log_dir>/<name>/runs/<stamp>`, a sweep `<log_dir>/<name>/multiruns/<stamp>/<job>`, where `<name>` is
+the model family (`vqgan`, `segmentation`, ...) or the name a preset gives (`task_name`: an experiment's, `debug`) and
+`<job>` the job's number and overrides; a resume (`ckpt_path=<run>/checkpoints/x.ckpt`) continues in `<run>`, and
+Hydra's record of the resumed invocation goes to a new `.hydra/resume-<stamp>` folder so the original `.hydra/` files
+are never overwritten.
 """
 
 from __future__ import annotations
@@ -13,12 +15,18 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
 from medvol.core.literal_text import literal_names
 from medvol.run.world import agreed_stamp
 
 STAMP_ENV = "MEDVOL_RUN_STAMP"
+# conf/train.yaml's `task_name`: a run named by no preset, whose folder the model family names.
+DEFAULT_TASK = "train"
+UNSAFE_IN_FOLDER_NAME = re.compile(r"[^A-Za-z0-9._,=+-]")
+# Far below a file system's 255 bytes: a job's folder holds checkpoints named after their epoch and score.
+MAX_FOLDER_NAME = 96
 _stamp: str | None = None
 
 
@@ -50,6 +58,45 @@ def run_dir_of_checkpoint(ckpt_path: str | None) -> Path | None:
     if re.fullmatch(r"stage\d+", run.name) and (run.parent / ".hydra").is_dir():
         return run.parent
     return None
+
+
+def folder_name(text: Any) -> str:
+    """`text` as one folder name: every character but letters, digits and `. _ , = + -` (a path separator, a space, a
+    bracket, a quote, a shell's `*`) becomes `_`, and at most `MAX_FOLDER_NAME` characters are kept."""
+    return UNSAFE_IN_FOLDER_NAME.sub("_", str(text))[:MAX_FOLDER_NAME] or "_"
+
+
+def run_name(task_name: str, family: str) -> str:
+    """The folder above a run's `runs/` and `multiruns/`: the model family (`hydra.runtime.choices.model`), or the name
+    a preset gives in `task_name` (an experiment's, `debug`); the default `task_name` names nothing."""
+    return folder_name(family if str(task_name) == DEFAULT_TASK else task_name)
+
+
+def sweep_name(task_name: str, family: str, overrides: Any) -> str:
+    """`run_name` for a sweep (`overrides`: the command's); a sweep over the model group (`model=a,b`) is named by its
+    families (`a+b`).
+
+    Registered with a cache: Hydra gives every job the values its launching process resolved (`OmegaConf.copy_cache`,
+    also in a SLURM job), so each job, whichever family it trains, writes into the one sweep folder.
+    """
+    parser = OverridesParser.create()
+    for text in overrides or ():
+        try:
+            override = parser.parse_override(str(text))
+        except Exception:  # noqa: BLE001 - Hydra's grammar errors: Hydra refuses such a command itself
+            continue
+        if override.key_or_group == "model" and override.is_sweep_override():
+            try:
+                return run_name(task_name, "+".join(override.sweep_string_iterator()))
+            except Exception:  # noqa: BLE001 - a sweep Hydra expands only with the group's options (glob)
+                return run_name(task_name, "models")
+    return run_name(task_name, family)
+
+
+def job_folder(num: Any, override_dirname: str) -> str:
+    """A sweep job's folder: its number, then its overrides (`hydra.job.override_dirname`, less the keys
+    conf/hydra/default.yaml leaves out), as one safe folder name (`folder_name`)."""
+    return folder_name(f"{num}_{override_dirname}" if override_dirname else num)
 
 
 def resolve_run_dir(ckpt_path: str | None, fresh_dir: str) -> str:
@@ -155,7 +202,8 @@ def positive(value: Any) -> bool:
 
 
 # The resolvers that compute a value from their arguments (and at most read a dataset's own description), as opposed
-# to the ones that place a Hydra job's output (`run_stamp`, `run_dir`, `output_subdir`): the only ones an old run's
+# to the ones that place a Hydra job's output (`run_stamp`, `run_dir`, `output_subdir`, `run_name`, `sweep_name`,
+# `job_folder`): the only ones an old run's
 # config read from a file may use (`medvol.run.run_record.legacy_record`).
 VALUE_RESOLVERS = frozenset({
     "auto_precision", "gpu_available", "cwd", "len", "synthetic_modalities", "batch_per_device", "label_regions",
@@ -169,6 +217,8 @@ def register_resolvers() -> None:
         "run_stamp": run_stamp,
         "run_dir": resolve_run_dir,
         "output_subdir": resolve_output_subdir,
+        "run_name": run_name,
+        "job_folder": job_folder,
         "auto_precision": auto_precision,
         "gpu_available": gpu_available,
         "cwd": working_dir,
@@ -183,6 +233,8 @@ def register_resolvers() -> None:
     }.items():
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
+    if not OmegaConf.has_resolver("sweep_name"):
+        OmegaConf.register_new_resolver("sweep_name", sweep_name, use_cache=True)
 
 
 register_resolvers()
