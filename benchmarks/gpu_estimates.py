@@ -4,14 +4,14 @@
     OMP_NUM_THREADS=1 python benchmarks/gpu_estimates.py --rows ldm-128 ldm-128-fused --json e.json
     OMP_NUM_THREADS=1 python benchmarks/gpu_estimates.py --reduce 4       # every size / 4 (the slow test)
 
-Each row runs the GPU benchmark's own step (the function `benchmarks/gpu_round.py` times on the card) on fake
-tensors (`FakeTensorMode`: shapes, dtypes and autograd, no data), under bf16 autocast with CUDA's op lists, the
-device memory counted as PyTorch's CUDA allocator counts it (`benchmarks/cuda_emulation.py`). Nothing of the seed's
-size is allocated: only the networks' weights, once, on the CPU, before they are made fake. Two steps run (the
-second with the optimizer's state); the peak is over both, as `torch.cuda.max_memory_allocated` after the
-benchmark's reset. The FLOPs (by `torch.utils.flop_counter.FlopCounterMode`'s formulas) are a third step's. Rows
-with a figure measured on a GPU (the 2026-11-27 round on one H200, ../shared/gpu-rounds/) are predicted as that
-round ran them ("as measured") and as the code runs them now where that differs.
+Each row runs the GPU benchmark's own step (the function `benchmarks/gpu_round.py` times on the card) on fake tensors
+(`FakeTensorMode`: shapes, dtypes and autograd, no data), under bf16 autocast with CUDA's op lists, the device memory
+counted as PyTorch's CUDA allocator counts it (`medvol/core/cuda_emulation.py`, the preflight's own). Nothing of the
+seed's size is allocated: only the networks' weights, once, on the CPU, before they are made fake. Two steps run (the
+second with the optimizer's state); the peak is over both, as `torch.cuda.max_memory_allocated` after the benchmark's
+reset. The FLOPs (by `torch.utils.flop_counter.FlopCounterMode`'s formulas) are a third step's. Rows with a figure
+measured on a GPU (the 2026-11-27 round on one H200, ../shared/gpu-rounds/) are predicted as that round ran them ("as
+measured") and as the code runs them now where that differs.
 
 Not counted: cuDNN's and cuBLAS's workspaces and the allocator's fragmentation (its reserved, not allocated, memory).
 """
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.cuda_emulation import (  # noqa: E402
+from medvol.core.cuda_emulation import (  # noqa: E402
     DeviceMemory,
     HostIntegers,
     StepFlops,

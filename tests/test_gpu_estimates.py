@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from benchmarks.cuda_emulation import DeviceMemory, StepFlops, cuda_autocast_policy, gpu_autocast
+from medvol.core.cuda_emulation import DeviceMemory, StepFlops, cuda_autocast_policy, gpu_autocast
 from tests.conftest import ROOT, subprocess_env
 
 

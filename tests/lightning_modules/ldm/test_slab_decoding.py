@@ -87,8 +87,8 @@ def test_an_offloaded_decoding_keeps_depth_major_host_activations_and_equals_the
 
 
 def test_the_decoders_device_need_bounds_what_slab_decoding_holds_and_decides_the_offload():
-    from benchmarks.cuda_emulation import DeviceMemory
     from lightning_modules.ldm.slab_decoding import FREE_SHARE, decoding_bytes, fits_on_device
+    from medvol.core.cuda_emulation import DeviceMemory
 
     torch.manual_seed(0)
     decoder = Decoder3d(out_channels=1, n_hiddens=8, downsample=[4, 4, 4], embedding_dim=4).eval()

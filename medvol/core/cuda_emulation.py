@@ -1,7 +1,8 @@
 """A GPU's memory and work seen on the CPU: bf16 autocast as CUDA runs it, device memory as its allocator counts it.
 
-`benchmarks/gpu_estimates.py` runs the GPU rows' own steps on fake tensors (`FakeTensorMode`: shapes, dtypes and
-autograd without data) on this CPU machine, whose torch has no CUDA device. Three pieces make that a GPU's step:
+The preflight (`medvol/run/preflight.py`) and `benchmarks/gpu_estimates.py` run a GPU step on fake tensors
+(`FakeTensorMode`: shapes, dtypes and autograd without data) on the CPU, with or without a CUDA device. Three pieces
+make that a GPU's step:
 
 - `cuda_autocast_policy()`: CPU autocast (`torch.autocast("cpu", dtype=torch.bfloat16)`) with CUDA's op lists. CUDA
   runs GroupNorm, softmax, the upsampling ops and the losses in float32 and convolutions, matrix products and
@@ -35,6 +36,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop, sdpa_flop
 from torch.utils.weak import WeakIdKeyDictionary
 
+from medvol.core.errors import MedvolError
+
 AUTOCAST_HEADER = Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
 # The policy of each list macro of the header (CUDA registers every op of these lists with that policy).
 POLICY_LISTS = {
@@ -51,13 +54,13 @@ AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 def cuda_policies(header: Path = AUTOCAST_HEADER) -> dict[str, str]:
     """`aten::op[.overload]` -> CUDA autocast's policy for it, from the installed torch's header."""
     if not header.is_file():
-        raise SystemExit(f"{header} is missing: the estimate reads CUDA's autocast op lists from torch's headers")
+        raise MedvolError(f"{header} is missing: the estimate reads CUDA's autocast op lists from torch's headers")
     text = header.read_text()
     policies: dict[str, str] = {}
     for macro, policy in POLICY_LISTS.items():
         found = re.search(rf"#define {macro}\(_\)(.*?)\n\s*\n", text, re.S)
         if found is None:
-            raise SystemExit(f"{header} has no {macro}: this torch's autocast lists are not where the estimate reads")
+            raise MedvolError(f"{header} has no {macro}: this torch's autocast lists are not where the estimate reads")
         for name, overload in re.findall(r"_\((\w+)(?:,\s*(\w+))?\)", found.group(1)):
             policies[f"aten::{name}" + (f".{overload}" if overload else "")] = policy
     # norm's overloads without a dtype are redispatched to the ones with one, in float32 (`fp32_append_dtype`).
