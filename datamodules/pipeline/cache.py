@@ -26,7 +26,7 @@ from torch.utils.data import Dataset, DistributedSampler
 
 from datamodules.pipeline.cache_budget import check_cache_folder
 from datamodules.pipeline.disk_cache import DiskCache
-from datamodules.pipeline.oversampling import DrawDataset
+from datamodules.pipeline.draws import DrawDataset
 from medvol.core.errors import MedvolError
 
 CACHE_MODES = ("auto", "none", "memory", "smart", "disk")
@@ -116,7 +116,8 @@ def cached_dataset(
         replace_rate: share of a smart cache replaced each epoch.
         cache_dir: folder of the disk cache's items for this stage.
         workers: threads that fill the cache.
-        seed: seed of the random transforms (loader workers reseed them, see `worker_init_fn`).
+        seed: seed of the random transforms for items drawn by index; a training sampler's `Draw`s seed each item
+            themselves (`datamodules.pipeline.draws`).
     """
     head = Compose(list(deterministic))
     tail = Compose(list(random)).set_random_state(seed=seed)

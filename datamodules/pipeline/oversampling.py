@@ -2,22 +2,17 @@
 every batch forced onto the foreground (nnunetv2 2.8.1: `nnUNetDataLoader`, `_oversample_last_XX_percent`,
 `num_iterations_per_epoch`).
 
-The sampler yields `(index, forced)` pairs; `DrawDataset` hands `forced` to the item (`FOREGROUND_KEY`), where
-`datamodules.pipeline.augmentation.ForegroundPatchd` reads it. The loader's batching keeps the sampler's order, so
-the position of a pair in the batch is its position in the sampler's run of `batch_size`.
+The sampler yields `(index, forced)` pairs; `datamodules.pipeline.draws.DrawDataset` hands `forced` to the item
+(`FOREGROUND_KEY`), where `datamodules.pipeline.augmentation.ForegroundPatchd` reads it. The loader's batching keeps
+the sampler's order, so the position of a pair in the batch is its position in the sampler's run of `batch_size`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import torch
-from monai.data import Dataset as TransformDataset
-from monai.transforms import apply_transform
 from torch.utils.data import Dataset, DistributedSampler
-
-from datamodules.pipeline.augmentation import FOREGROUND_KEY
 
 
 def forced_positions(batch_size: int, foreground_ratio: float) -> list[bool]:
@@ -59,16 +54,3 @@ class OversamplingSampler(DistributedSampler):
 
     def __len__(self) -> int:
         return self.num_samples
-
-
-class DrawDataset(TransformDataset):
-    """MONAI's `Dataset` over cached items with the random transforms, also taking `(index, forced)` keys: the flag
-    goes into the item as `FOREGROUND_KEY` before the random transforms run."""
-
-    def __getitem__(self, key: Any) -> Any:
-        if isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], bool):
-            index, forced = key
-            item = dict(self.data[index])
-            item[FOREGROUND_KEY] = forced
-            return apply_transform(self.transform, item) if self.transform is not None else item
-        return super().__getitem__(key)

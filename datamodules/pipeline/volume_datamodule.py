@@ -37,6 +37,7 @@ from datamodules.pipeline.cache_budget import (
     plan_cache,
 )
 from datamodules.pipeline.disk_cache import fingerprint_folder, open_fingerprint_folder
+from datamodules.pipeline.draws import DrawDataset, SeededDraws
 from datamodules.pipeline.oversampling import OversamplingSampler
 from datamodules.pipeline.split import fold_split, load_folds, load_split, make_folds, make_split, save_split
 from medvol.core.errors import MedvolError
@@ -67,7 +68,9 @@ class VolumeDataModule(pl.LightningDataModule):
 
     Training uses a seeded `DistributedSampler` with `drop_last`, so every rank takes the
     same number of steps and the data order depends only on the seed and the epoch (which is
-    what makes a resumed run identical to an uninterrupted one). Validation and testing
+    what makes a resumed run identical to an uninterrupted one); each item's random transforms are
+    seeded from the seed, the epoch, the rank and its place in the epoch (`datamodules/pipeline/draws.py`),
+    whatever the loader workers. Validation and testing
     partition the subjects without padding, so no subject is counted twice in a metric.
 
     With any `cache` but none, each rank builds its datasets over its own share of the
@@ -462,6 +465,9 @@ class VolumeDataModule(pl.LightningDataModule):
             sampler = DistributedSampler(
                 dataset, num_replicas=world, rank=rank, shuffle=True, seed=self.shuffle_seed, drop_last=True
             )
+        if isinstance(dataset, DrawDataset):
+            # Each item's augmentation from where it stands in the run: a resumed epoch draws what it drew.
+            sampler = SeededDraws(dataset, sampler, self.shuffle_seed, rank)
         return self._loader(dataset, self.batch_size, sampler)
 
     def _evaluation_loader(self, stage: str) -> DataLoader:

@@ -8,7 +8,8 @@ from monai.data import Dataset as TransformDataset
 from torch.utils.data import DataLoader
 
 from datamodules.pipeline.augmentation import FOREGROUND_KEY, ForegroundPatchd
-from datamodules.pipeline.oversampling import DrawDataset, OversamplingSampler, forced_positions
+from datamodules.pipeline.draws import DrawDataset
+from datamodules.pipeline.oversampling import OversamplingSampler, forced_positions
 
 
 def nnunet_forced(batch_size: int, percent: float = 0.33) -> list[bool]:
