@@ -30,6 +30,7 @@ from medvol.run.resolvers import run_dir_of_checkpoint
 from medvol.run.resume import resumed
 from medvol.run.run_check import check_label_regions, check_run, check_trainer
 from medvol.run.run_record import write_run_record
+from medvol.run.start_summary import split_sizes, start_summary
 from medvol.run.world import (
     World,
     build_strategy,
@@ -188,12 +189,10 @@ def _run(cfg: DictConfig, world: World, recorded: bool = False) -> dict[str, flo
     plugins = [*layer_sync_plugins(settings, world.accelerator, world.size), *checkpoint_io_plugins(strategy)]
 
     if global_rank() == 0:
-        if cfg.get("print_config", True):
+        if cfg.get("print_config", False):
             print_config_tree(cfg)
-        if cfg.get("seed") is not None:
-            log.info("Seed set to %d", int(cfg.seed))
-        log.info("Datamodule <%s>, model <%s>", cfg.dataset._target_, cfg.model._target_)
-        for line in plan_lines:
+        # A few lines that say what the run is (its record, .hydra/config.yaml and run.json, holds the rest).
+        for line in start_summary(cfg, world, split_sizes(datamodule), plan_lines):
             log.info("%s", line)
     trainer = pl.Trainer(
         **settings, callbacks=callbacks, logger=loggers or False, strategy=strategy, plugins=plugins or None

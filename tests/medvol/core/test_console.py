@@ -91,7 +91,7 @@ def test_the_default_config_print_is_compact_and_reads_back_as_the_composed_conf
     console = Console(record=True, width=100)
     print_config_tree(cfg, console)
     text = console.export_text()
-    assert len(text.splitlines()) <= 62, text
+    assert len(text.splitlines()) <= 66, text
     # Every block is flow-style YAML: read back, it is the composed config, every leaf value included.
     read_back = {name: yaml.safe_load("{" + body + "}") for name, body in _blocks(text).items()}
     composed = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k,
@@ -116,16 +116,17 @@ def test_console_order_and_train_log_of_a_real_command(tmp_path):
     out = done.stdout + done.stderr
     assert "💡" not in out and "GPU available" not in out and "site-packages" not in out
     assert "parameters per block" in out and "FLOPs" not in out
-    assert out.index("\npaths ") < out.index("Datamodule <")
+    # The start is a short summary (the whole config only with print_config=true), before the model summary.
+    assert "\npaths " not in out and out.index("model    VQGAN <") < out.index("parameters per block")
     # The summary comes after the test table, last; paths are never folded inside a name.
     assert out.index("Test metric") < out.rindex("medvol run summary (test)")
     (run_dir,) = (tmp_path / "outputs" / "train" / "runs").iterdir()
     assert f"run_dir          {run_dir}\n" in out
     log = (run_dir / "train.log").read_text()
-    assert "GPU available" in log and "`Trainer.fit` stopped" in log and "Datamodule <" in log
+    assert "GPU available" in log and "`Trainer.fit` stopped" in log and "model    VQGAN <" in log
 
-    quiet = _cli([*args, "trainer.fast_dev_run=true", "print_config=false"], tmp_path)
-    assert quiet.returncode == 0 and "\npaths " not in quiet.stdout and "Datamodule <" in quiet.stdout + quiet.stderr
+    whole = _cli([*args, "trainer.fast_dev_run=true", "print_config=true"], tmp_path)
+    assert whole.returncode == 0 and whole.stdout.index("\npaths ") < whole.stdout.index("model    VQGAN <")
 
     # Not a user error medvol knows (a negative codebook size fails inside torch): the traceback stays, and is logged.
     failed = _cli([*args, "model.n_codes=-3"], tmp_path)
