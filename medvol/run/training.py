@@ -26,6 +26,7 @@ from medvol.run.cross_validation import after_training
 from medvol.run.fingerprint import RecordFingerprint
 from medvol.run.launch import local_ranks
 from medvol.run.planning import planned
+from medvol.run.preflight import preflight
 from medvol.run.resolvers import run_dir_of_checkpoint
 from medvol.run.resume import resumed
 from medvol.run.run_check import check_label_regions, check_run, check_trainer
@@ -143,6 +144,8 @@ def _stages_or_run(cfg: DictConfig, recorded: bool = False) -> dict[str, float]:
         if global_rank() == 0:
             write_run_record(cfg)
         return run_cascade(cfg, _stages_or_run, check_config)
+    if preflight(cfg):
+        return {}
     world = check_config(cfg)
     if global_rank() != 0:
         # Rank 0 alone prints; the others still report warnings and errors.
