@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import random
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
@@ -112,6 +115,41 @@ def compose_cfg(tmp_path: Path, overrides: Sequence[str] = (), tiny: bool = True
         cfg.paths.output_dir = str(tmp_path)
     GlobalHydra.instance().clear()
     return cfg
+
+
+@pytest.fixture(autouse=True)
+def process_left_as_found() -> Iterator[None]:
+    """Fails a test that leaves this process changed in a way the next test on the worker would inherit: gradient
+    mode, default dtype, torch's thread count (each put back, so only the test that changed it fails).
+
+    Put back without failing: the global random number generators (torch's CPU one, numpy's, Python's), which any
+    test that draws a number moves, so that what a test draws never depends on which tests ran before it on the same
+    worker; and torch's deterministic-algorithms switch, which every Lightning Trainer sets for the process by design.
+    """
+    grad, dtype, threads = torch.is_grad_enabled(), torch.get_default_dtype(), torch.get_num_threads()
+    deterministic, warn_only = torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    generators = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    yield
+    changed = [
+        f"{what} {before} -> {after}"
+        for what, before, after in (
+            ("gradient mode", grad, torch.is_grad_enabled()),
+            ("default dtype", dtype, torch.get_default_dtype()),
+            ("torch threads", threads, torch.get_num_threads()),
+        )
+        if before != after
+    ]
+    torch.set_grad_enabled(grad)
+    torch.set_default_dtype(dtype)
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.set_rng_state(generators[0])
+    np.random.set_state(generators[1])
+    random.setstate(generators[2])
+    if changed:
+        pytest.fail(f"the test left this process changed ({', '.join(changed)}); later tests on this worker would "
+                    "inherit it: restore it in the test", pytrace=False)
 
 
 @pytest.fixture
