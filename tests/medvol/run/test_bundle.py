@@ -18,6 +18,8 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import nibabel as nib
@@ -163,15 +165,27 @@ def predicted(ckpt: Path, scans: Path, out: Path, *overrides: str) -> Path:
     return out
 
 
+@contextmanager
+def gradients_kept() -> Iterator[None]:
+    """Gradient mode as it was once the block ends: a bundle's `initialize` turns gradients off for its whole
+    process, which `python -m monai.bundle run` has to itself, and this test process does not."""
+    grad = torch.is_grad_enabled()
+    try:
+        yield
+    finally:
+        torch.set_grad_enabled(grad)
+
+
 def run_in_process(bundle: Path, scans: Path, out: Path) -> Path:
     """The bundle's inference.json through MONAI's ConfigWorkflow, as `python -m monai.bundle run` runs it."""
     workflow = ConfigWorkflow(
         config_file=str(bundle / "configs" / "inference.json"), meta_file=str(bundle / "configs" / "metadata.json"),
         workflow_type="infer", bundle_root=str(bundle), dataset_dir=str(scans), output_dir=str(out),
     )
-    workflow.initialize()
-    workflow.run()
-    workflow.finalize()
+    with gradients_kept():
+        workflow.initialize()
+        workflow.run()
+        workflow.finalize()
     return out
 
 
@@ -352,7 +366,8 @@ def test_metadata_has_every_key_the_specification_makes_mandatory_and_monai_acce
     # MONAI's own list of a bundle's required meta properties, and of an inference workflow's ids it can check.
     workflow = ConfigWorkflow(config_file=str(bundle / "configs" / "inference.json"),
                               meta_file=str(bundle / "configs" / "metadata.json"), workflow_type=None)
-    workflow.initialize()
+    with gradients_kept():
+        workflow.initialize()
     assert workflow.check_properties() == []
     assert metadata_problem({k: v for k, v in metadata.items() if k != "copyright"}) == "missing copyright"
     readme = (bundle / "README.md").read_text()
