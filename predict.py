@@ -26,7 +26,8 @@ def main(cfg: DictConfig) -> None:
     except MedvolError as err:
         sys.stderr.write(f"medvol: error: {err}\n")
         sys.stderr.flush()
-        sys.exit(2)
+        # 2: refused before any output; 3: some subjects failed, every other one written (SubjectsFailed).
+        sys.exit(getattr(err, "exit_code", 2))
 
 
 if __name__ == "__main__":

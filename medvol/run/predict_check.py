@@ -1,9 +1,11 @@
 """predict.py's checks in one place: the command's values, the model's kind and the inputs' headers are checked
-before the first file is written, each refusal one line naming the key and what was expected."""
+before the first file is written, each refusal one line naming the key and what was expected. A bad value of the
+command stops it; an input the model cannot take is that subject's failure (`check_inputs`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ from lightning_modules.base import MedvolModule, class_path
 from medvol.core.build import target_class
 from medvol.core.errors import MedvolError
 from medvol.run.generation import check_input_channels, check_refinable
+from medvol.run.predict_batch import failure_reason
 from medvol.run.predict_config import window_size
 from medvol.run.predict_inputs import Inputs
 from medvol.volumes.dicom_io import refuse_non_series_subjects
@@ -56,7 +59,11 @@ def from_noise(cfg: DictConfig) -> bool:
 def pick_device(name: str) -> torch.device:
     """The device `device=` names: auto (the first GPU, else the CPU), cpu, cuda or cuda:N."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        # Under torchrun each process predicts its share (`num_parts` from WORLD_SIZE) on its own GPU.
+        local_rank = os.environ.get("LOCAL_RANK", "")
+        return torch.device(f"cuda:{int(local_rank) % torch.cuda.device_count()}" if local_rank.isdigit() else "cuda")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise MedvolError(f"`device`: {name!r} was asked for, but no CUDA device is visible; use device=cpu or auto")
     if not (name == "cpu" or name.startswith("cuda")):
@@ -83,32 +90,45 @@ def check_radiograph_input(source: Path) -> None:
 
 
 def check_inputs(
-    inputs: Inputs, run: DictConfig, module: MedvolModule, geometry: Mapping[str, Any], output_format: str = "nifti"
-) -> bool:
-    """Every input's header against the model (channels; a coarse scan for a model that refines resolution; DICOM
-    series for DICOM outputs), before the first file is written; return whether the outputs go on the model's
-    grid (refined)."""
-    check_input_sizes(inputs, smallest_input(module))
+    inputs: Inputs, run: DictConfig, module: MedvolModule, geometry: Mapping[str, Any], output_format: str = "nifti",
+    positions: Sequence[int] | None = None,
+) -> tuple[bool, dict[int, str]]:
+    """Each input's header against the model (a 3D volume of the size the model takes, channels; a coarse scan for a
+    model that refines resolution; DICOM series for DICOM outputs), before the first file is written: return whether
+    the outputs go on the model's grid (refined), and per position of `inputs.records` (those of `positions`, default
+    all) that fails, its one-line reason."""
     generation = module.generation_inputs()
     image_channels = len(run.dataset.image_modalities) if run.dataset.get("image_modalities") is not None else None
     expected = {**({"image": image_channels} if image_channels and not inputs.condition_only else {}), **generation}
-    check_input_channels(inputs.records, expected, inputs.where)
-    if output_format == "dicom":
-        refuse_non_series_subjects(inputs.records)
     refine = inputs.condition_only and module.refines_resolution
-    if refine:
-        for key in generation:
-            check_refinable(inputs.records, key, geometry, inputs.where)
-    return refine
+    smallest = smallest_input(module)
+    problems = {}
+    for position in range(len(inputs.records)) if positions is None else positions:
+        record = [inputs.records[position]]
+        try:
+            check_input_sizes(inputs, smallest, record)
+            check_input_channels(record, expected, inputs.where)
+            if output_format == "dicom":
+                refuse_non_series_subjects(record)
+            if refine:
+                for key in generation:
+                    check_refinable(record, key, geometry, inputs.where)
+        except Exception as err:  # noqa: BLE001 - a file no reader can open is that subject's failure, in one line
+            problems[position] = failure_reason(err)
+    return refine, problems
 
 
-def check_input_sizes(inputs: Inputs, smallest: tuple[tuple[int, int, int], str] | None = None) -> None:
-    """Every input file's headers, before the first output is written: a 3D volume holding all its voxels, within
-    the memory budget as read and on the grid its dataset resamples it to (a header of 10^12 voxels, or of few voxels
-    120 mm wide), and on that grid at least `smallest` ((D, H, W), why) where the model needs as many."""
+def check_input_sizes(
+    inputs: Inputs, smallest: tuple[tuple[int, int, int], str] | None = None,
+    records: Sequence[Mapping[str, Any]] | None = None,
+) -> None:
+    """Input files' headers (those of `records`, default every input), before the first output is written: a 3D
+    volume holding all its voxels, within the memory budget as read and on the grid its dataset resamples it to (a
+    header of 10^12 voxels, or of few voxels 120 mm wide), and on that grid at least `smallest` ((D, H, W), why) where
+    the model needs as many."""
     transforms = inputs.config.get("transforms") or {}
     spacing, orientation = transforms.get("spacing"), transforms.get("orientation")
-    for record in inputs.records:
+    for record in inputs.records if records is None else records:
         for path in (record.get("files") or {}).values():
             if path is not None:
                 check_volume_file(path, spacing, orientation, inputs.config.get("series"), smallest)

@@ -19,9 +19,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import Dataset, default_collate
 
 from datamodules.sources.brats import BratsDataModule, case_folders
+from datamodules.sources.nnunet_raw import NnunetDataModule
 from medvol.core.build import build, target_class
 from medvol.core.errors import MedvolError, refusal_within
-from medvol.run.channel_files import channel_groups, files_per_subject
+from medvol.run.channel_files import CHANNEL_FILE, channel_groups, files_per_subject
 from medvol.run.generation import check_condition_files, lacks_targets, modality_field, without_targets
 from medvol.run.planning import plan_path
 from medvol.run.predict_config import merged, with_run_transforms
@@ -108,6 +109,8 @@ class Inputs:
     # The config key that named them (in error lines), and the input files no output may replace.
     where: str = "dataset.root"
     protected: list[Path] = field(default_factory=list)
+    # Read as an nnU-Net folder (`<case>_0000.nii.gz` files, a raw dataset): label maps named as nnU-Net names them.
+    nnunet_names: bool = False
 
 
 def model_covariates(run: DictConfig) -> list[str]:
@@ -274,18 +277,23 @@ def brats_dataset(run: DictConfig, root: Path, cases: list[Path]) -> DictConfig:
     return with_run_transforms(run.dataset, chosen)
 
 
+def subject_batch(dataset: Dataset, index: int) -> dict[str, Any]:
+    """Subject `index` as a batch of one, collated as the test loader would; a refusal inside the transforms (MONAI
+    wraps it in `applying transform ...`) passed on as its one line."""
+    try:
+        item = dataset[index]
+    except RuntimeError as err:
+        own = refusal_within(err)
+        if own is None:
+            raise
+        raise own from None
+    return default_collate([item])
+
+
 def batches(dataset: Dataset) -> Iterator[dict[str, Any]]:
-    """One subject per batch, collated as the test loader would; a refusal inside the transforms (MONAI wraps it
-    in `applying transform ...`) passed on as its one line."""
+    """Every subject of `dataset`, one per batch (`subject_batch`)."""
     for index in range(len(dataset)):  # type: ignore[arg-type]
-        try:
-            item = dataset[index]
-        except RuntimeError as err:
-            own = refusal_within(err)
-            if own is None:
-                raise
-            raise own from None
-        yield default_collate([item])
+        yield subject_batch(dataset, index)
 
 
 def find_inputs(
@@ -300,6 +308,7 @@ def find_inputs(
         split = str(cfg.split) if cfg.split is not None else None
         inputs = dataset_subjects(run, override, split, bool(cfg.keep_crop), generation)
         check_output_dir(output_dir, [Path(str(inputs.config.root))] if inputs.config.get("root") else [])
+        inputs.nnunet_names = issubclass(target_class(str(inputs.config._target_)), NnunetDataModule)
         return inputs
     source = Path(str(cfg.input)).expanduser()
     if source.is_dir():
@@ -326,4 +335,5 @@ def find_inputs(
     )
     # A file's outputs may go next to it (`<subject>_<name>.nii.gz`); the writer refuses to replace an input.
     inputs.where, inputs.protected = "input", files
+    inputs.nnunet_names = isinstance(groups, dict) and all(CHANNEL_FILE.match(f.name) for f in files)
     return inputs

@@ -14,13 +14,12 @@ from __future__ import annotations
 import logging
 import resource
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from datamodules.sources.nifti import LABEL_FILE_VALUES
 from lightning_modules.base import MedvolModule
@@ -32,6 +31,15 @@ from medvol.run.ensemble import Ensemble, same_preprocessing
 from medvol.run.fold_records import applied_postprocessing, fold_checkpoints, read_volume_range
 from medvol.run.generation import intensity_record, on_model_grid, sampled_outputs, with_target_units
 from medvol.run.noise_samples import noise_geometry, write_noise_samples
+from medvol.run.predict_batch import (
+    DoneRecords,
+    SubjectLog,
+    SubjectsFailed,
+    checkpoint_identity,
+    failure_reason,
+    job_part,
+    part_positions,
+)
 from medvol.run.predict_check import (
     check_inputs,
     check_predict,
@@ -42,7 +50,7 @@ from medvol.run.predict_check import (
     window_roi,
 )
 from medvol.run.predict_config import input_geometry, recovered_run, with_geometry
-from medvol.run.predict_inputs import Inputs, batches, check_output_dir, find_inputs
+from medvol.run.predict_inputs import Inputs, check_output_dir, find_inputs, subject_batch
 from medvol.run.radiographs import ct_from_radiographs
 from medvol.run.resolvers import run_dir_of_checkpoint
 from medvol.run.trained_model import load_module, mean_metrics
@@ -87,7 +95,16 @@ def _predicted(cfg: DictConfig) -> dict[str, float]:
     run = with_geometry(run, geometry)
     with tempfile.TemporaryDirectory() as scratch:
         inputs = find_inputs(cfg, run, module.generation_inputs(), Path(scratch), geometry)
-        refine = check_inputs(inputs, run, module, geometry, output_format)
+        subjects = [str(record["subject"]) for record in inputs.records]
+        num_parts, part_id = job_part(cfg.get("num_parts"), cfg.get("part_id"))
+        share = part_positions(subjects, num_parts, part_id)
+        records = DoneRecords(output_dir, checkpoint_identity(checkpoints))
+        done = {i for i in share if records.read(subjects[i])} if cfg.get("continue_prediction", True) else set()
+        todo = [i for i in share if i not in done]
+        refine, problems = check_inputs(inputs, run, module, geometry, output_format, todo)
+        if todo and len(problems) == len(todo) and not done:
+            # Not one subject this command could predict: a refusal, before any output.
+            raise MedvolError(problems[todo[0]])
         window = SlidingWindow.of(
             window_roi(cfg, run), overlap=overlap, mode=str(cfg.mode), batch_size=int(cfg.sw_batch_size), device=device,
         )
@@ -95,20 +112,39 @@ def _predicted(cfg: DictConfig) -> dict[str, float]:
             output_dir, protected=inputs.protected, output_format=output_format,
             segment_codes=OmegaConf.to_container(cfg.segment_codes) if cfg.get("segment_codes") else None,
             channels={key: run.dataset.get(f"{key}_modalities") for key in ("image", "cond")},
+            nnunet_names=inputs.nnunet_names,
         )
         extras = ["codes"] if cfg.codes else []
         extras += ["probabilities"] if cfg.get("save_probabilities") else []
         with log_file(output_dir / LOG_FILE):
-            log.info("predict: %s on %d subject(s) from %s", ", ".join(checkpoints), len(inputs.dataset), inputs.where)
+            log.info("predict: %s on %d subject(s) from %s", ", ".join(checkpoints), len(subjects), inputs.where)
+            if num_parts > 1:
+                log.info("part %d of %d (part_id of num_parts): %d of the %d subjects", part_id, num_parts,
+                         len(share), len(subjects))
+            if done:
+                log.info("%d subject(s) of %d already done in %s: skipped (continue_prediction=false predicts them "
+                         "again)", len(done), len(share), output_dir)
             if hasattr(module, "postprocessing"):
                 log.info("%s", module.postprocessing_note or module.postprocessing.describe())
-            count = predict_subjects(
-                predictor, inputs, window, writer, num_samples, refine, extras, label_file_values(module)
+            failed = predict_subjects(
+                predictor, inputs, window, writer, num_samples, refine, extras, label_file_values(module), todo,
+                problems, records,
             )
+            if failed and len(failed) == len(todo) and not done:
+                # Not one subject could be predicted (an output that would replace an input, say): a refusal.
+                raise MedvolError(next(iter(failed.values())))
+            tables_of_done(writer, records, subjects)
             writer.write_metrics()
             writer.write_predictions()
-            log.info(summary_line(writer.rows, count, output_dir))
+            log.info(summary_line(writer.rows, len(todo) - len(failed), output_dir, failed, len(todo)))
             log.info(peak_memory(device))
+    if failed:
+        names = ", ".join(list(failed)[:5]) + (", ..." if len(failed) > 5 else "")
+        first, reason = next(iter(failed.items()))
+        raise SubjectsFailed(
+            f"{len(failed)} of {len(todo)} subjects failed ({names}); listed in {output_dir / LOG_FILE}, every other "
+            f"subject written; {first}: {reason}"
+        )
     return mean_metrics(writer.rows)
 
 
@@ -193,31 +229,72 @@ def label_file_values(module: MedvolModule) -> list[int] | None:
 
 def predict_subjects(
     module: Any, inputs: Inputs, window: SlidingWindow, writer: PredictionWriter, num_samples: int,
-    refine: bool, extras: Sequence[str], label_values: list[int] | None = None,
-) -> int:
-    """Each subject's outputs, written as they come, under a progress bar; return how many subjects. Masks of
-    subjects whose batch does not say its files' label values (input files) are written with `label_values`."""
-    target_units = intensity_record(module) if inputs.condition_only else None
-    with Progress(
-        TextColumn("[bold]predict"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-        TimeElapsedColumn(), transient=True,
-    ) as progress:
-        task = progress.add_task("", total=len(inputs.dataset))  # type: ignore[arg-type]
-        for batch in batches(inputs.dataset):
-            progress.update(task, description=str(batch["subject"][0]))
-            with torch.no_grad():
-                if inputs.condition_only:
-                    batch = with_target_units(batch, target_units)
-                    outputs = sampled_outputs(module, batch, num_samples)
-                else:
-                    outputs = module.predict_volumes(batch, window, extras)
-                    if num_samples > 1:
-                        outputs = sampled_outputs(module, batch, num_samples, first=outputs)
-            if label_values is not None and batch.get("label_values") is None:
-                batch = {**batch, "label_values": torch.tensor([label_values] * len(batch["subject"]))}
-            writer.write(outputs, on_model_grid(batch) if refine else batch)
-            progress.advance(task)
-    return len(inputs.dataset)  # type: ignore[arg-type]
+    refine: bool, extras: Sequence[str], label_values: list[int] | None = None, positions: Sequence[int] | None = None,
+    problems: Mapping[int, str] | None = None, records: DoneRecords | None = None,
+) -> dict[str, str]:
+    """The outputs of the subjects at `positions` of `inputs` (default all), each written as it comes and, with
+    `records`, marked done; one log line per subject with the time left. A subject that fails (its reason in
+    `problems` already, or an error while it is read, predicted or written) is logged and left for the next: return
+    the failed subjects and why. Masks of subjects whose batch does not say its files' label values (input files) are
+    written with `label_values`."""
+    positions = range(len(inputs.records)) if positions is None else positions
+    problems = problems or {}
+    progress = SubjectLog(len(positions))
+    failed: dict[str, str] = {}
+    for position in positions:
+        subject = str(inputs.records[position]["subject"])
+        problem = problems.get(position)
+        if problem is None:
+            try:
+                predict_subject(module, inputs, position, window, writer, num_samples, refine, extras, label_values,
+                                records)
+            except Exception as err:  # noqa: BLE001 - one subject's failure is its row; the job goes on
+                problem = failure_reason(err)
+                log.debug("%s failed", subject, exc_info=True)
+        if problem is not None:
+            failed[subject] = problem
+        log.info(progress.line(subject, problem))
+    return failed
+
+
+def predict_subject(
+    module: Any, inputs: Inputs, position: int, window: SlidingWindow, writer: PredictionWriter, num_samples: int,
+    refine: bool, extras: Sequence[str], label_values: list[int] | None, records: DoneRecords | None,
+) -> None:
+    """One subject's outputs written, then (with `records`) its record: the subject is done."""
+    batch = subject_batch(inputs.dataset, position)
+    with torch.no_grad():
+        if inputs.condition_only:
+            batch = with_target_units(batch, intensity_record(module))
+            outputs = sampled_outputs(module, batch, num_samples)
+        else:
+            outputs = module.predict_volumes(batch, window, extras)
+            if num_samples > 1:
+                outputs = sampled_outputs(module, batch, num_samples, first=outputs)
+    if label_values is not None and batch.get("label_values") is None:
+        batch = {**batch, "label_values": torch.tensor([label_values] * len(batch["subject"]))}
+    rows, predictions = len(writer.rows), len(writer.prediction_rows)
+    files = writer.write(outputs, on_model_grid(batch) if refine else batch)
+    if records is not None:
+        records.write(str(batch["subject"][0]), files, writer.rows[rows:], writer.prediction_rows[predictions:],
+                      writer.structures)
+
+
+def tables_of_done(writer: PredictionWriter, records: DoneRecords, subjects: Sequence[str]) -> None:
+    """The writer's table rows made those of every done subject of the job (this run's, earlier runs', other
+    parts'), so metrics.csv, predictions.csv and the report list them all."""
+    rows: list[dict[str, Any]] = []
+    predictions: list[dict[str, Any]] = []
+    structures = list(writer.structures)
+    for subject in subjects:
+        record = records.read(subject)
+        if record is None:
+            continue
+        rows += [row for row in record.get("metrics") or [] if isinstance(row, dict)]
+        predictions += [row for row in record.get("predictions") or [] if isinstance(row, dict)]
+        structures += [str(name) for name in record.get("structures") or []]
+    writer.rows, writer.prediction_rows = rows, predictions
+    writer.structures = list(dict.fromkeys(structures))
 
 
 def from_radiographs(
@@ -251,8 +328,19 @@ def peak_memory(device: torch.device) -> str:
     return f"peak host memory: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
 
 
-def summary_line(rows: list[dict[str, Any]], count: int, output_dir: Path) -> str:
-    """`predicted N subjects -> DIR` and the mean of every per-subject metric."""
+def summary_line(
+    rows: list[dict[str, Any]], count: int, output_dir: Path, failed: Mapping[str, str] | None = None,
+    total: int | None = None,
+) -> str:
+    """`predicted N subjects -> DIR` (`N of M` where some of the `total` failed), the mean of every per-subject metric,
+    and a line per failed subject with its reason."""
     means = [f"{name} {value:.4g}" for name, value in mean_metrics(rows).items()]
     metrics = f"; mean {', '.join(means)}" if means else ""
-    return f"predicted {count} subject{'s' if count != 1 else ''} -> {output_dir}{metrics}"
+    failed = failed or {}
+    total = count if total is None else total
+    counted = f"{count} of {total}" if failed else str(count)
+    lines = [f"predicted {counted} subject{'s' if total != 1 else ''} -> {output_dir}{metrics}"]
+    if failed:
+        lines[0] += f"; {len(failed)} failed:"
+        lines += [f"  failed: {subject}: {reason}" for subject, reason in failed.items()]
+    return "\n".join(lines)

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterable, Mapping
+import os
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 
 from medvol.core.errors import MedvolError
-from medvol.core.run_files import open_in, writable_path
+from medvol.core.run_files import open_in, replace_in, writable_path
 from medvol.core.subject_names import SubjectFiles
 from medvol.volumes.dicom_io import series_geometry
 from medvol.volumes.dicom_write import write_derived_series, write_segmentation
@@ -37,6 +38,14 @@ from medvol.volumes.volume_reader import VolumeReader
 
 SOURCE_KEYS = ("source_affine", "source_shape")
 OUTPUT_FORMATS = ("nifti", "dicom", "both")
+# A label map's data type, as nnU-Net writes masks: the smallest unsigned type holding its largest label value.
+MASK_DTYPES = (np.uint8, np.uint16, np.uint32)
+
+
+def mask_dtype(largest: int) -> type[np.unsignedinteger]:
+    """The data type of a label map whose largest label value is `largest`: uint8 up to 255, uint16 up to 65535 (the
+    rule of nnU-Net's exported masks; a MONAI bundle of medvol writes the same)."""
+    return next(t for t in MASK_DTYPES if largest <= np.iinfo(t).max)
 
 
 def check_output_format(value: str) -> str:
@@ -136,15 +145,20 @@ class PredictionWriter:
             (`medvol.volumes.segment_codes`; unnamed segments are coded from their names).
         channels: batch key -> the dataset's channel names (`image_modalities`, `cond_modalities`): a derived
             series of an output in a `ct` channel's units is a CT, in a `t2` channel's an MR.
+        nnunet_names: inputs read as an nnU-Net folder: a label map is `<subject>.nii.gz`, as nnU-Net names it.
         root: the output folder `output_dir` lies in (default: itself): no file or folder below it is written through
             a symbolic link (`medvol.core.run_files`). Subject ids become file names through
             `medvol.core.subject_names` (`../x` is written as `.._x`; two ids sharing a name are refused).
+
+    Label maps are written as uint8 (uint16 past label value 255; `mask_dtype`), as nnU-Net writes masks. Each NIfTI,
+    picture and array file is written under a partial name and renamed into place: no file under its final name is
+    ever half written.
     """
 
     def __init__(
         self, output_dir: str | Path, skip: Iterable[str] = ("input", "label"), protected: Iterable[str | Path] = (),
         output_format: str = "nifti", segment_codes: Mapping[str, Any] | None = None,
-        channels: Mapping[str, Any] | None = None, root: str | Path | None = None,
+        channels: Mapping[str, Any] | None = None, root: str | Path | None = None, nnunet_names: bool = False,
     ) -> None:
         self.output_dir = Path(output_dir)
         self.root = Path(root) if root is not None else self.output_dir
@@ -153,6 +167,7 @@ class PredictionWriter:
         self.segment_codes = dict(segment_codes or {})
         self.channels = {key: [str(c) for c in names or []] for key, names in (channels or {}).items()}
         self.skip = set(skip)
+        self.nnunet_names = nnunet_names
         self.protected = {Path(p).expanduser().resolve() for p in protected}
         self.rows: list[dict[str, Any]] = []
         self.prediction_rows: list[dict[str, Any]] = []
@@ -187,7 +202,8 @@ class PredictionWriter:
         self.rows.extend(row for row in rows if len(row) > 1)
         written += [self._write_array(array, path) for path, array in planned]
         if self.output_format != "dicom":
-            written += [save_volume(v.volume, v.path, v.affine, header=v.header) for v in volumes]
+            written += [self._atomic(v.path, lambda path, v=v: save_volume(self._data(v), path, v.affine,
+                                                                           header=v.header)) for v in volumes]
         if self.output_format != "nifti":
             written += [path for v in volumes if v.source_series for path in self._write_dicom(v)]
         return written
@@ -207,7 +223,8 @@ class PredictionWriter:
         path = self.output_dir / f"{planned.path.name.removesuffix('.nii.gz')}.png"
         self._check_target(path)
         self.pictures[planned.subject] = path.name
-        return render_picture(scan, label_map, segments, affine, volumes, planned.subject, path)
+        return self._atomic(path, lambda partial: render_picture(
+            scan, label_map, segments, affine, volumes, planned.subject, partial))
 
     @staticmethod
     def _scan(planned: PlannedVolume, outputs: Mapping[str, Any], shape: tuple[int, ...]) -> np.ndarray:
@@ -264,9 +281,31 @@ class PredictionWriter:
             )
 
     def _write_array(self, array: torch.Tensor, path: Path) -> Path:
-        with open_in(self.root, path, "wb") as handle:
-            np.save(handle, array.detach().cpu().numpy())
+        return replace_in(self.root, path, lambda handle: np.save(handle, array.detach().cpu().numpy()), "wb")
+
+    def _atomic(self, path: Path, write: Callable[[Path], Any]) -> Path:
+        """`path` written by `write` (a library that opens a file by name) under a partial name beside it, then
+        renamed into place: a reader, or a job resumed after a kill, never finds half a file under the final name."""
+        suffix = ".nii.gz" if path.name.endswith(".nii.gz") else path.suffix
+        partial = path.with_name(f".{path.name[: len(path.name) - len(suffix)]}.partial-{os.getpid()}{suffix}")
+        writable_path(self.root, partial)
+        try:
+            write(partial)
+            os.replace(partial, path)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
         return path
+
+    @staticmethod
+    def _data(planned: PlannedVolume) -> torch.Tensor | np.ndarray:
+        """A volume as written: a label map as `mask_dtype` of its largest possible value (its segments' or its
+        own), a float volume as it is."""
+        if torch.is_floating_point(planned.volume):
+            return planned.volume
+        values = [int(v) for group in (planned.segments or {}).values() for v in group]
+        largest = max([0, int(planned.volume.max()) if planned.volume.numel() else 0, *values])
+        return planned.volume.numpy().astype(mask_dtype(largest))
 
     def _volumes(
         self, outputs: Mapping[str, Any], batch: Mapping[str, Any], subjects: list[str]
@@ -317,9 +356,12 @@ class PredictionWriter:
                     header = source_file if source_file and Path(source_file).is_file() else None
                 source_series = str(series[i]) if on_source and series is not None else ""
                 source_folder = str(sources[i]) if source_series and sources is not None else ""
+                # nnU-Net names a case's mask after the case alone.
+                file_name = f"{stem}.nii.gz" if is_label and self.nnunet_names and origins is None else \
+                    f"{stem}_{name}.nii.gz"
                 planned.append(
                     PlannedVolume(
-                        self.output_dir / f"{stem}_{name}.nii.gz",
+                        self.output_dir / file_name,
                         volume,
                         affine,
                         header,

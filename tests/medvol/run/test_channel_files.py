@@ -97,8 +97,10 @@ def test_a_model_trained_on_an_nnunet_dataset_predicts_a_folder_of_imagests(tmp_
         (tests / f"case_{name}.nii.gz").write_bytes(source.read_bytes())
     out = tmp_path / "out"
     predict(predict_cfg(f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", f"input={tests}", f"output_dir={out}"))
-    mask = nib.load(str(out / "case_seg.nii.gz"))
-    assert mask.shape == (16, 14, 10)
+    # Issue 63 item 12: named as nnU-Net names its output for an nnU-Net folder, <case>.nii.gz, uint8 as nnU-Net's.
+    mask = nib.load(str(out / "case.nii.gz"))
+    assert mask.shape == (16, 14, 10) and mask.get_data_dtype() == np.uint8
+    assert not (out / "case_seg.nii.gz").exists()
     assert set(np.unique(np.asarray(mask.dataobj)).tolist()) <= {0, 1}
     # Issue 49 item 17: the same case as one 4D file (channels on the last axis, as the Decathlon stores its scans)
     # was refused for a model trained on one file per channel; it is the same subject, and gives the same mask.

@@ -13,6 +13,7 @@ import torch
 
 from datamodules.sources.phantom import make_phantom, phantom_affine
 from medvol.core.errors import MedvolError
+from medvol.run.predict_batch import SubjectsFailed
 from medvol.run.predicting import predict
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
 from tests.medvol.run.test_predict import predict_cfg, saved_run
@@ -61,7 +62,8 @@ def test_a_condition_only_prediction_equals_the_test_true_sample_of_the_same_sub
                         f"dataset.root={t1_only}",
                         "split=test", "keep_crop=true", f"output_dir={out}"))
     tested = sorted((translation_run / "predictions").glob("*_sample.nii.gz"))
-    assert tested and sorted(p.name for p in out.iterdir() if p.name != "predict.log") == [p.name for p in tested]
+    written = sorted(p.name for p in out.iterdir() if p.name not in ("predict.log", ".predicted"))
+    assert tested and written == [p.name for p in tested]
     record = torch.load(translation_run / "checkpoints" / "last.ckpt", weights_only=True)["medvol_data"]["intensity"]
     for path in tested:
         subject = path.name.removesuffix("_sample.nii.gz")
@@ -123,7 +125,8 @@ def test_bad_condition_only_inputs_are_refused_before_anything_is_written(transl
     ckpt = f"ckpt_path={translation_run}/checkpoints/last.ckpt"
     brats = translation_run.parent / "brats"
     t1_files = sorted(brats.glob("*/*_t1.nii.gz"))
-    # A folder of T1 files whose last file has two channels: the good files before it are not written either.
+    # A folder of T1 files whose last file has two channels: that file alone refused, the good files written (issue
+    # 63 item 10: a bad subject is a failed row of the summary, not the end of the job).
     folder = tmp_path / "folder"
     folder.mkdir()
     for path in t1_files[:2]:
@@ -139,7 +142,6 @@ def test_bad_condition_only_inputs_are_refused_before_anything_is_written(transl
     (case / f"{case.name}_t1.nii.gz").unlink()
     cases = [
         ([f"input={folder / 'z_two_channels.nii.gz'}"], "subject z_two_channels has 2 condition channels"),
-        ([f"input={folder}"], "subject z_two_channels has 2 condition channels"),
         # The modality count: two condition modalities for a model trained on one.
         (["dataset=brats", f"dataset.root={brats}", "dataset.cond_modalities=[t1,t1ce]"], "has 2 condition channels"),
         (["dataset=brats", f"dataset.root={t1_only}", "dataset.cond_modalities=[t1,t1ce]"], "has no 't1ce' file"),
@@ -152,6 +154,10 @@ def test_bad_condition_only_inputs_are_refused_before_anything_is_written(transl
         with pytest.raises(MedvolError, match=message):
             predict(predict_cfg(ckpt, *overrides, f"output_dir={out}"))
         assert not out.exists()
+    with pytest.raises(SubjectsFailed, match="1 of 3 subjects failed .z_two_channels.*has 2 condition channels"):
+        predict(predict_cfg(ckpt, f"input={folder}", f"output_dir={tmp_path / 'folder-out'}"))
+    assert sorted(p.name for p in (tmp_path / "folder-out").glob("*_sample.nii.gz")) == \
+        sorted(f"{p.name.removesuffix('.nii.gz')}_sample.nii.gz" for p in t1_files[:2])
 
 
 @pytest.fixture(scope="module", params=["super_resolution", "denoising"])
