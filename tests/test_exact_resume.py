@@ -27,7 +27,9 @@ from medvol.run.training import run
 from tests.conftest import compose_cfg
 from tests.medvol.run.test_train import model_extra
 
-COMMON = ["seed=7", "trainer.deterministic=true", "logger=csv", "callbacks.volume_slices=null"]
+# A sanity check first, as by default (it draws nothing from the run's generators).
+COMMON = ["seed=7", "trainer.deterministic=true", "logger=csv", "callbacks.volume_slices=null",
+          "trainer.num_sanity_val_steps=1"]
 # Per family: what its tiny run needs beyond the tiny settings, from a test folder (the LDM a VQ-GAN to encode with).
 FAMILIES = ["vqgan", "ddpm", "ldm", "xray2ct", "survival", "classifier", "segmentation"]
 SLOW = {"ldm", "xray2ct", "segmentation"}
@@ -54,9 +56,9 @@ def planned_segmentation(root: Path) -> list[str]:
     write_raw(root, "Dataset001_Box", ["T2"], {"background": 0, "box": 1}, cases)
     return [
         "model=segmentation", "dataset=nnunet", f"dataset.root={root / 'Dataset001_Box'}", "dataset.val_fraction=0.34",
-        "dataset.test_fraction=0.0", "dataset.num_workers=0", "model.plan.base_features=4",
+        "dataset.test_fraction=0.0", "dataset.num_workers=2", "model.plan.base_features=4",
         "model.plan.iterations_per_epoch=3", "model.plan.batch_size=2", "hardware=cpu", "callbacks.progress_bar=null",
-        "callbacks.model_summary=null", "trainer.num_sanity_val_steps=0", "trainer.log_every_n_steps=1",
+        "callbacks.model_summary=null", "trainer.log_every_n_steps=1",
     ]
 
 

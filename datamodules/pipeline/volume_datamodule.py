@@ -468,7 +468,19 @@ class VolumeDataModule(pl.LightningDataModule):
         if isinstance(dataset, DrawDataset):
             # Each item's augmentation from where it stands in the run: a resumed epoch draws what it drew.
             sampler = SeededDraws(dataset, sampler, self.shuffle_seed, rank)
+        sampler.set_epoch(self._epoch())
         return self._loader(dataset, self.batch_size, sampler)
+
+    def _epoch(self) -> int:
+        """The epoch the Trainer trains next: the one it gives the sampler (`set_epoch`) when the epoch starts.
+
+        Resumed, Lightning makes the first epoch's loader iterator before it sets the sampler's epoch, and loader
+        workers take their first draws from the sampler as the iterator is made: without the epoch set here they
+        would be epoch 0's.
+        """
+        if self.trainer is None:
+            return 0
+        return int(self.trainer.fit_loop.epoch_progress.current.processed)
 
     def _evaluation_loader(self, stage: str) -> DataLoader:
         dataset = self.datasets[stage]
