@@ -49,6 +49,7 @@ from medvol.run.predict_inputs import file_transforms
 from medvol.run.predicting import label_file_values
 from medvol.run.resolvers import run_dir_of_checkpoint
 from medvol.volumes.plan import ANISOTROPY, PLAN_FILE, read_plan
+from medvol.volumes.prediction_writer import mask_dtype
 
 # The packages a bundle imports beyond MONAI's own requirements, with their versions: MONAI 1.6's name for what
 # earlier specifications called `optional_packages_version` (MONAI reads that old name as this one).
@@ -252,7 +253,7 @@ class BundleSteps:
         lookup = label_file_values(module)
         values = [] if lookup is None else [step("label_values", "Lambdad", keys="pred", func=(
             f"$lambda m: monai.utils.convert_to_dst_type(torch.tensor({lookup})[m.as_tensor().long()], m)[0]"))]
-        return [resample, activation, labels, *largest, *values, save("seg", "$numpy.int16")]
+        return [resample, activation, labels, *largest, *values, save("seg", f"$numpy.{written_mask_dtype(module)}")]
 
     @staticmethod
     def units(settings: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -458,11 +459,12 @@ def bundle_metadata(
             "is_patch_data": True, "channel_def": {str(i): f"logit of {n}" for i, n in enumerate(classes)},
         }}
         lookup = label_file_values(module) or list(range(scheme.num_classes))
-        written = {"file": "<scan>_seg.nii.gz", "dtype": "int16", "grid": "the scan's own", "labels": (
-            {n: [lookup[v] for v in values] for n, values in scheme.segments.items()} if scheme.is_regions else
-            {str(lookup[i]): n for i, n in enumerate(classes)}),
-            "rule": f"regions painted largest first where their probability > {float(scheme.threshold)}"
-            if scheme.is_regions else "argmax of the probabilities"}
+        labels = ({n: [lookup[v] for v in values] for n, values in scheme.segments.items()} if scheme.is_regions
+                  else {str(lookup[i]): n for i, n in enumerate(classes)})
+        written = {"file": "<scan>_seg.nii.gz", "dtype": written_mask_dtype(module), "grid": "the scan's own",
+                   "labels": labels,
+                   "rule": f"regions painted largest first where their probability > {float(scheme.threshold)}"
+                   if scheme.is_regions else "argmax of the probabilities"}
         task = f"3D segmentation of {', '.join(scheme.names)}"
     else:
         outputs = {"pred": {
@@ -498,6 +500,13 @@ def bundle_metadata(
     }
 
 
+def written_mask_dtype(module: MedvolModule) -> str:
+    """The numpy type of the label maps a segmentation bundle writes: predict.py's (`mask_dtype` of the largest label
+    value written, the training files' where they differ from the model's), uint8 as nnU-Net's below 256."""
+    values = label_file_values(module) or list(range(module.scheme.num_classes))  # type: ignore[attr-defined]
+    return numpy.dtype(mask_dtype(max(values))).name
+
+
 def metadata_problem(metadata: Mapping[str, Any]) -> str | None:
     """What a metadata.json lacks of the bundle specification's mandatory keys, or None."""
     missing = [key for key in METADATA_KEYS if key not in metadata]
@@ -515,8 +524,13 @@ def metadata_problem(metadata: Mapping[str, Any]) -> str | None:
 
 
 def readme(metadata: Mapping[str, Any], segmentation: bool) -> str:
-    output = "<scan>_seg.nii.gz (label map)" if segmentation else "<scan>_reconstruction.nii.gz"
+    written = metadata["medvol"]["output_file"]
+    output = f"<scan>_seg.nii.gz (label map, {written['dtype']})" if segmentation else "<scan>_reconstruction.nii.gz"
     packages = list(metadata[PACKAGES_KEY])
+    image = metadata["network_data_format"]["inputs"]["image"]
+    channels = "; ".join(f"{index}: {name}" for index, name in image["channel_def"].items())
+    labels = written.get("labels") or {}
+    label_lines = "".join(f"- `{name}`: {value}\n" for name, value in labels.items())
     return (
         f"# {metadata['name']}\n\n{metadata['description']}.\n\n"
         f"Needs MONAI, PyTorch, numpy and {', '.join(packages)} (not medvol; `{PACKAGES_KEY}` in "
@@ -527,5 +541,8 @@ def readme(metadata: Mapping[str, Any], segmentation: bool) -> str:
         f"Every `.nii`/`.nii.gz` file in `scans/` (one subject per file; a 4D file's last axis holds the channels) "
         f"gives `out/{output}` on the scan's own grid, as medvol's predict.py writes it. `configs/metadata.json` "
         "says what the network expects (channels, spacing, intensity) and gives, under `medvol`, the training plan "
-        "and the label names.\n"
+        "and the label names.\n\n"
+        f"## Channels\n\nIn this order, {image['num_channels']} channel(s) (a 4D file's last axis; nnU-Net's "
+        f"`<case>_0000` ... files in their index order): {channels}.\n"
+        + (f"\n## Labels written\n\n{written.get('rule', '')}:\n\n{label_lines}" if segmentation else "")
     )
