@@ -33,7 +33,7 @@ with initialize_config_dir(version_base="1.3", config_dir=str(Path.cwd() / "conf
     cfg = compose(config_name="train", return_hydra_config=True)
 HydraConfig().set_config(cfg)
 with open_dict(cfg):
-    cfg.paths.output_dir = "/home/user/project/outputs/train/runs/2026-01-01_00-00-00"
+    cfg.paths.output_dir = "/home/user/project/outputs/vqgan/runs/2026-01-01_00-00-00"
 console = Console(record=True, width=int(sys.argv[1]), file=open("/dev/null", "w"))
 print_config_tree(cfg, console)
 print(len(console.export_text().splitlines()))

@@ -47,6 +47,11 @@ def train_cli(
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def sweep_jobs(sweep: Path) -> dict[str, Path]:
+    """A sweep's job folders (`<number>_<overrides>`) by job number."""
+    return {p.name.split("_", 1)[0]: p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")}
+
+
 def explain(result: subprocess.CompletedProcess) -> str:
     return (f"exit {result.returncode}\n--- stdout (end)\n{result.stdout[-4000:]}"
             f"\n--- stderr (end)\n{result.stderr[-6000:]}")

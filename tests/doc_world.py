@@ -436,7 +436,7 @@ class Sandbox:
             self.bound[token] = str(self.data(value))
             return
         run = trained_run(value, self.cache)
-        relative = run.relative_to(run.parents[3])  # outputs/<task>/runs/<stamp>
+        relative = run.relative_to(run.parents[3])  # outputs/<family>/runs/<stamp>
         target = self.cwd / (relative if token == "CKPT" else Path("bound") / token / relative.name)
         if not target.exists():
             shutil.copytree(run, target, symlinks=True)

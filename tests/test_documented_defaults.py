@@ -16,6 +16,7 @@ import pytest
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from medvol.run.resolvers import run_name
 from tests.doc_commands import DOCS, ROOT
 from tests.doc_world import composed
 
@@ -232,18 +233,20 @@ def documented_run_folders() -> list[tuple[str, str]]:
 
 def test_the_run_and_sweep_folders_the_guides_give_are_where_every_preset_writes(tmp_path, monkeypatch):
     """Issue 49 item 10: README.md and monitoring.md gave `outputs/train/runs` for every run; a preset writes
-    under its own `task_name` (`outputs/ldm_cpu/runs/...`)."""
+    under its own `task_name` (`outputs/ldm_cpu/runs/...`). Issue 63: any other run under its model family
+    (`outputs/segmentation/runs/...`)."""
     monkeypatch.chdir(tmp_path)
     folders = documented_run_folders()
     assert len(folders) >= 5, folders
     stamp = r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d"
     experiments = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
-    for overrides in [(), ("debug=fast",), *((f"experiment={e}",) for e in experiments)]:
+    for overrides in [(), ("model=segmentation",), ("debug=fast",), *((f"experiment={e}",) for e in experiments)]:
         cfg = config("train", overrides)
         for where, pattern in folders:
             kind = "multiruns" if "multiruns" in pattern else "runs"
             made = Path(str(cfg.hydra.run.dir if kind == "runs" else cfg.hydra.sweep.dir)).relative_to(tmp_path)
-            documented = re.escape(pattern.rstrip("/")).replace(re.escape("<task>"), cfg.task_name)
+            folder = run_name(cfg.task_name, cfg.hydra.runtime.choices.model)
+            documented = re.escape(pattern.rstrip("/")).replace(re.escape("<family>"), folder)
             documented = re.sub(r"\\<[^>]*\\>|<[^>]*>", lambda _: stamp, documented)
             documented = documented.split(stamp)[0] + stamp
             assert re.fullmatch(documented, str(made)), f"{where} says {pattern}; {overrides or 'train'} writes {made}"

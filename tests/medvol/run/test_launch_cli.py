@@ -16,7 +16,7 @@ from medvol.run.batch_arithmetic import scale_learning_rates
 from medvol.run.launch import free_port
 from medvol.run.training import run
 from medvol.run.world import World, check_strategy, plan_world
-from tests.ddp_support import explain, train_cli
+from tests.ddp_support import explain, sweep_jobs, train_cli
 
 SMALL = ["dataset.batch_size=1", "dataset.val_fraction=0.25", "callbacks.volume_slices=null"]
 
@@ -30,15 +30,17 @@ def test_multirun_sweep_runs_each_job_on_two_ranks_in_one_sweep_dir(tmp_path):
     assert result.returncode == 0, explain(result)
     # Exactly one sweep and nothing else: no per-rank run dirs, no second sweep.
     assert [p.name for p in tmp_path.iterdir()] == ["outputs"]
-    assert [p.name for p in (tmp_path / "outputs" / "train").iterdir()] == ["multiruns"]
-    (sweep,) = (tmp_path / "outputs" / "train" / "multiruns").iterdir()
-    assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "multirun.yaml"]
+    assert [p.name for p in (tmp_path / "outputs" / "vqgan").iterdir()] == ["multiruns"]
+    (sweep,) = (tmp_path / "outputs" / "vqgan" / "multiruns").iterdir()
+    jobs = sweep_jobs(sweep)
+    assert sorted(jobs) == ["0", "1"]
+    assert sorted(p.name for p in sweep.iterdir() if p.is_file()) == ["multirun.yaml", "summary.csv", "summary.md"]
     for job, lr in (("0", 1e-3), ("1", 3e-4)):
-        summary = json.loads((sweep / job / "summary.json").read_text())
+        summary = json.loads((jobs[job] / "summary.json").read_text())
         assert summary["world_size"] == 2
         assert "val/psnr" in summary["metrics"]
-        assert (sweep / job / "checkpoints" / "last.ckpt").is_file()
-        config = OmegaConf.load(sweep / job / ".hydra" / "config.yaml")
+        assert (jobs[job] / "checkpoints" / "last.ckpt").is_file()
+        config = OmegaConf.load(jobs[job] / ".hydra" / "config.yaml")
         assert config.model.optimizer.lr == lr
     assert result.stdout.count("medvol run summary (fit)") == 2
 
@@ -112,8 +114,11 @@ def test_optuna_sweep_runs_each_trial_on_two_ranks(tmp_path):
     assert result.returncode == 0, explain(result)
     best = OmegaConf.load(sweep / "optimization_results.yaml")
     assert "model.optimizer.lr" in best.best_params and best.best_value > 0
+    jobs = sweep_jobs(sweep)
     for job in ("0", "1"):
-        assert json.loads((sweep / job / "summary.json").read_text())["world_size"] == 2
+        assert json.loads((jobs[job] / "summary.json").read_text())["world_size"] == 2
+    # The study's summary beside its trials, its best trial named last.
+    assert (sweep / "summary.md").is_file() and "best job: " in result.stdout.strip().splitlines()[-1]
 
 
 def test_a_launcher_world_that_differs_from_the_config_is_refused(tiny_cfg, monkeypatch):

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.conftest import ROOT
-from tests.ddp_support import RUN_TIMEOUT, explain, train_cli
+from tests.ddp_support import RUN_TIMEOUT, explain, sweep_jobs, train_cli
 
 
 def _cluster_up() -> bool:
@@ -36,7 +36,7 @@ def test_srun_tasks_become_ddp_ranks_with_one_run_dir(tmp_path):
     result = train_cli([*SMALL, "strategy=ddp", "trainer.devices=2", f"paths.log_dir={tmp_path / 'logs'}"],
                        cwd=tmp_path, launcher=srun)
     assert result.returncode == 0, explain(result)
-    runs = list((tmp_path / "logs" / "train" / "runs").iterdir())
+    runs = list((tmp_path / "logs" / "vqgan" / "runs").iterdir())
     assert [run.name.startswith("slurm-") for run in runs] == [True], runs
     summary = json.loads((runs[0] / "summary.json").read_text())
     assert summary["world_size"] == 2
@@ -53,10 +53,12 @@ def test_submitit_launcher_runs_a_ddp_sweep_as_slurm_jobs(tmp_path):
         timeout=2 * RUN_TIMEOUT,
     )
     assert result.returncode == 0, explain(result)
+    jobs = sweep_jobs(sweep)
     for job in ("0", "1"):
-        summary = json.loads((sweep / job / "summary.json").read_text())
+        summary = json.loads((jobs[job] / "summary.json").read_text())
         assert summary["world_size"] == 2
-        assert (sweep / job / "checkpoints" / "last.ckpt").is_file()
+        assert (jobs[job] / "checkpoints" / "last.ckpt").is_file()
+    assert (sweep / "summary.csv").is_file()
 
 
 @pytest.mark.slow
