@@ -9,18 +9,20 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from medvol.volumes.anatomical_planes import Plane, mid_planes
+from medvol.volumes.segmentation_report import COLOURS
 
 HEADER = 30
 ROW_LABEL = 120
 COLORBAR = 70
 # Dark gap between panels, so the orientation letters of neighbours do not run together.
 GAP = 6
-# Label colours (label 1, 2, ...), distinguishable on grey; label 0 (background) stays transparent.
-LABEL_COLOURS = np.array(
-    [[230, 25, 75], [60, 180, 75], [255, 225, 25], [0, 130, 200], [245, 130, 48],
-     [145, 30, 180], [70, 240, 240], [240, 50, 230], [210, 245, 60], [250, 190, 212]],
-    dtype=np.float32,
-)
+# Structure colours, those of the report page's pictures (`medvol.volumes.segmentation_report`): its k-th structure
+# (a sample's `segments`, e.g. WT, TC, ET), else label value k+1, in the k-th colour; background stays transparent.
+LABEL_COLOURS = np.array(COLOURS, dtype=np.float32)
+# The grey window of a sample's images: these percentiles of its first image's shown planes (a z-scored scan spans
+# several units: a fixed [-1, 1] window left most of a brain white).
+WINDOW_PERCENTILES = (0.5, 99.5)
+LEGEND_HEIGHT = 28
 # Error-map colour ramp (black -> purple -> orange -> pale yellow), linear between the anchors.
 ERROR_RAMP = np.array([[0, 0, 4], [87, 16, 110], [188, 55, 84], [249, 142, 9], [252, 255, 164]], dtype=np.float32)
 OVERLAY_ALPHA = 0.5
@@ -34,21 +36,60 @@ class Sample:
     volumes: dict[str, torch.Tensor]
     affine: torch.Tensor | None = None
     difference: tuple[str, str] | None = None
+    # Structure name -> the label values it covers (a segmentation's `segments`: BraTS' WT = 1, 2, 3).
+    segments: dict[str, list[int]] | None = None
 
 
-def _grey(image: torch.Tensor) -> np.ndarray:
-    """Model units [-1, 1] -> RGB float [0, 255]."""
-    values = ((image.float().clamp(-1, 1) + 1) * 127.5).numpy()
+def window(planes: list[Plane]) -> tuple[float, float]:
+    """The grey window of an image: `WINDOW_PERCENTILES` of its shown planes' voxels."""
+    values = np.concatenate([plane.image.float().numpy().ravel() for plane in planes])
+    low, high = (float(v) for v in np.percentile(values, WINDOW_PERCENTILES))
+    return (low, high) if high > low else (low, low + 1.0)
+
+
+def _grey(image: torch.Tensor, limits: tuple[float, float] = (-1.0, 1.0)) -> np.ndarray:
+    """Values in the window `limits` -> RGB float [0, 255] (clipped beyond it)."""
+    low, high = limits
+    values = ((image.float().numpy() - low) / (high - low)).clip(0, 1) * 255.0
     return np.repeat(values[..., None], 3, axis=-1)
 
 
-def _labels_over(base: np.ndarray, labels: torch.Tensor) -> np.ndarray:
+def structures(labels: torch.Tensor, segments: dict[str, list[int]] | None) -> list[tuple[str, np.ndarray]]:
+    """(name, mask) per structure: a sample's `segments` in their order, else each label value present."""
     index = labels.long().numpy()
+    if segments:
+        return [(name, np.isin(index, list(values))) for name, values in segments.items()]
+    return [(f"label {value}", index == value) for value in range(1, max(int(index.max(initial=0)), 0) + 1)]
+
+
+def _labels_over(base: np.ndarray, labels: torch.Tensor, segments: dict[str, list[int]] | None = None) -> np.ndarray:
+    """Each structure in its colour over `base`, in order: a region inside another (TC in WT) drawn over it."""
     coloured = base.copy()
-    mask = index > 0
-    colours = LABEL_COLOURS[(index[mask] - 1) % len(LABEL_COLOURS)]
-    coloured[mask] = (1 - OVERLAY_ALPHA) * base[mask] + OVERLAY_ALPHA * colours
+    for k, (_, mask) in enumerate(structures(labels, segments)):
+        coloured[mask] = (1 - OVERLAY_ALPHA) * base[mask] + OVERLAY_ALPHA * LABEL_COLOURS[k % len(LABEL_COLOURS)]
     return coloured
+
+
+def legend_names(samples: list[Sample]) -> list[str]:
+    """The structures the grid's label maps show, in colour order: the samples' `segments`, else label values."""
+    for sample in samples:
+        if sample.segments:
+            return list(sample.segments)
+    largest = max((int(v.max()) for s in samples for v in s.volumes.values() if not torch.is_floating_point(v)),
+                  default=0)
+    return [f"label {value}" for value in range(1, largest + 1)]
+
+
+def _legend(names: list[str], width: int, font: ImageFont.ImageFont) -> Image.Image:
+    strip = Image.new("RGB", (width, LEGEND_HEIGHT), (24, 24, 24))
+    draw = ImageDraw.Draw(strip)
+    x = 8
+    for k, name in enumerate(names):
+        colour = tuple(int(c) for c in LABEL_COLOURS[k % len(LABEL_COLOURS)])
+        draw.rectangle([x, 8, x + 14, 20], fill=colour)
+        draw.text((x + 20, LEGEND_HEIGHT // 2), name, fill="white", font=font, anchor="lm")
+        x += 20 + int(font.getlength(name)) + 18
+    return strip
 
 
 def error_colours(values: np.ndarray, vmax: float) -> np.ndarray:
@@ -103,9 +144,11 @@ def slice_grid(samples: list[Sample], panel_size: int = 256, colorbar: bool = Tr
     """The grid as an (H, W, 3) uint8 image.
 
     Layout: a header row of column names; per sample, three rows (axial, coronal, sagittal)
-    labelled with the subject and the plane; panels `panel_size` px square, `GAP` px apart. Float volumes are
-    model units in [-1, 1]; integer volumes are label maps drawn over the first float volume;
-    the error map |a - b| shares one scale over the grid, shown by a colour bar when `colorbar`.
+    labelled with the subject and the plane; panels `panel_size` px square, `GAP` px apart. Float volumes are grey in
+    a window of their sample's first float volume (`WINDOW_PERCENTILES` of its shown planes: z-scores and [-1, 1]
+    alike); integer volumes are label maps drawn over it, each structure in the report page's colour, named in a
+    legend strip under the grid; the error map |a - b| shares one scale over the grid, shown by a colour bar when
+    `colorbar`.
     """
     font = ImageFont.load_default(size=16)
     small = ImageFont.load_default(size=14)
@@ -123,7 +166,10 @@ def slice_grid(samples: list[Sample], panel_size: int = 256, colorbar: bool = Tr
     # Row labels never run under the first panel: the column is as wide as the longest subject id needs.
     label_width = max([ROW_LABEL, *(int(font.getlength(sample.subject)) + 16 for sample in samples)])
     width = label_width + len(columns) * pitch + (COLORBAR if with_bar else 0)
-    grid = Image.new("RGB", (width, HEADER + 3 * len(samples) * pitch), (24, 24, 24))
+    has_labels = any(not torch.is_floating_point(v) for s in samples for v in s.volumes.values())
+    names = legend_names(samples) if has_labels else []
+    height = HEADER + 3 * len(samples) * pitch
+    grid = Image.new("RGB", (width, height + (LEGEND_HEIGHT if names else 0)), (24, 24, 24))
     draw = ImageDraw.Draw(grid)
     for c, name in enumerate(columns):
         draw.text((label_width + c * pitch + panel_size // 2, HEADER // 2), name, fill="white", font=font, anchor="mm")
@@ -132,6 +178,7 @@ def slice_grid(samples: list[Sample], panel_size: int = 256, colorbar: bool = Tr
         per_column = list(sample_planes[s].values())
         floats = [p for p in per_column if torch.is_floating_point(p[0].image)]
         base_planes = floats[0] if floats else None
+        limits = window(base_planes) if base_planes else (-1.0, 1.0)
         if sample.difference is not None:
             per_column.append(next(error_rows))
         for p in range(3):
@@ -144,11 +191,14 @@ def slice_grid(samples: list[Sample], panel_size: int = 256, colorbar: bool = Tr
                 if sample.difference is not None and c == len(per_column) - 1:
                     rgb = error_colours(plane.image.float().numpy(), vmax)
                 elif torch.is_floating_point(plane.image):
-                    rgb = _grey(plane.image)
+                    rgb = _grey(plane.image, limits)
                 else:
-                    base = _grey(base_planes[p].image) if base_planes else np.zeros((*plane.image.shape, 3), np.float32)
-                    rgb = _labels_over(base, plane.image)
+                    base = _grey(base_planes[p].image, limits) if base_planes else \
+                        np.zeros((*plane.image.shape, 3), np.float32)
+                    rgb = _labels_over(base, plane.image, sample.segments)
                 grid.paste(_panel(rgb, plane, panel_size, small), (label_width + c * pitch, top))
             if with_bar:
                 grid.paste(_colorbar(vmax, panel_size, small), (label_width + len(columns) * pitch, top))
+    if names:
+        grid.paste(_legend(names, width, small), (0, height))
     return np.asarray(grid)

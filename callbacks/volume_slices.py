@@ -21,7 +21,8 @@ class VolumeSliceLogger(pl.Callback):
     key, else by position); later epochs show the same subjects, so the image slider in
     TensorBoard scrubs through training. Planes are named from the batch's `affine`
     (radiological convention). A `"difference": (a, b)` entry in the step output adds an |a - b|
-    error-map column. Images are logged at the step of the scalars and checkpoints
+    error-map column; a `"segments"` entry (structure -> label values) colours and names the label maps' structures
+    as the report page does. Images are logged at the step of the scalars and checkpoints
     (`medvol.core.step.logging_step`).
 
     Args:
@@ -80,6 +81,7 @@ class VolumeSliceLogger(pl.Callback):
                 volumes={name: vol[i, 0].detach().cpu() for name, vol in volumes.items()},
                 affine=affines[i].detach().cpu() if affines is not None else None,
                 difference=tuple(difference) if difference else None,
+                segments=dict(outputs["segments"]) if outputs.get("segments") else None,
             )
 
     @rank_zero_only

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from callbacks.learning_rates import LearningRates
-from callbacks.slice_grid import GAP, HEADER, ROW_LABEL, Sample, slice_grid
+from callbacks.slice_grid import GAP, HEADER, LEGEND_HEIGHT, ROW_LABEL, Sample, slice_grid
 from callbacks.volume_slices import TAG, VolumeSliceLogger
 from medvol.run.training import run
 from medvol.volumes.anatomical_planes import mid_planes
@@ -82,7 +82,8 @@ def test_grid_has_the_documented_size_layout_and_overlays():
     panel = 256
     image = slice_grid([sample, sample], panel_size=panel, colorbar=True)
     columns = 4  # input, output, label, |output - input|
-    assert image.shape == (HEADER + 2 * 3 * (panel + GAP), ROW_LABEL + columns * (panel + GAP) + 70, 3)
+    # The legend strip under the grid names the label map's structures.
+    assert image.shape == (HEADER + 2 * 3 * (panel + GAP) + LEGEND_HEIGHT, ROW_LABEL + columns * (panel + GAP) + 70, 3)
     # Axial panel of the input: the right-anterior landmark fills the top-left of the picture (nearest upsampling).
     top, left = HEADER, ROW_LABEL
     axial_input = image[top : top + panel, left : left + panel]
