@@ -41,8 +41,11 @@ class SubjectsFailed(MedvolError):
 
 def job_part(num_parts: Any, part_id: Any) -> tuple[int, int]:
     """(number of parts, this process's part): the command's `num_parts`/`part_id` (a SLURM array), else under
-    torchrun its `WORLD_SIZE`/`RANK`, else (1, 0)."""
+    torchrun (`TORCHELASTIC_RUN_ID` set) its `WORLD_SIZE`/`RANK`, else (1, 0)."""
     if num_parts is None and part_id is None:
+        # torchrun's own variable: a Trainer in this process (a test, a notebook) leaves WORLD_SIZE and RANK behind.
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            return 1, 0
         world = os.environ.get("WORLD_SIZE", "1")
         rank = os.environ.get("RANK", "0")
         if world.isdigit() and rank.isdigit() and int(world) > 1:

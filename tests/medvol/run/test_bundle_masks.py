@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import nibabel as nib
-import numpy as np
 
 from tests.medvol.run.test_bundle import (  # noqa: F401 - module fixtures: the tiny BraTS-region model, its bundle
     predicted,
@@ -23,7 +22,7 @@ def test_predict_and_the_bundle_write_uint8_masks_and_the_readme_gives_channels_
     for folder in (predicted(ckpt, scans, tmp_path / "predict"),
                    run_in_process(segmentation_bundle, scans, tmp_path / "bundle")):
         masks = sorted(folder.glob("*_seg.nii.gz"))
-        assert masks and {nib.load(str(path)).get_data_dtype() for path in masks} == {np.uint8}, folder.name
+        assert masks and {nib.load(str(path)).get_data_dtype().name for path in masks} == {"uint8"}, folder.name
     metadata = json.loads((segmentation_bundle / "configs" / "metadata.json").read_text())
     assert metadata["medvol"]["output_file"]["dtype"] == "uint8"
     readme = (segmentation_bundle / "README.md").read_text()

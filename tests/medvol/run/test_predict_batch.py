@@ -72,6 +72,10 @@ def test_the_part_comes_from_the_command_else_from_torchrun(monkeypatch):
     assert job_part(4, 3) == (4, 3)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
+    # Left behind by a Trainer in this process: not torchrun's.
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert job_part(None, None) == (1, 0)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     assert job_part(None, None) == (2, 1)
     assert job_part(3, 0) == (3, 0)
     refused = [(2, 2, "part_id"), (0, 0, "num_parts"), (2, None, "part_id"), (None, 1, "num_parts"),
