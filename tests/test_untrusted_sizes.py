@@ -209,7 +209,9 @@ def test_a_latent_models_checkpoint_whose_first_stage_settings_ask_for_2_to_the_
     torch.save({MODEL_KEY: LDM_CLASS, "state_dict": {}, "loops": {}, "hyper_parameters": {"first_stage_settings": {
         "in_channels": 1, "embedding_dim": 8, "n_codes": 2**28, "n_hiddens": 8, "downsample": [4, 4, 4]}}}, ckpt)
     line = one_line_refusal(load_module, cfg, str(ckpt), torch.device("cpu"))
-    assert line.startswith(f"`ckpt_path`: {ckpt} lacks weights the model needs (first: ")
+    # The family's bounds (medvol/run/settings_bounds.py) refuse it first; within them, the shapes on the meta device.
+    assert line == (f"{ckpt}: `hyper_parameters.first_stage_settings.n_codes` is 268435456; expected a whole number "
+                    "in [1, 131072]")
 
 
 def test_an_earlier_cascade_stage_whose_settings_build_a_huge_network_is_refused_before_allocation(tmp_path):
@@ -228,8 +230,7 @@ def test_a_segmentation_checkpoint_restoring_a_billion_classes_is_refused_before
     torch.save({MODEL_KEY: SEGMENTATION_CLASS, "state_dict": {}, "loops": {},
                 "hyper_parameters": {"num_classes": 10**9, "in_channels": 1}}, ckpt)
     line = one_line_refusal(load_module, cfg, str(ckpt), torch.device("cpu"))
-    assert line == (f"`ckpt_path`: {ckpt}: `model.num_classes` is 1000000000; at most 65536 classes (DICOM-SEG "
-                    "numbers segments in 16 bits)")
+    assert line == f"{ckpt}: `hyper_parameters.num_classes` is 1000000000; expected null or a whole number in [2, 1024]"
 
 
 def test_a_resume_whose_network_settings_outgrow_the_checkpoint_is_refused_before_the_network_is_built(
@@ -248,13 +249,15 @@ def test_a_run_folder_whose_window_is_4096_voxels_wide_is_refused_before_predict
     # The run's record says its volumes were 4096 voxels wide: the window predict slides.
     run_dir = copied_run(phantom_run, tmp_path / "run")
     record = json.loads((run_dir / "run.json").read_text())
-    record["config"]["dataset"]["size"] = 4096
+    record["values"]["dataset"]["size"] = 4096
     (run_dir / "run.json").write_text(json.dumps(record))
     image = scan(tmp_path / "scans" / "head.nii.gz")
     out = tmp_path / "out"
     line = one_line_refusal(predict, predict_cfg(f"ckpt_path={run_dir}/checkpoints/last.ckpt", f"input={image}",
                                                  f"output_dir={out}"))
-    assert line.startswith("the sliding window: a batch of windows 4x4096x4096x4096 = ")
+    # The family's bounds refuse it where the record is read (medvol/run/settings_bounds.py), before any window.
+    assert line == (f"{run_dir / 'run.json'}: `dataset.size` is 4096; expected null or three whole numbers [D, H, W] "
+                    "(or one for a cube), each in [1, 2048]")
     assert not out.exists()
 
 
@@ -328,7 +331,7 @@ def test_each_attack_ends_in_one_line_and_exit_2_through_its_entry_point(phantom
         run_dir = copied_run(phantom_run, tmp_path / "run")
         named = run_dir / "checkpoints" / "last.ckpt"
         record = json.loads((run_dir / "run.json").read_text())
-        record["config"]["model"]["n_codes"] = 2**28
+        record["values"]["model"]["n_codes"] = 2**28
         (run_dir / "run.json").write_text(json.dumps(record))
         command = ["export.py", f"ckpt_path={named}", f"output_dir={out}"]
     done = subprocess.run(
@@ -377,7 +380,7 @@ def test_a_fold_of_a_sweep_whose_record_asks_for_a_billion_classes_is_refused_th
     # The sweep's model takes its classes from its regions' label values: one of a billion names a billion classes.
     folds = copied_run(sweep, tmp_path / "sweep")
     record = json.loads((folds / "1" / "run.json").read_text())
-    record["config"]["model"]["regions"]["core"] = [10**9]
+    record["values"]["model"]["regions"]["core"] = [10**9]
     (folds / "1" / "run.json").write_text(json.dumps(record))
     out = tmp_path / "out"
     line = one_line_refusal(predict, predict_cfg(f"run_dir={folds}", "split=test", f"output_dir={out}"))

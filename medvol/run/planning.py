@@ -217,7 +217,10 @@ def with_plan(cfg: DictConfig, plan: dict[str, Any]) -> DictConfig:
         cfg.model.net = "dynunet"
         cfg.model.res_block = False
         cfg.model.transposed_bias = True
-        cfg.model.in_channels = plan.get("channels", cfg.model.get("in_channels"))
+        # Left to its interpolation without the plan's count: a run's reader applies the plan before the record's
+        # dataset values are set, when `in_channels` cannot resolve yet.
+        if "channels" in plan:
+            cfg.model.in_channels = plan["channels"]
         cfg.model.features = plan["features"]
         cfg.model.strides = plan["strides"]
         cfg.model.kernels = plan["kernels"]

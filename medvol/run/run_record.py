@@ -407,9 +407,9 @@ def settled(record: Record, paths: Mapping[str, str], source: Path, command: Seq
     check_data(record.values, source)
     choices = check_choices(record.choices, source)
     typed = {_key(o) for o in command}
-    base = [f"{group}={option}" for group, option in choices.items() if group not in typed]
-    recorded = compose_train(base, paths, source)
-    chosen = compose_train([*base, *command], paths, source) if command else recorded
+    recorded = compose_train([f"{group}={option}" for group, option in choices.items()], paths, source)
+    kept = [f"{group}={option}" for group, option in choices.items() if group not in typed]
+    chosen = compose_train([*kept, *command], paths, source) if command else recorded
     folder = Path(paths["output_dir"])
     if record.stage is not None:
         recorded, chosen = (_stage_base(c, record.stage, folder, source) for c in (recorded, chosen))
