@@ -70,6 +70,8 @@ def test_each_entry_point_answers_a_typo_before_torch(tmp_path, script, args, ex
 
 @pytest.mark.parametrize("script, expected", [
     ("train.py", "medvol: train 3D medical imaging models"),
+    ("predict.py", "medvol predict: a trained model's outputs"),
+    ("export.py", "ckpt_path: null"),
     ("check_data.py", "python check_data.py dataset=brats"),
 ])
 def test_help_is_answered_before_torch(tmp_path, script, expected):
@@ -104,3 +106,29 @@ def test_adding_an_argument_the_class_does_not_take_is_one_line_and_leaves_no_fo
     assert len(lines) == 1 and lines[0].startswith("medvol: error: `+trainer.max_epoch=3`"), lines
     assert "did you mean `trainer.max_epochs`?" in lines[0]
     assert list(tmp_path.iterdir()) == []
+
+
+# Hydra's own help, for comparison: the entry point run with medvol's help switched off.
+HYDRAS_HELP = """
+import runpy, sys
+import medvol.run.command_help
+medvol.run.command_help.help_text = lambda *args: None
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("script, args", [
+    ("train.py", ["--help"]),
+    ("train.py", ["model=segmentation", "dataset=brats", "-h"]),
+    ("predict.py", ["--help"]),
+    ("export.py", ["--help"]),
+])
+def test_help_is_the_text_hydra_prints(tmp_path, script, args):
+    env = subprocess_env(OMP_NUM_THREADS="1")
+    ours = subprocess.run([sys.executable, str(ROOT / script), *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=240)
+    hydras = subprocess.run([sys.executable, "-c", HYDRAS_HELP, str(ROOT / script), *args], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=240)
+    assert ours.returncode == hydras.returncode == 0, ours.stderr + hydras.stderr
+    assert ours.stdout == hydras.stdout and "== Configuration groups ==" in ours.stdout
