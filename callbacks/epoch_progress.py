@@ -58,6 +58,10 @@ class EpochProgress(pl.Callback):
         self.monitor = self.monitor or getattr(checkpoint, "monitor", None)
         self.mode = self.mode or getattr(checkpoint, "mode", None) or "min"
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A run resumed inside an epoch (a stop's checkpoint) continues it without a new epoch start.
+        self._epoch_start = time.perf_counter()
+
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._flush(trainer)
         self._epoch_start = time.perf_counter()
@@ -74,8 +78,7 @@ class EpochProgress(pl.Callback):
             self.best, self.best_epoch = value, trainer.current_epoch
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._epoch_start is None:
-            return
+        assert self._epoch_start is not None
         self._epoch_seconds.append(time.perf_counter() - self._epoch_start)
         # The module logs its epoch means in its own `on_train_epoch_end`, after the callbacks': the line waits for
         # the next hook; what changes before then (the scheduler's next lr) is read now.

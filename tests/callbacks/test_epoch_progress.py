@@ -16,7 +16,7 @@ from medvol.core.console import ConsoleFilter, log_file
 from medvol.run.training import run
 from tests.conftest import ROOT, TINY, subprocess_env
 from tests.ddp_support import explain, train_cli
-from tests.medvol.run.test_ddp_correctness import REGRESSOR, TINY_DATA
+from tests.medvol.run.test_ddp_correctness import DATA, REGRESSOR, TINY_DATA
 
 # epoch k/N | lr | train loss | the monitored metric (best so far, its epoch) | epoch time | time left
 LINE = re.compile(
@@ -74,7 +74,7 @@ def test_a_subprocess_run_into_a_pipe_prints_the_lines_and_no_rich_bar(tmp_path)
 
 @pytest.mark.slow  # two gloo ranks, ~30 s
 def test_two_ranks_write_the_lines_once(tmp_path):
-    done = train_cli([*TINY_DATA, *REGRESSOR, "strategy=ddp", "trainer.devices=2", "dataset.batch_size=1",
+    done = train_cli([*TINY_DATA, *DATA, *REGRESSOR, "strategy=ddp", "trainer.devices=2", "dataset.batch_size=1",
                       "trainer.max_epochs=2", f"hydra.run.dir={tmp_path / 'ddp'}"], cwd=tmp_path, tiny=False)
     assert done.returncode == 0, explain(done)
     assert [m["epoch"] for m in epoch_lines(done.stdout + done.stderr)] == ["0", "1"]
