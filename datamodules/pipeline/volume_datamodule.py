@@ -368,7 +368,9 @@ class VolumeDataModule(pl.LightningDataModule):
             self.folds = load_folds(self.split_file, self.fold)
         else:
             strata = self._strata(records)
-            self.split = make_split(ids, self.val_fraction, self.test_fraction, self.split_seed, strata)
+            # Survival subjects: whether each one's event was seen, so a split of too few events is warned about.
+            events = [r.get("event") == 1 for r in records] if all("event" in r for r in records) else None
+            self.split = make_split(ids, self.val_fraction, self.test_fraction, self.split_seed, strata, events)
             if self.fold is not None:
                 pool = [i for i in ids if i not in set(self.split["test"])]
                 kinds = dict(zip(ids, strata, strict=True)) if strata is not None else None

@@ -108,8 +108,7 @@ def applied_postprocessing(folder: Path | None, switch: str | bool, own: Postpro
         return recorded, f"{recorded.describe()} (chosen on {chosen_on(recorded)}; {path})"
     line = own.describe() if own.steps else "post-processing: none"
     if recorded is not None and recorded.steps:
-        line += (f"; the validation split's choice (largest component of {recorded.kept()}) is written to {path}, "
-                 "not applied: postprocessing=true applies it, auto only a choice made on cross-validation folds")
+        line += f" (one split's choice, in {path.name}, not applied: postprocessing=true applies it)"
     return own, line
 
 

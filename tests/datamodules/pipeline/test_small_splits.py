@@ -23,3 +23,16 @@ def test_a_split_under_ten_subjects_or_five_events_is_warned_about(caplog):
     with caplog.at_level(logging.WARNING, logger="medvol"):
         make_split([f"s{k:03d}" for k in range(200)], 0.1, 0.1, 0, events=[k % 20 == 0 for k in range(200)])
     assert any("events (under 10 subjects or 5 events)" in r.getMessage() for r in caplog.records)
+
+
+def test_a_survival_datasets_split_is_warned_about_by_its_events(caplog):
+    # The dataset passes each subject's event to the split (a CSV's `event` column): 200 subjects, 1 in 20 an event.
+    from datamodules.pipeline.volume_datamodule import VolumeDataModule
+
+    class Table(VolumeDataModule):
+        def subjects(self):
+            return [{"subject": f"s{k:03d}", "event": int(k % 20 == 0), "time": 1.0} for k in range(200)]
+
+    with caplog.at_level(logging.WARNING, logger="medvol"):
+        Table().assign_split()
+    assert any("events (under 10 subjects or 5 events)" in r.getMessage() for r in caplog.records)
