@@ -287,6 +287,11 @@ class DiffusionModule(MedvolModule, ABC):
         every = strategy.all_gather(padded)
         return torch.cat([every[rank, :count] for rank, count in enumerate(counts)]).cpu()
 
+    def on_train_start(self) -> None:
+        # Before the first step, so that no training step waits for the EMA's update count on a GPU.
+        if self.ema is not None:
+            self.ema.read_updates()
+
     def on_fit_start(self) -> None:
         if self.training_set_metrics():
             for _ in self.recording_training_set(self.trainer.datamodule.train_dataloader(), self.generated_key):
@@ -377,7 +382,9 @@ class DiffusionModule(MedvolModule, ABC):
     def draw_timesteps(self, batch_size: int, device: torch.device) -> torch.Tensor:
         """Training steps drawn only from the training set, in antithetic pairs."""
         index = antithetic_indices(batch_size, len(self.train_timesteps))
-        return self.train_timesteps[index].to(device)
+        # Drawn on the host (the CPU generator keeps a run's steps those of any device); a blocking copy to a GPU
+        # would wait for all the work queued before it.
+        return self.train_timesteps[index].to(device, non_blocking=True)
 
     def noise_like(self, x: torch.Tensor, subject_noise: SubjectNoise | None = None) -> torch.Tensor:
         """fp32 N(0, 1) noise shaped like x: from the global RNG (training), or from per-subject streams."""

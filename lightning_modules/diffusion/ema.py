@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,10 +28,25 @@ class EMA(nn.Module):
         self.decay = float(decay)
         self.warmup = warmup
         self.register_buffer("updates", torch.zeros((), dtype=torch.long))
+        # Python copy of `updates`, kept beside the buffer: reading the buffer on a GPU is a host sync per step.
+        self._updates: int | None = 0
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._updates = None
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def read_updates(self) -> int:
+        """The number of updates so far, read from the buffer once after a state dict is loaded (a host sync on a
+        GPU; a diffusion module reads it before its first training step) and counted in Python after that."""
+        if self._updates is None:
+            self._updates = int(self.updates)
+        return self._updates
 
     def current_decay(self) -> float:
-        n = int(self.updates)
-        return min(self.decay, (1 + n) / (10 + n)) if self.warmup else self.decay
+        if not self.warmup:
+            return self.decay
+        n = self.read_updates()
+        return min(self.decay, (1 + n) / (10 + n))
 
     @torch.no_grad()
     def update(self, network: nn.Module) -> None:
@@ -40,6 +56,8 @@ class EMA(nn.Module):
         for ema_buffer, buffer in zip(self.module.buffers(), network.buffers(), strict=True):
             ema_buffer.copy_(buffer)
         self.updates += 1
+        if self._updates is not None:
+            self._updates += 1
 
     def train(self, mode: bool = True) -> EMA:
         # The averaged copy is only ever evaluated.

@@ -161,6 +161,8 @@ class LatentDiffusion(DiffusionModule):
         if decode_slab_elements is not None and int(decode_slab_elements) < 1:
             raise MedvolError(f"`model.decode_slab_elements` must be null or >= 1, got {decode_slab_elements}")
         self.register_buffer("scale_factor", torch.tensor(0.0))
+        # Python copy of `scale_factor`, read once: reading the buffer on a GPU is a host sync per step.
+        self._scale: float | None = None
         self.register_buffer("training_latent_size", torch.zeros(3, dtype=torch.long))
         latent = self.first_stage.embedding_dim
         inputs = latent * (2 if self.cond_channels else 1) + (COORDINATES if position_channels else 0)
@@ -205,10 +207,24 @@ class LatentDiffusion(DiffusionModule):
 
     @property
     def scale(self) -> float:
-        value = float(self.scale_factor)
-        if value <= 0:
-            raise RuntimeError("the latent scale factor is not computed yet (it is, before the first training step)")
-        return value
+        """`scale_factor` as a number, read from the buffer once (a host sync on a GPU; before the first training
+        step, `on_train_start`) and again only after the buffer is set, loaded, moved or cast."""
+        if self._scale is None:
+            value = float(self.scale_factor)
+            if value <= 0:
+                raise RuntimeError(
+                    "the latent scale factor is not computed yet (it is, before the first training step)"
+                )
+            self._scale = value
+        return self._scale
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._scale = None
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> LatentDiffusion:
+        self._scale = None
+        return super()._apply(fn, recurse)
 
     def latents(self, images: torch.Tensor) -> torch.Tensor:
         """Scaled continuous latents of (B, C, D, H, W) images."""
@@ -270,6 +286,12 @@ class LatentDiffusion(DiffusionModule):
         mean = totals[0] / totals[2]
         std = (totals[1] / totals[2] - mean.square()).clamp_min(1e-12).sqrt()
         self.scale_factor.fill_(float(1.0 / std))
+        self._scale = None
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        # Before the first step (the scale factor is set by now), so that no training step waits for it on a GPU.
+        self._scale = self.scale
 
     def on_fit_start(self) -> None:
         # One pass over the training data: the training-set metrics' volumes, and the scale factor unless a resumed

@@ -84,12 +84,18 @@ class EMACodebook(nn.Module):
         self.register_buffer("cluster_size", torch.zeros(n_codes))
         self.register_buffer("embedding_sum", self.embeddings.clone())
         self.register_buffer("initialized", torch.tensor(False))
-        # Python copy of `initialized` once it is true: reading the buffer on a GPU is a host sync per step.
-        self._known_initialized = False
+        # Python copy of `initialized`, None until read: reading the buffer on a GPU is a host sync.
+        self._known_initialized: bool | None = None
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        self._known_initialized = False
+        self._known_initialized = None
         super()._load_from_state_dict(*args, **kwargs)
+
+    def read_initialized(self) -> bool:
+        """Whether the codebook is initialised: its buffer read (a host sync on a GPU) and kept, so that later calls
+        read nothing. The VQ-GAN reads it before its first training step (`on_train_start`), so no step waits."""
+        self._known_initialized = bool(self.initialized)
+        return self._known_initialized
 
     def _random_vectors(self, flat: torch.Tensor) -> torch.Tensor:
         """`n_codes` encoder vectors drawn on rank 0 (tiled if there are fewer), identical on every rank."""
@@ -111,6 +117,7 @@ class EMACodebook(nn.Module):
         self.embedding_sum.copy_(vectors)
         self.cluster_size.fill_(1.0)
         self.initialized.fill_(True)
+        self._known_initialized = True
 
     @torch.no_grad()
     def nearest(self, flat: torch.Tensor) -> torch.Tensor:
@@ -144,10 +151,9 @@ class EMACodebook(nn.Module):
             z = z.float()
             channels_last = z.movedim(1, -1)
             flat = channels_last.reshape(-1, self.embedding_dim)
-            if self.training and not self._known_initialized:
-                if not bool(self.initialized):
-                    self._initialise(flat.detach())
-                self._known_initialized = True
+            known = self._known_initialized
+            if self.training and not (self.read_initialized() if known is None else known):
+                self._initialise(flat.detach())
             indices = self.nearest(flat.detach())
             # Counted on the device: CUDA's bincount reads the indices' extremes back to the host (two syncs).
             counts = flat.new_zeros(self.n_codes).index_add_(0, indices, flat.new_ones(()).expand(indices.shape[0]))

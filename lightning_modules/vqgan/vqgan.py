@@ -239,6 +239,9 @@ class VQGAN(MedvolModule):
             for network in (self.encoder, self.decoder, self.video_discriminator):
                 network.to(memory_format=self._memory_format)
         if self.hparams.compile:
+            # The discriminators' graphs serve two backward passes (`gan_losses` retains them); AOT autograd's
+            # donated buffers would free their saved tensors after the first and refuse the second.
+            torch._functorch.config.donated_buffer = False
             # In place (nn.Module.compile), so parameter names and checkpoints are those of the eager networks.
             for network in (self.encoder, self.decoder, self.image_discriminator, self.video_discriminator):
                 network.compile()
@@ -387,6 +390,10 @@ class VQGAN(MedvolModule):
             for name, value in values.items():
                 self.log(f"train/{name}_step", value, on_step=True, on_epoch=False, prog_bar=name == "loss",
                          batch_size=batch_size)
+
+    def on_train_start(self) -> None:
+        # Before the first step, so that no training step waits for the buffer's value on a GPU.
+        self.codebook.read_initialized()
 
     def on_train_epoch_start(self) -> None:
         self._train_sums = {}
