@@ -192,7 +192,7 @@ def benchmark_steps(dry: bool, scratch: Path) -> list[Step]:
                           "fast_ddpm_10", "--repeats", "1"],
          ["ldm.py", "--device", "cpu", "--preset", "cpu", "--rows", "generate", "--samplers", "fast_ddpm_10",
           "--repeats", "1"], 100.0, ldm_figures,
-         [("LDM volume generated (10 steps) and decoded, 128x128x152 latent (s)", "<= 60")]),
+         [("LDM volume generated (10 steps) and decoded, 128x128x152 latent (s)", "<= 8")]),
         ("xray2ct-whole-ct", ["xray2ct_memory.py", "--device", "cuda", "--reduce", "1", "--parts", "whole",
                               "--steps", "10"],
          ["xray2ct_memory.py", "--device", "cpu", "--reduce", "8", "--parts", "whole", "--steps", "1",
@@ -402,8 +402,9 @@ def ldm_figures(step: Step) -> dict[str, Any]:
     if "generate:fast_ddpm_10" in rows:
         latent = "x".join(map(str, data["generate_latent"]))
         seconds = rows["generate:fast_ddpm_10"].get("total_s")
-        checks.append(check(f"LDM volume generated (10 steps) and decoded, {latent} latent (s)", seconds, "<= 60",
-                            at_most(seconds, 60), device))
+        # Issue 61: 8 s (the 60 s of issue 48 was met at 16.2 s on 2026-11-28; 2,703 TFLOP is ~2.7 s at bf16 peak).
+        checks.append(check(f"LDM volume generated (10 steps) and decoded, {latent} latent (s)", seconds, "<= 8",
+                            at_most(seconds, 8), device))
     data["checks"] = checks
     return data
 

@@ -178,7 +178,7 @@ def test_a_step_that_gave_no_figures_shows_its_targets_not_met(tmp_path):
               "figures": {}, "targets": steps["ldm-generate"].targets}
     summary = {"started": "now", "dry_run": False, "budget_s": 530.0, "seconds": 1.0, "commit": None,
                "steps": [record]}
-    assert "| LDM volume generated (10 steps) and decoded, 128x128x152 latent (s) | <= 60 | - | **no** |" in (
+    assert "| LDM volume generated (10 steps) and decoded, 128x128x152 latent (s) | <= 8 | - | **no** |" in (
         gpu_round.markdown(summary))
 
 
