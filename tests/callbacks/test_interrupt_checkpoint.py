@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities.exceptions import SIGTERMException
 
@@ -91,3 +92,12 @@ def test_only_a_stop_of_training_saves(tmp_path, monkeypatch):
         trainer = _trainer(**settings)
         callback.on_exception(trainer, None, exception)  # type: ignore[arg-type]
         assert trainer.saved == ([tmp_path / "interrupted.ckpt"] if saved else []), (exception, settings)
+
+
+def test_a_slurm_job_is_told_from_its_environment(monkeypatch):
+    assert not InterruptCheckpoint.requeued_by_slurm(pl.Trainer(accelerator="cpu", logger=False))
+    for name, value in {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "42",
+                        "SLURM_NODELIST": "node1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0",
+                        "SLURM_NODEID": "0"}.items():
+        monkeypatch.setenv(name, value)
+    assert InterruptCheckpoint.requeued_by_slurm(pl.Trainer(accelerator="cpu", logger=False))
