@@ -120,7 +120,7 @@ def test_console_order_and_train_log_of_a_real_command(tmp_path):
     assert "\npaths " not in out and out.index("model    VQGAN <") < out.index("parameters per block")
     # The summary comes after the test table, last; paths are never folded inside a name.
     assert out.index("Test metric") < out.rindex("medvol run summary (test)")
-    (run_dir,) = (tmp_path / "outputs" / "train" / "runs").iterdir()
+    (run_dir,) = (tmp_path / "outputs" / "vqgan" / "runs").iterdir()
     assert f"run_dir          {run_dir}\n" in out
     log = (run_dir / "train.log").read_text()
     assert "GPU available" in log and "`Trainer.fit` stopped" in log and "model    VQGAN <" in log
@@ -131,5 +131,5 @@ def test_console_order_and_train_log_of_a_real_command(tmp_path):
     # Not a user error medvol knows (a negative codebook size fails inside torch): the traceback stays, and is logged.
     failed = _cli([*args, "model.n_codes=-3"], tmp_path)
     assert failed.returncode == 1
-    failed_log = (max((tmp_path / "outputs" / "train" / "runs").iterdir()) / "train.log").read_text()
+    failed_log = (max((tmp_path / "outputs" / "vqgan" / "runs").iterdir()) / "train.log").read_text()
     assert "run ended by" in failed_log and "Traceback" in failed_log
