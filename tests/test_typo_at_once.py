@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from medvol.run.command_help import config_groups, help_text
 from medvol.run.override_check import override_error
 from tests.conftest import CONF_DIR, ROOT, subprocess_env
 
@@ -132,3 +133,16 @@ def test_help_is_the_text_hydra_prints(tmp_path, script, args):
                             capture_output=True, text=True, timeout=240)
     assert ours.returncode == hydras.returncode == 0, ours.stderr + hydras.stderr
     assert ours.stdout == hydras.stdout and "== Configuration groups ==" in ours.stdout
+
+
+def test_help_lists_the_applications_groups_and_leaves_other_flags_to_hydra(tmp_path):
+    groups = config_groups(CONF_DIR).splitlines()
+    assert "model: classifier, ddpm, ldm, segmentation, survival, vqgan, xray2ct" in groups
+    assert not any(line.startswith("hydra") for line in groups)
+    (tmp_path / "model" / "nested").mkdir(parents=True)
+    (tmp_path / "model" / "nested" / "b.yaml").touch()
+    (tmp_path / "model" / "a.yaml").touch()
+    (tmp_path / "empty").mkdir()
+    assert config_groups(tmp_path) == "model: a\nmodel/nested: b\n"
+    for argv in (["--help", "--resolve"], ["--hydra-help"], ["model=vqgan"], ["--help", "model=vqgna"]):
+        assert help_text(CONF_DIR, "train", argv) is None, argv

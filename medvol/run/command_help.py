@@ -23,13 +23,13 @@ HELP_FLAGS = ("-h", "--help")
 
 def config_groups(config_dir: Path) -> str:
     """Hydra's `$APP_CONFIG_GROUPS`: one `group: option, option` line per folder of `config_dir` holding YAML files."""
-    lines = []
-    for folder in sorted(p for p in config_dir.rglob("*") if p.is_dir()):
+    groups = {}
+    for folder in config_dir.rglob("*"):
         group = folder.relative_to(config_dir).as_posix()
-        options = sorted(p.stem for p in folder.glob("*.yaml"))
+        options = sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
         if options and group != "hydra" and not group.startswith("hydra/"):
-            lines.append(f"{group}: {', '.join(options)}\n")
-    return "".join(sorted(lines))
+            groups[group] = options
+    return "".join(f"{group}: {', '.join(groups[group])}\n" for group in sorted(groups))
 
 
 def help_text(config_dir: Path, config_name: str, argv: Sequence[str]) -> str | None:
