@@ -419,7 +419,8 @@ def inference_config(
         "postprocessing": {"_target_": "Compose", "transforms": postprocessing},
         "initialize": ["$torch.set_grad_enabled(False)", "$os.makedirs(@output_dir, exist_ok=True)"],
         "run": [each],
-        "finalize": [],
+        # What initialize turned off, back on (PyTorch's default) for a bundle run inside a user's process (a notebook).
+        "finalize": ["$torch.set_grad_enabled(True)"],
     }
 
 

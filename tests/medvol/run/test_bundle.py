@@ -186,6 +186,8 @@ def run_in_process(bundle: Path, scans: Path, out: Path) -> Path:
         workflow.initialize()
         workflow.run()
         workflow.finalize()
+        # The bundle turns gradients back on when it is done: a user's notebook is left as PyTorch starts.
+        assert torch.is_grad_enabled()
     return out
 
 
