@@ -480,9 +480,8 @@ class VolumeDataModule(pl.LightningDataModule):
         workers take their first draws from the sampler as the iterator is made: without the epoch set here they
         would be epoch 0's.
         """
-        if self.trainer is None:
-            return 0
-        return int(self.trainer.fit_loop.epoch_progress.current.processed)
+        loop = getattr(self.trainer, "fit_loop", None) if self.trainer is not None else None
+        return 0 if loop is None else int(loop.epoch_progress.current.processed)
 
     def _evaluation_loader(self, stage: str) -> DataLoader:
         dataset = self.datasets[stage]

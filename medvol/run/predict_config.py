@@ -74,7 +74,7 @@ def run_config(ckpt_path: str, named: tuple[str, ...] = ()) -> DictConfig:
                 "checkpoint written by train.py"
             )
         record, source = legacy_record(config_file, run_dir, paths), config_file
-    return settled(record, paths, source, named=named)
+    return settled(record, paths, source, named=named, folder=folder)
 
 
 def recovered_run(cfg: DictConfig) -> DictConfig:

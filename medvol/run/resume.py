@@ -43,4 +43,4 @@ def resumed(cfg: DictConfig) -> tuple[DictConfig, Path | None]:
     if found is None:
         return cfg, None
     record, source = found
-    return settled(record, paths, source, command=command_overrides(), builds_all=True), source
+    return settled(record, paths, source, command=command_overrides(), builds_all=True, folder=run_dir), source

@@ -399,18 +399,19 @@ def with_run_plan(cfg: DictConfig, folder: Path) -> DictConfig:
 
 
 def settled(record: Record, paths: Mapping[str, str], source: Path, command: Sequence[str] = (),
-            named: Collection[str] = (), builds_all: bool = False) -> DictConfig:
+            named: Collection[str] = (), builds_all: bool = False, folder: Path | None = None) -> DictConfig:
     """The run's config: medvol's own composed from the record's choices (and the reader's `command` overrides, which
     win), with the record's values set onto it (`overlay`). `named`: keys where the reader names a class itself;
     `builds_all`: the reader builds the whole run (a resume), so a class of the user's own at any key must be
-    named again."""
+    named again. `folder`: the run's (or stage's) folder, whose plan.json it trained with (the reader's output folder
+    where not given: a test of another run's checkpoint writes elsewhere)."""
     check_data(record.values, source)
     choices = check_choices(record.choices, source)
     typed = {_key(o) for o in command}
     recorded = compose_train([f"{group}={option}" for group, option in choices.items()], paths, source)
     kept = [f"{group}={option}" for group, option in choices.items() if group not in typed]
     chosen = compose_train([*kept, *command], paths, source) if command else recorded
-    folder = Path(paths["output_dir"])
+    folder = folder if folder is not None else Path(paths["output_dir"])
     if record.stage is not None:
         recorded, chosen = (_stage_base(c, record.stage, folder, source) for c in (recorded, chosen))
     # The run's plan (plan.json, read by its schema) applied as training applied it: the keys and classes it adds

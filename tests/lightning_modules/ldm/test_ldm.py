@@ -412,7 +412,7 @@ def test_predict_from_condition_files_gives_n_samples_with_mean_and_spread_on_ea
                         "num_samples=2", "spacing=native"))
     names = ["sample_0", "sample_1", "sample_mean", "sample_std"]
     expected = [f"case{i}_{n}.nii.gz" for i in range(2) for n in names]
-    assert sorted(p.name for p in out.iterdir()) == sorted([*expected, "predict.log"])
+    assert sorted(p.name for p in out.iterdir()) == sorted([*expected, "predict.log", ".predicted"])
     written = {n: nib.load(str(out / f"case0_{n}.nii.gz")) for n in names}
     assert all(image.shape == shape and np.allclose(image.affine, affine) for image in written.values())
     draws = np.stack([written[n].get_fdata() for n in names[:2]])

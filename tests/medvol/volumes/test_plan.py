@@ -163,8 +163,8 @@ def test_a_plan_is_written_once_and_a_resume_and_predict_take_it_from_the_run(tm
     # The resume and predict read the run's record, which holds the plan as training applied it (a patch no
     # fingerprint would give, so it must come from the record, not from a new plan); plan.json is kept as it was.
     record = json.loads((run_dir / "run.json").read_text())
-    record["config"]["model"]["patch_size"] = [8, 8, 4]
-    record["config"]["dataset"]["transforms"]["augmentation"]["patch"] = [8, 8, 4]
+    record["values"]["model"]["patch_size"] = [8, 8, 4]
+    record["values"]["dataset"]["transforms"]["augmentation"]["patch"] = [8, 8, 4]
     (run_dir / "run.json").write_text(json.dumps(record))
     # Only the checkpoint and the epochs: the run's own overrides come from its record.
     caplog.clear()
