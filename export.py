@@ -10,8 +10,7 @@ from omegaconf import DictConfig
 
 from medvol.core.console import quiet_console
 from medvol.core.errors import MedvolError
-from medvol.run.command_help import help_text
-from medvol.run.override_check import added_argument_error, asks_for_help, override_error
+from medvol.run.override_check import answer_at_once
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 
@@ -31,21 +30,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    argv = sys.argv[1:]
-    # Hydra's own --help costs as much as importing torch (medvol.run.command_help).
-    text = help_text(CONF_DIR, "export", argv)
-    if text is not None:
-        print(text)
-        sys.exit(0)
-    problem = override_error(CONF_DIR, "export", argv)
-    if not problem and not asks_for_help(argv):
-        import medvol.run.resolvers  # noqa: F401 - registers the resolvers the run configs use
-
-        try:
-            problem = added_argument_error(CONF_DIR, "export", argv)
-        except MedvolError as err:
-            problem = str(err)
-    if problem:
-        print(f"medvol: error: {problem}", file=sys.stderr)
-        sys.exit(2)
+    answer_at_once(CONF_DIR, "export", sys.argv[1:])
     main()

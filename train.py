@@ -13,8 +13,7 @@ from omegaconf import DictConfig
 
 from medvol.core.console import quiet_console
 from medvol.core.errors import MedvolError
-from medvol.run.command_help import help_text
-from medvol.run.override_check import added_argument_error, asks_for_help, extra_error, override_error
+from medvol.run.override_check import answer_at_once
 
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 log = logging.getLogger("medvol")
@@ -66,25 +65,13 @@ def main(cfg: DictConfig) -> float | None:
     return sweep_objective(metrics, cfg.get("optimized_metric"), str(cfg.get("optimized_mode", "max")))
 
 
+def _linked_run(argv: list[str]) -> None:
+    from medvol.run.training import command_ckpt_path, refuse_a_linked_run
+
+    refuse_a_linked_run(command_ckpt_path(argv))
+
+
 if __name__ == "__main__":
     # Hydra would report a misspelt key or option, or a plugin that is not installed, in several lines with exit code 1.
-    argv = sys.argv[1:]
-    # Hydra's own --help costs as much as importing torch (medvol.run.command_help).
-    text = help_text(CONF_DIR, "train", argv)
-    if text is not None:
-        print(text)
-        sys.exit(0)
-    problem = extra_error(argv) or override_error(CONF_DIR, "train", argv)
-    if not problem and not asks_for_help(argv):
-        import medvol.run.resolvers  # noqa: F401 - registers the run-directory resolvers before Hydra composes
-        from medvol.run.training import command_ckpt_path, refuse_a_linked_run
-
-        try:
-            problem = added_argument_error(CONF_DIR, "train", argv)
-            refuse_a_linked_run(command_ckpt_path(argv))
-        except MedvolError as err:
-            problem = problem or str(err)
-    if problem:
-        print(f"medvol: error: {problem}", file=sys.stderr)
-        sys.exit(2)
+    answer_at_once(CONF_DIR, "train", sys.argv[1:], also=_linked_run)
     main()

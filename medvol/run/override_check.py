@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from difflib import get_close_matches
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
+
+from medvol.core.errors import MedvolError
 
 # Group options that need an extra of pyproject.toml: (group, option) -> (what needs it, its modules, the extra).
 EXTRAS = {
@@ -224,3 +227,31 @@ def added_argument_error(config_dir: Path, config_name: str, argv: Sequence[str]
         suggestion = f"; did you mean `{parent}.{close[0]}`?" if close else ""
         return f"`{override}`: {target} takes no argument `{name}`{suggestion}"
     return None
+
+
+def answer_at_once(
+    config_dir: Path, config_name: str, argv: Sequence[str], also: Callable[[Sequence[str]], None] | None = None
+) -> None:
+    """What an entry point does before Hydra starts: print `--help` (Hydra's text, composed once:
+    `medvol.run.command_help`), or refuse a misspelt key or option, a missing extra, or a `+key` its class does not
+    take (and what `also` refuses, e.g. a resume of a linked run) in one `medvol: error:` line with exit 2; return
+    where the command may run."""
+    from medvol.run.command_help import help_text
+
+    text = help_text(config_dir, config_name, argv)
+    if text is not None:
+        print(text)
+        sys.exit(0)
+    problem = extra_error(argv) or override_error(config_dir, config_name, argv)
+    if not problem and not asks_for_help(argv):
+        import medvol.run.resolvers  # noqa: F401 - registers the resolvers the run configs use before Hydra composes
+
+        try:
+            problem = added_argument_error(config_dir, config_name, argv)
+            if also is not None and not problem:
+                also(argv)
+        except MedvolError as err:
+            problem = str(err)
+    if problem:
+        print(f"medvol: error: {problem}", file=sys.stderr)
+        sys.exit(2)
