@@ -108,7 +108,8 @@ def applied_postprocessing(folder: Path | None, switch: str | bool, own: Postpro
         return recorded, f"{recorded.describe()} (chosen on {chosen_on(recorded)}; {path})"
     line = own.describe() if own.steps else "post-processing: none"
     if recorded is not None and recorded.steps:
-        line += f" (one split's choice, in {path.name}, not applied: postprocessing=true applies it)"
+        line += (f" (one split's choice, largest component of {recorded.kept()}, not applied: postprocessing=true "
+                 "applies it)")
     return own, line
 
 
