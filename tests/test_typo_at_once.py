@@ -146,3 +146,12 @@ def test_help_lists_the_applications_groups_and_leaves_other_flags_to_hydra(tmp_
     assert config_groups(tmp_path) == "model: a\nmodel/nested: b\n"
     for argv in (["--help", "--resolve"], ["--hydra-help"], ["model=vqgan"], ["--help", "model=vqgna"]):
         assert help_text(CONF_DIR, "train", argv) is None, argv
+
+
+def test_a_class_of_the_users_own_added_on_the_command_line_is_no_argument_of_it():
+    # `+callbacks.mine._target_=...` names the class itself: Hydra's key, not a constructor argument (the slow
+    # two-rank tests add their own callbacks this way).
+    from medvol.run.override_check import added_argument_error
+
+    assert added_argument_error(ROOT / "conf", "train", ["+callbacks.mine._target_=tests.ddp_support.RankRecorder",
+                                                          "+callbacks.mine.directory=/tmp/x"]) is None

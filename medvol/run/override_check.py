@@ -197,6 +197,10 @@ def override_error(config_dir: Path, config_name: str, argv: Sequence[str]) -> s
     return None
 
 
+# Keys Hydra reads itself, never passed to a constructor.
+HYDRA_KEYS = ("_target_", "_partial_", "_args_", "_recursive_", "_convert_")
+
+
 def added_argument_error(config_dir: Path, config_name: str, argv: Sequence[str]) -> str | None:
     """None unless a `+key=value` of the command adds to a node that builds a class an argument that class does not
     take (Lightning's TypeError, a traceback, once the run has started); then one line with the closest argument.
@@ -215,6 +219,9 @@ def added_argument_error(config_dir: Path, config_name: str, argv: Sequence[str]
     for override in added:
         key = override.lstrip("+").split("=", 1)[0]
         parent, _, name = key.rpartition(".")
+        # Hydra's own keys (`+callbacks.mine._target_=...` names the class itself) are no constructor arguments.
+        if name in HYDRA_KEYS:
+            continue
         node = OmegaConf.select(cfg, parent, default=None) if parent else None
         if not isinstance(node, DictConfig) or "_target_" not in node:
             continue
