@@ -225,3 +225,12 @@ def test_a_record_asking_for_thousands_of_cpu_ranks_is_refused_before_one_starts
                                           r"machine has \d+ cores"):
         run(_resume_cfg(run_dir, "trainer.max_epochs=2"))
     assert not list((run_dir / "checkpoints").glob("epoch001-*"))
+
+
+def test_a_command_naming_the_runs_own_model_again_keeps_the_runs_model_settings(copied):
+    # docs/ddpm.md's `python train.py model=ddpm ckpt_path=<run>/... train=false test=true`: the group the command
+    # names again is the run's, so the run's settings (a tiny network) stay; only what the command types changes.
+    run_dir, _, _ = copied
+    n_hiddens = _record(run_dir)["values"]["model"]["n_hiddens"]
+    cfg, _ = resumed(_resume_cfg(run_dir, "model=vqgan", "train=false", "test=true"))
+    assert cfg.model.n_hiddens == n_hiddens != 16 and cfg.train is False and cfg.test is True

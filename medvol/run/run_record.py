@@ -442,7 +442,8 @@ def settled(record: Record, paths: Mapping[str, str], source: Path, command: Seq
     if command:
         for change_key, value in _changes(_plain(chosen), _plain(recorded), []):
             _set(result, change_key, value)
-        for typed_key in typed:
+        for typed_key in typed - set(GROUPS):
+            # A group the command names again acts through the comparison above: only what its option changes.
             value = OmegaConf.select(chosen, typed_key, default=_ABSENT, throw_on_resolution_failure=False)
             if value is not _ABSENT and not typed_key.startswith(NOT_RECORDED):
                 OmegaConf.update(result, typed_key, value, force_add=True, merge=False)
