@@ -79,7 +79,8 @@ def test_train_py_refuses_in_one_line_with_exit_2_before_any_data(tmp_path):
 FAMILIES = {
     "vqgan": ["model=vqgan", "dataset.size=32", "dataset.batch_size=1"],
     "ddpm": SMALL_DDPM,
-    "segmentation": ["model=segmentation", "dataset.size=16", "model.patch_size=[16,16,16]"],
+    # The classes come from the data at a run's start; the preflight reads none, so the test names them.
+    "segmentation": ["model=segmentation", "dataset.size=16", "model.patch_size=[16,16,16]", "model.num_classes=3"],
 }
 
 

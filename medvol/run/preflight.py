@@ -270,7 +270,9 @@ def _corner_crops(volumes: list[torch.Tensor], crop: list[int]) -> list[torch.Te
 def _segmentation_step(module: Any, optimizers: list, batch: int, size: list[int], autocast: Any) -> Any:
     """The segmenter's loss on a patch (its patch sampling reads the labels' values, which fake tensors lack)."""
     image = torch.randn(batch, int(module.hparams.in_channels), *size)
-    target = (torch.rand(batch, module.scheme.out_channels, *size) > 0.9).to(torch.uint8)
+    # Regions: a binary channel each; classes: one channel of label values, as the loss takes them.
+    channels = module.scheme.out_channels if module.scheme.is_regions else 1
+    target = (torch.rand(batch, channels, *size) > 0.9).to(torch.uint8)
 
     def run() -> None:
         with autocast():
