@@ -229,15 +229,19 @@ def mask_agreement(expected: np.ndarray, got: np.ndarray, structures: Mapping[st
 
 
 def structure_agreement(reference: Path, other: Path, structures: Mapping[str, list[int]]) -> dict[str, Any]:
-    """Per `<scan>_seg.nii.gz` of `reference` (predict.py's) the same file of `other` (the bundle's), on the same
-    grid, compared by `mask_agreement`."""
+    """Per `<scan>_seg.nii.gz` of `other` (the bundle's) predict.py's mask of the same scan in `reference` (the same
+    name, or nnU-Net's `<scan>.nii.gz` where predict read nnU-Net channel files), on the same grid, compared by
+    `mask_agreement`."""
     found = {}
-    for path in sorted(reference.glob("*_seg.nii.gz")):
-        ours, theirs = nib.load(str(path)), nib.load(str(other / path.name))
+    for path in sorted(other.glob("*_seg.nii.gz")):
+        scan = path.name.removesuffix("_seg.nii.gz")
+        mine = next((reference / n for n in (path.name, f"{scan}.nii.gz") if (reference / n).is_file()), None)
+        if mine is None:
+            raise SystemExit(f"{scan}: predict.py wrote no mask of it in {reference}")
+        ours, theirs = nib.load(str(mine)), nib.load(str(path))
         if theirs.shape != ours.shape or not np.allclose(theirs.affine, ours.affine, atol=1e-5):
             raise SystemExit(f"{path.name}: the bundle's grid {theirs.shape} differs from predict.py's {ours.shape}")
-        found[path.name.removesuffix("_seg.nii.gz")] = mask_agreement(
-            np.asarray(ours.dataobj), np.asarray(theirs.dataobj), structures)
+        found[scan] = mask_agreement(np.asarray(ours.dataobj), np.asarray(theirs.dataobj), structures)
     return found
 
 

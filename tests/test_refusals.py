@@ -126,8 +126,9 @@ def _earlier_run(tmp_path: Path) -> Path:
     run_dir = tmp_path / "outputs" / "train" / "runs" / "2026-01-01_00-00-00"
     (run_dir / ".hydra").mkdir(parents=True)
     # The record of the run's settings, as training writes it (the resume continues from it).
-    write_run_record(compose_cfg(run_dir, FAST, tiny=False))
-    OmegaConf.save(OmegaConf.load(run_dir / "run.json").config, run_dir / ".hydra" / "config.yaml")
+    cfg = compose_cfg(run_dir, FAST, tiny=False)
+    write_run_record(cfg)
+    OmegaConf.save({key: value for key, value in cfg.items() if key != "hydra"}, run_dir / ".hydra" / "config.yaml")
     (run_dir / "checkpoints").mkdir()
     (run_dir / "checkpoints" / "broken.ckpt").write_bytes(b"not a checkpoint")
     (run_dir / "train.log").write_text("[INFO] the earlier run's record\n")

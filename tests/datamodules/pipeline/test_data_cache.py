@@ -177,7 +177,7 @@ def test_train_py_with_two_ddp_ranks_and_a_partitioned_cache(volumes, tmp_path):
     ]
     result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert list(tmp_path.glob("train/runs/*/checkpoints/last.ckpt"))
+    assert list(tmp_path.glob("vqgan/runs/*/checkpoints/last.ckpt"))
 
 
 def test_disk_cache_gets_a_new_folder_when_the_transform_settings_change(volumes, tmp_path):

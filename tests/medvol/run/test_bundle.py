@@ -347,7 +347,8 @@ def test_on_real_anatomy_the_bundle_with_its_declared_packages_gives_predict_pys
         "image"]["spacing_mm"] == [8.0, 8.0, 8.0]
     reference = predicted(ckpt, channels, tmp_path / "predict")
     found = same_masks(reference, run_declared(bundle, scans, tmp_path / "out"), bundle)
-    voxels = int(np.prod(nib.load(str(next(reference.glob("*_seg.nii.gz")))).shape))
+    # predict.py read nnU-Net channel files, so it wrote nnU-Net's `<case>.nii.gz`.
+    voxels = int(np.prod(nib.load(str(next(reference.glob("*.nii.gz")))).shape))
     for row in found.values():
         # Small structures: the tumour a few percent of the scan at most, ET written as BraTS 2021's 4.
         assert row["union"] < 0.05 * voxels and 4 in row["values"]["predict"], row

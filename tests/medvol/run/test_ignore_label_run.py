@@ -40,5 +40,5 @@ def test_a_run_on_a_dataset_with_an_ignore_label_never_predicts_it(tmp_path):
     metrics = predict(predict_cfg(f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", "split=test",
                                   f"output_dir={out}"))
     assert "dice_lesion" in metrics
-    (mask,) = out.glob("*_seg.nii.gz")
+    (mask,) = out.glob("case_??.nii.gz")  # nnU-Net's name for an nnU-Net dataset's case
     assert set(np.unique(np.asarray(nib.load(str(mask)).dataobj)).tolist()) <= {0, 1}

@@ -62,7 +62,7 @@ def test_torchrun_ranks_share_one_run_dir(tmp_path, flags):
         launcher=torchrun,
     )
     assert result.returncode == 0, explain(result)
-    runs = list((tmp_path / "logs" / "train" / "runs").iterdir())
+    runs = list((tmp_path / "logs" / "vqgan" / "runs").iterdir())
     assert len(runs) == 1, f"ranks wrote {len(runs)} run dirs: {runs}"
     summary = json.loads((runs[0] / "summary.json").read_text())
     assert summary["world_size"] == 2

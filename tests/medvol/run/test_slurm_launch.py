@@ -79,7 +79,7 @@ def test_sigusr1_saves_requeues_and_the_job_resumes_in_its_run_dir(tmp_path):
     submitted = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=30)
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
-    run_dir = tmp_path / "logs" / "train" / "runs" / f"slurm-{job}"
+    run_dir = tmp_path / "logs" / "vqgan" / "runs" / f"slurm-{job}"
     try:
         assert _wait_for(lambda: (run_dir / "checkpoints" / "last.ckpt").is_file(), RUN_TIMEOUT), "no epoch finished"
         subprocess.run(["scancel", "--signal=USR1", job], check=True, timeout=30)
@@ -91,7 +91,7 @@ def test_sigusr1_saves_requeues_and_the_job_resumes_in_its_run_dir(tmp_path):
     assert "Restoring states from the checkpoint path at" in output and "hpc_ckpt_" in output, output[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["epochs"] == 6 and summary["world_size"] == 2
-    assert [p.name for p in (tmp_path / "logs" / "train" / "runs").iterdir()] == [run_dir.name]
+    assert [p.name for p in (tmp_path / "logs" / "vqgan" / "runs").iterdir()] == [run_dir.name]
 
 
 def _wait_for(condition, timeout: float) -> bool:

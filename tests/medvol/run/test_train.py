@@ -191,7 +191,7 @@ def test_command_line_trains_writes_the_run_directory_and_resumes_in_it(tmp_path
     tiny = [o for o in TINY if not o.startswith("callbacks.progress_bar")]
     first = _cli([*tiny, "trainer.max_epochs=1"], tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
-    (run_dir,) = (tmp_path / "outputs" / "train" / "runs").iterdir()
+    (run_dir,) = (tmp_path / "outputs" / "vqgan" / "runs").iterdir()
     for name in ("checkpoints/last.ckpt", "split.json", "summary.json", "train.log", ".hydra/config.yaml"):
         assert (run_dir / name).exists(), name
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
@@ -207,7 +207,7 @@ def test_command_line_trains_writes_the_run_directory_and_resumes_in_it(tmp_path
 
     second = _cli([*tiny, "trainer.max_epochs=2", f"ckpt_path={run_dir}/checkpoints/last.ckpt"], tmp_path)
     assert second.returncode == 0, second.stderr[-2000:]
-    assert [p.name for p in (tmp_path / "outputs" / "train" / "runs").iterdir()] == [run_dir.name]
+    assert [p.name for p in (tmp_path / "outputs" / "vqgan" / "runs").iterdir()] == [run_dir.name]
     assert (run_dir / ".hydra" / "config.yaml").read_text() == original_config
     assert list((run_dir / ".hydra").glob("resume-*/config.yaml"))
     assert torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 1
