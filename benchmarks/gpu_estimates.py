@@ -37,12 +37,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from medvol.core.cuda_emulation import (  # noqa: E402
-    DeviceMemory,
-    HostIntegers,
-    StepFlops,
     as_fake,
     cuda_autocast_policy,
     gpu_autocast,
+    measured_step,
 )
 
 GIB = 2**30
@@ -310,16 +308,8 @@ def estimate(row: Row, reduce: int) -> dict[str, Any]:
     """The row's predicted peak and largest allocation (GiB) over two steps, and a third step's TFLOPs."""
     began = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    memory = DeviceMemory()
     tensors, step = row.setup(reduce, mode)
-    memory.track(*tensors)
-    memory.reset_peak()
-    with mode, HostIntegers(), memory:
-        step()
-        step()
-    flops = StepFlops()
-    with mode, HostIntegers(), flops:
-        step()
+    memory, flops = measured_step(step, tensors, mode)
     return {"peak_gib": memory.peak / GIB, "largest_gib": memory.largest / GIB,
             "tflop": flops.total / 1e12, "seconds": time.perf_counter() - began}
 

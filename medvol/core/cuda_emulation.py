@@ -247,3 +247,20 @@ class HostIntegers(TorchFunctionMode):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def measured_step(step: Callable[[], Any], tensors: Sequence[torch.Tensor], mode: FakeTensorMode) -> tuple[
+        DeviceMemory, StepFlops]:
+    """A fake training step measured as a GPU runs it: the device memory over two steps (the second with the
+    optimizer's state) on top of `tensors` (weights, buffers, inputs: what is allocated before the peak is reset),
+    and a third step's FLOPs."""
+    memory = DeviceMemory()
+    memory.track(*tensors)
+    memory.reset_peak()
+    with mode, HostIntegers(), memory:
+        step()
+        step()
+    flops = StepFlops()
+    with mode, HostIntegers(), flops:
+        step()
+    return memory, flops

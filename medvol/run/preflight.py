@@ -134,7 +134,7 @@ def predict(cfg: DictConfig, precision: str) -> Prediction | None:
     rank and a third step's FLOPs; None for a family without a step emulation here."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from medvol.core.cuda_emulation import DeviceMemory, HostIntegers, StepFlops, as_fake, cuda_autocast_policy
+    from medvol.core.cuda_emulation import as_fake, cuda_autocast_policy, measured_step
 
     module = build_model(cfg.model).train()
     step = _family_step(module)
@@ -147,20 +147,12 @@ def predict(cfg: DictConfig, precision: str) -> Prediction | None:
     lower = torch.float16 if precision.startswith("16") else torch.bfloat16
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     module.log = module.log_dict = lambda *a, **k: None  # type: ignore[method-assign]
-    memory = DeviceMemory()
     with cuda_autocast_policy(lower):
         module = as_fake(module, mode)
         with mode:
             optimizers = _optimizers(module)
             inputs, run = step(module, optimizers, batch, size, autocast)
-        memory.track(*module.parameters(), *module.buffers(), *inputs)
-        memory.reset_peak()
-        with mode, HostIntegers(), memory:
-            run()
-            run()
-        flops = StepFlops()
-        with mode, HostIntegers(), flops:
-            run()
+        memory, flops = measured_step(run, [*module.parameters(), *module.buffers(), *inputs], mode)
     peak = memory.peak
     devices = _devices(cfg)
     if devices > 1:
