@@ -87,3 +87,62 @@ def test_the_compiled_vqgan_step_equals_the_eager_step(monkeypatch):
     assert expected.keys() == got.keys()
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# The survival and classification families compile their network when `model.compile` is on (experiment=mace_survival):
+# a 3D ResNet whose pooled features are joined with the standardised covariates (`ImageCovariateNet`).
+OUTCOME_NETWORKS = {"survival": dict(outputs=1, num_covariates=3), "classifier": dict(outputs=3, num_covariates=0)}
+OUTCOME_MODULES = {"survival": ("survival", "SurvivalModel", dict(num_covariates=3)),
+                   "classifier": ("classifier", "ClassifierModel", dict(num_classes=3))}
+
+
+def outcome_network(kind: str):
+    from lightning_modules.discriminative.fusion_net import ImageCovariateNet
+
+    torch.manual_seed(0)
+    net = ImageCovariateNet(backbone="resnet10", widen_factor=0.25, **OUTCOME_NETWORKS[kind]).train()
+    if net.covariates is not None:
+        net.covariates.fit(torch.randn(16, 3, generator=torch.Generator().manual_seed(3)) * 5 + 40)
+    return net
+
+
+def outcome_inputs(net) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(4)
+    image = torch.rand(2, 1, 16, 16, 16, generator=generator)
+    return (image,) if net.covariates is None else (image, torch.randn(2, 3, generator=generator) * 5 + 40)
+
+
+@pytest.mark.parametrize("kind", OUTCOME_NETWORKS)
+def test_the_outcome_families_compiled_network_traces_without_a_graph_break(kind):
+    net = outcome_network(kind)
+    assert graph_breaks(net, *outcome_inputs(net)) == []
+
+
+@pytest.mark.parametrize("kind", OUTCOME_NETWORKS)
+def test_the_compiled_outcome_step_equals_the_eager_step(kind, monkeypatch):
+    """The family's module with `compile=True` compiles its network in place; its step (forward, loss, backward,
+    Adam) equals the eager network's (AOT autograd without inductor's code generation, as for the VQ-GAN above)."""
+    import importlib
+
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self: compile_module(self, backend="aot_eager"))
+    file, name, settings = OUTCOME_MODULES[kind]
+    family = getattr(importlib.import_module(f"lightning_modules.discriminative.{file}"), name)
+    compiled = family(backbone="resnet10", widen_factor=0.25, compile=True, **settings)
+    assert compiled.net._compiled_call_impl is not None
+    eager = outcome_network(kind)
+    compiled.net.load_state_dict(eager.state_dict())
+    inputs = outcome_inputs(eager)
+
+    def step(net) -> dict[str, torch.Tensor]:
+        optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
+        out = net(*inputs)
+        loss = out.float().pow(2).mean() + out.float().mean()
+        loss.backward()
+        optimizer.step()
+        return {"out": out.detach(), **{name: p.detach() for name, p in net.named_parameters()}}
+
+    expected, got = step(eager), step(compiled.net)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
