@@ -37,8 +37,8 @@ log = logging.getLogger("medvol")
 # The share of the prediction kept free for what it does not count (see the module's docstring).
 MARGIN = 0.10
 _GPU_ACCELERATORS = ("auto", "gpu", "cuda")
-# Measured step rates as a share of the card's dense bf16 peak, by family: the step's FLOPs (the emulation's count)
-# over its measured time, on the rounds' cards (benchmarks/gpu/gpu_estimates.py MEASURED_STEP_S and the round summaries).
+# Measured step rates as a share of the card's dense bf16 peak, by family: the step's FLOPs (the emulation's count) over
+# its measured time, on the rounds' cards (benchmarks/gpu/gpu_estimates.py MEASURED_STEP_S and the round summaries).
 MEASURED_EFFICIENCY = {
     "VQGAN": (1.60 / 0.0839 / 989, "CTPA VQ-GAN batch 1, 83.9 ms on the H100, 2026-11-28"),
     "ConditionalDiffusion": (9.44 / 0.162 / 989, "Fast-DDPM seed step, 162 ms on the H100, 2026-11-28"),
