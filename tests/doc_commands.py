@@ -1,4 +1,4 @@
-"""The shell commands of README.md and docs/*.md, as a reader sees them: every code block (fenced, or indented by four
+"""The shell commands of README.md and docs/**/*.md, as a reader sees them: every code block (fenced, or indented by four
 spaces), its language, its lines joined across trailing backslashes, and the `doc-test` markers before it.
 
 A marker is an HTML comment on the lines just above a block (a reader of the rendered page does not see it):
@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 # Why a command is not run. `gpu`: it needs a CUDA GPU (or several); `slurm`: a SLURM cluster; `nodes`: a second
 # machine; `network`: it installs packages or downloads; `server`: it serves until stopped; `recursion`: it runs
 # the test suite this test is part of; `benchmark`: a measurement of minutes to hours, whose command is in
-# BENCHMARKS.md with the figures it gave; `size`: a full-size run no CPU test can afford even with the size keys
+# BENCHMARKS.md's pages with the figures it gave; `size`: a full-size run no CPU test can afford even with the size keys
 # appended; `tested`: another test (named) runs this very command.
 REASONS = ("gpu", "slurm", "nodes", "network", "server", "recursion", "benchmark", "size", "tested")
 MARKER = re.compile(r"<!--\s*doc-test:\s*(skip-file|skip)\s+(?:\"([^\"]+)\":\s*)?(.+?)\s*-->")

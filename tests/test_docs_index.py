@@ -1,5 +1,6 @@
-"""The guides can be found: every `docs/*.md` is linked from the index `docs/README.md`, the front page
-links that index, and no relative link in README.md or docs/*.md names a file that does not exist.
+"""The guides can be found: every `docs/*.md` is linked from the index `docs/README.md`, and every page of a
+folder below (`docs/benchmarks/*.md`) from the index or from a guide the index links; the front page links that
+index, and no relative link in README.md or docs/**/*.md names a file that does not exist.
 
 Links are Markdown's inline `[text](target)`; code (fenced blocks and `inline` spans) is not read, since
 a command there may hold brackets. Only the standard library is used.
@@ -17,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 INDEX = DOCS / "README.md"
 FRONT_PAGE = ROOT / "README.md"
-PAGES = [FRONT_PAGE, *sorted(DOCS.glob("*.md"))]
+PAGES = [FRONT_PAGE, *sorted(DOCS.rglob("*.md"))]
 
 FENCED_CODE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
@@ -47,6 +48,15 @@ def test_every_guide_is_linked_from_the_docs_index():
     linked = {path for _, path in local_files(INDEX)}
     missing = sorted(path.name for path in guides - linked)
     assert not missing, f"docs/README.md links no line to {missing}: add one line per guide"
+
+
+def test_every_page_below_docs_is_linked_from_the_index_or_a_guide_it_links():
+    # One click further: BENCHMARKS.md's headline table links the log's pages (docs/benchmarks/), the index links it.
+    below = {path.resolve() for path in DOCS.rglob("*.md") if path.parent != DOCS}
+    guides = {path for _, path in local_files(INDEX) if path.parent == DOCS.resolve() and path.suffix == ".md"}
+    linked = {path for page in [INDEX, *sorted(guides)] if page.exists() for _, path in local_files(page)}
+    missing = sorted(str(path.relative_to(DOCS.resolve())) for path in below - linked)
+    assert not missing, f"neither docs/README.md nor a guide it links links to {missing}"
 
 
 def test_the_front_page_links_the_docs_index():

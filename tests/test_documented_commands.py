@@ -1,4 +1,4 @@
-"""Every shell command of README.md and docs/*.md works as typed (issue 49).
+"""Every shell command of README.md and docs/**/*.md works as typed (issue 49).
 
 The fast part reads every code block: each is a shell block or holds no command, each marker (`tests/doc_commands.py`)
 names a known reason and still marks a command, and every command of medvol's entry points parses and composes as

@@ -175,8 +175,8 @@ def sentence_statements(path: Path):
 def test_every_default_a_guide_states_is_the_configs():
     checked, wrong = 0, []
     for path in DOCS:
-        if path.name == "BENCHMARKS.md":
-            continue
+        if path.name == "BENCHMARKS.md" or path.parent.name == "benchmarks":
+            continue  # measurements: a value there is what a run gave, not a default
         for where, key, value, root, overrides in [*table_statements(path), *sentence_statements(path)]:
             cfg = config(root, tuple(overrides))
             if "." not in key and key in cfg.hydra.runtime.choices:
