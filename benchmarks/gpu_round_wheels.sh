@@ -38,7 +38,7 @@ WHEELS=(
   pyjpegls==1.5.1
   lifelines==0.30.3
   autograd==1.9.1
-  # nnU-Net's own training step beside medvol's (benchmarks/nnunet_plans.py gpu-step): its network, loss and what
+  # nnU-Net's own training step beside medvol's (benchmarks/segmentation/nnunet_plans.py gpu-step): its network, loss and what
   # they import (batchgenerators' file utilities).
   nnunetv2==2.8.1
   dynamic-network-architectures==0.4.4

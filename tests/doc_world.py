@@ -100,7 +100,7 @@ def mace_table(name: str) -> Callable[[Path], None]:
 
 def hippocampus(path: Path) -> None:
     """An nnU-Net raw dataset of two labelled structures, with imagesTs for predict."""
-    from benchmarks.nnunet_plans import write_raw
+    from benchmarks.segmentation.nnunet_plans import write_raw
 
     rng = np.random.default_rng(0)
     cases = {}

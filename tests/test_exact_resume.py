@@ -18,7 +18,7 @@ from monai.data.utils import worker_init_fn
 from monai.transforms import Compose
 from torch.utils.data import DataLoader
 
-from benchmarks.nnunet_plans import write_raw
+from benchmarks.segmentation.nnunet_plans import write_raw
 from callbacks.rng_state import RNGState
 from datamodules.pipeline.augmentation import nnunet_augmentation
 from datamodules.pipeline.draws import DrawDataset, SeededDraws

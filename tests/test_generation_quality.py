@@ -1,6 +1,7 @@
-"""benchmarks/generation_quality.py and benchmarks/ldm.py --anatomy build the real sets they measure from the config
-as train.py composes it, in a process of their own (train.py's resolvers registered by the benchmark itself, not by
-anything a test imported before): the table from the command line, the anatomy sets in a fresh interpreter."""
+"""benchmarks/generation/generation_quality.py and benchmarks/generation/ldm.py --anatomy build the real sets they
+measure from the config as train.py composes it, in a process of their own (train.py's resolvers registered by the
+benchmark itself, not by anything a test imported before): the table from the command line, the anatomy sets in a fresh
+interpreter."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def split_file(path: Path) -> Path:
 def test_the_table_runs_from_the_command_line_and_the_collapsed_rows_score_worse_than_real_draws(tmp_path):
     pytest.importorskip("nilearn.datasets", reason="the MNI152 brains come from nilearn's wheel (the dev extra)")
     split_file(tmp_path / "ldm_cpu" / "split.json")
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generation_quality.py"), "--out", str(tmp_path),
+    script = ROOT / "benchmarks" / "generation" / "generation_quality.py"
+    done = subprocess.run([sys.executable, str(script), "--out", str(tmp_path),
                            "--subjects", "8", "--spacing", "8", "8", "8", "--runs", "table"],
                           capture_output=True, text=True, cwd=ROOT, env={"OMP_NUM_THREADS": "1", "PATH": ""})
     assert done.returncode == 0, done.stderr[-2000:]
@@ -52,8 +54,9 @@ def test_the_anatomy_sets_are_the_whole_volume_runs_brains_in_a_fresh_process(tm
     common = [f"dataset.root={root}", "dataset.pattern='{subject}/{subject}_{modality}.nii.gz'",
               "dataset.image_modalities=[t1]", "dataset.transforms.spacing=[8.0,8.0,8.0]",
               "dataset.transforms.spatial_size=[24,24,24]", f"dataset.split_file={split}"]
-    code = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); from benchmarks import ldm; "
-            "sets = ldm.anatomy_sets(Path(sys.argv[2]), sys.argv[3:]); print([tuple(s.shape) for s in sets])")
+    code = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
+            "from benchmarks.generation import ldm; sets = ldm.anatomy_sets(Path(sys.argv[2]), sys.argv[3:]); "
+            "print([tuple(s.shape) for s in sets])")
     done = subprocess.run([sys.executable, "-c", code, str(ROOT), str(tmp_path), *common], capture_output=True,
                           text=True, cwd=ROOT, env={"OMP_NUM_THREADS": "1", "PATH": ""})
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_estimates.py and its CUDA emulation: CUDA's autocast policy on CPU tensors, device memory counted
+"""benchmarks/gpu/gpu_estimates.py and its CUDA emulation: CUDA's autocast policy on CPU tensors, device memory counted
 as CUDA's allocator counts it, and (slow) every GPU row estimated at a reduced size, so the estimate cannot rot."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_device_memory_counts_live_storages_in_512_byte_blocks_and_flops_by_torc
 def test_every_gpu_row_is_estimated_at_a_reduced_size_and_fused_attention_holds_no_attention_matrix(tmp_path):
     out = tmp_path / "estimates.json"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_estimates.py"), "--reduce", "4", "--json", str(out)],
+        [sys.executable, str(ROOT / "benchmarks" / "gpu" / "gpu_estimates.py"), "--reduce", "4", "--json", str(out)],
         env=subprocess_env(OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=3600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -79,12 +79,12 @@ def test_every_gpu_row_is_estimated_at_a_reduced_size_and_fused_attention_holds_
 @pytest.mark.parametrize("low_precision_norm, dtype", [(False, "float32"), (True, "bfloat16")])
 def test_the_fast_ddpm_steps_groupnorm_outputs_are_counted_by_dtype_as_cuda_autocast_gives_them(low_precision_norm,
                                                                                                   dtype):
-    # The ddpm-seed step's diagnostic (benchmarks/ddpm.py): under CUDA's autocast GroupNorm runs in float32 unless
-    # the network's norms are LowPrecisionGroupNorm; every norm of the step counted, the checkpointed blocks'
+    # The ddpm-seed step's diagnostic (benchmarks/generation/ddpm.py): under CUDA's autocast GroupNorm runs in float32
+    # unless the network's norms are LowPrecisionGroupNorm; every norm of the step counted, the checkpointed blocks'
     # recomputations too (each block's two norms run again in the backward pass).
     from argparse import Namespace
 
-    from benchmarks import ddpm
+    from benchmarks.generation import ddpm
 
     torch.manual_seed(0)
     args = Namespace(channels=[8, 8], attention=False, groups=4, head_channels=8, explicit_attention=False,

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _runner():
-    spec = importlib.util.spec_from_file_location("mutation_runner", ROOT / "benchmarks" / "mutations.py")
+    spec = importlib.util.spec_from_file_location("mutation_runner", ROOT / "benchmarks" / "trust" / "mutations.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from benchmarks import segmentation_protocol as protocol
+from benchmarks.segmentation import segmentation_protocol as protocol
 
 
 def test_wall_epochs_fill_the_reference_time_after_the_fixed_cost():
@@ -93,7 +93,7 @@ def test_the_tables_command_records_every_run_in_it_with_the_options_that_change
                                "1.25", "--val-iterations", "10", "--cpus", "1", "--out", str(tmp_path)])
     command = protocol.reproducing_command("tissue", protocol.recorded_runs(tmp_path), asked)
     words = shlex.split(command)
-    assert words[:3] == ["python", "benchmarks/segmentation.py", "protocol"]
+    assert words[:3] == ["python", "benchmarks/segmentation/segmentation.py", "protocol"]
     again = parser.parse_args(words[3:])
     assert again.seeds == [0, 2] and again.arms == ["medvol16", "nnunet"] and again.budgets == ["steps", "wall"]
     for option in ("dataset", "steps", "iterations", "val_iterations", "subjects", "spacing_scale", "data_seed",

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.nnunet_plans import write_raw
+from benchmarks.segmentation.nnunet_plans import write_raw
 from callbacks.run_summary import RunSummary
 from datamodules.sources.nifti import NiftiDataModule
 from datamodules.sources.nnunet_raw import NnunetDataModule

@@ -31,7 +31,7 @@ LABELS = {"background": 0, "core": 1, "oedema": 2}
 # A phantom's class: its lesion load above the generator's median, measured on one fixed grid so a
 # subject keeps its class at every volume size. The median lesion fraction of series 0 on the 16^3
 # grid is 0.0675 over 2000 phantoms (0.069 on 32^3; 21% have no lesion): about half the subjects
-# fall on each side (`benchmarks/phantom_classes.py`).
+# fall on each side (`benchmarks/data/phantom_classes.py`).
 CLASS_GRID = 16
 LESION_CLASS_THRESHOLD = 0.0675
 

@@ -2,7 +2,7 @@
 
 Under CUDA autocast PyTorch runs `group_norm` in float32: every norm makes a float32 copy of its input and writes a
 float32 output, which the SiLU after it keeps too. At 128^3 those copies are most of a Fast-DDPM step's memory
-(benchmarks/gpu_estimates.py: 3.75 of the 5.0 GiB at its peak are the float32 copy, norm and SiLU gradient of the
+(benchmarks/gpu/gpu_estimates.py: 3.75 of the 5.0 GiB at its peak are the float32 copy, norm and SiLU gradient of the
 full-resolution up block's 96-channel input; 3.26 GiB in all with the norms in bf16). Here the norm runs in the
 autocast dtype instead; PyTorch's kernels sum its statistics in float32 either way.
 """

@@ -1,6 +1,6 @@
 """A GPU's memory and work seen on the CPU: bf16 autocast as CUDA runs it, device memory as its allocator counts it.
 
-The preflight (`medvol/run/preflight.py`) and `benchmarks/gpu_estimates.py` run a GPU step on fake tensors
+The preflight (`medvol/run/preflight.py`) and `benchmarks/gpu/gpu_estimates.py` run a GPU step on fake tensors
 (`FakeTensorMode`: shapes, dtypes and autograd without data) on the CPU, with or without a CUDA device. Three pieces
 make that a GPU's step:
 

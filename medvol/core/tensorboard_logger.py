@@ -24,7 +24,7 @@ class MedvolTensorBoardLogger(TensorBoardLogger):
     `save()`, which Lightning calls after every logging step, writes to disk at most every
     `flush_seconds`; the event writer also flushes on its own and at the end of the run. A flush
     cost about 30 ms on a busy shared disk, every `log_every_n_steps` steps: the largest fixed
-    cost of medvol's training step (see benchmarks/overhead.py).
+    cost of medvol's training step (see benchmarks/training/overhead.py).
 
     TensorBoard writes into a folder: a `log_dir` that is a link, or a link on its way below `save_dir` (the run) or
     in place of `hparams.yaml`, is refused in one line (`medvol.core.run_files`), never followed.

@@ -4,7 +4,7 @@
 Every function here works in nnU-Net's axis order: the caller hands it the spacing and shapes transposed as
 nnU-Net transposes them (the axis of the coarsest spacing first) and maps the results back
 (`medvol.volumes.plan`). The reference values these functions are tested against come from nnU-Net itself
-(`benchmarks/nnunet_plans.py`, `tests/data/nnunet_plans.json`).
+(`benchmarks/segmentation/nnunet_plans.py`, `tests/data/nnunet_plans.json`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """nnU-Net raw datasets and Decathlon tasks read as they are (datamodules/sources/nnunet_raw.py), and the fingerprint
 rules checked against what nnU-Net's own `plan_and_preprocess` answered on the same files
-(tests/data/nnunet_plans.json, `benchmarks/nnunet_plans.py reference`)."""
+(tests/data/nnunet_plans.json, `benchmarks/segmentation/nnunet_plans.py reference`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from benchmarks.nnunet_plans import tiny_datasets, write_raw
+from benchmarks.segmentation.nnunet_plans import tiny_datasets, write_raw
 from datamodules.sources.nnunet_raw import NnunetDataModule
 from medvol.core.errors import MedvolError
 from medvol.run.resolvers import nnunet_channels

@@ -1,5 +1,5 @@
 """`model=survival` with its defaults learns lesion burden on real anatomy (slow): the MACE-style table of
-`datamodules.sources.brain_outcomes` and the split that `benchmarks/survival_baselines.py real --spacing 8 8 8`
+`datamodules.sources.brain_outcomes` and the split that `benchmarks/training/survival_baselines.py real --spacing 8 8 8`
 trains its arms on at seed 1, with the command its medvol arm types."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Issue 50's rules against nnU-Net v2's own functions, whose answers on fixed inputs `benchmarks/nnunet_plans.py
-rules` recorded in tests/data/nnunet_rules.pt (in a venv with nnunetv2 2.8.1 and batchgeneratorsv2; the file says
-which made it): the losses with `batch_dice` and with an ignore label, the spatial augmentation's one-hot linear
-label resampling, the predictor's mirrored logits, and the resampling of logits to the source grid with
-and without an axis apart (separate-z).
+"""Issue 50's rules against nnU-Net v2's own functions, whose answers on fixed inputs
+`benchmarks/segmentation/nnunet_plans.py rules` recorded in tests/data/nnunet_rules.pt (in a venv with nnunetv2 2.8.1
+and batchgeneratorsv2; the file says which made it): the losses with `batch_dice` and with an ignore label, the spatial
+augmentation's one-hot linear label resampling, the predictor's mirrored logits, and the resampling of logits to the
+source grid with and without an axis apart (separate-z).
 MONAI's Dice loss is 1 - Dice where nnU-Net's is -Dice: medvol's losses are nnU-Net's plus 1."""
 
 from __future__ import annotations

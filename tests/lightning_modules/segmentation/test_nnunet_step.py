@@ -1,5 +1,5 @@
 """medvol's planned training step against nnU-Net v2's own, recorded in tests/data/nnunet_step.pt by
-`benchmarks/nnunet_plans.py step` (run in a venv that has nnunetv2 2.8.1; the file says which made it).
+`benchmarks/segmentation/nnunet_plans.py step` (run in a venv that has nnunetv2 2.8.1; the file says which made it).
 
 nnU-Net's PlainConvUNet (4 stages, its He initialisation) took a fixed batch of the 3 BraTS regions through its
 deep-supervision loss (DC_and_BCE_loss per head against targets pooled by batchgeneratorsv2, weights 1/2^i with
@@ -15,7 +15,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from benchmarks.nnunet_plans import dynunet_parameter, load_nnunet_weights, nested_regions
+from benchmarks.segmentation.nnunet_plans import dynunet_parameter, load_nnunet_weights, nested_regions
 from lightning_modules.segmentation.segmentation import Segmenter
 from medvol.run.planning import GRADIENT_CLIP
 

@@ -1,12 +1,12 @@
 """The MONAI bundle export.py writes: predict.py's outputs from MONAI alone, metadata the specification accepts.
 
 The reference is predict.py itself, run on the same scans. Masks are judged structure by structure
-(`benchmarks/export.py`'s `structure_agreement`): the model predicts every structure, each structure's Dice between
-the two masks is at least 0.99, the label values agree on at least 99.9% of the union of their foreground, and both
-hold the same label values; reconstructions agree within 1e-3 of their range. The fast tests run the bundle in this
-process through MONAI's own `ConfigWorkflow` (what `python -m monai.bundle run` builds); the slow ones run `python
--m monai.bundle run` in an interpreter that can import only torch, monai, fire and the packages the bundle's
-metadata.json declares (`declared_site`), on phantoms and on real anatomy (the MNI152 brain with a lesion, four
+(`benchmarks/inference/export.py`'s `structure_agreement`): the model predicts every structure, each structure's Dice
+between the two masks is at least 0.99, the label values agree on at least 99.9% of the union of their foreground, and
+both hold the same label values; reconstructions agree within 1e-3 of their range. The fast tests run the bundle in this
+process through MONAI's own `ConfigWorkflow` (what `python -m monai.bundle run` builds); the slow ones run `python -m
+monai.bundle run` in an interpreter that can import only torch, monai, fire and the packages the bundle's metadata.json
+declares (`declared_site`), on phantoms and on real anatomy (the MNI152 brain with a lesion, four
 channels, scans at twice the plan's resolution, small structures).
 """
 
@@ -30,7 +30,7 @@ from monai.bundle import ConfigWorkflow
 from monai.bundle.utils import DEFAULT_METADATA
 from omegaconf import OmegaConf
 
-from benchmarks.export import (
+from benchmarks.inference.export import (
     SMALL_REGIONS,
     declared_site,
     real_scans,

@@ -10,7 +10,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from benchmarks.nnunet_plans import write_raw
+from benchmarks.segmentation.nnunet_plans import write_raw
 from medvol.core.errors import MedvolError
 from medvol.run.channel_files import channel_groups
 from medvol.run.predicting import predict

@@ -9,7 +9,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from benchmarks.nnunet_plans import write_raw
+from benchmarks.segmentation.nnunet_plans import write_raw
 from tests.medvol.run.test_channel_files import nnunet_run
 from tests.medvol.run.test_predict import predict_cfg
 

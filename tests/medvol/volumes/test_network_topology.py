@@ -1,5 +1,6 @@
 """medvol's planner against nnU-Net v2's own (2.8.1), rule for rule: the values nnU-Net itself answered, recorded in
-tests/data/nnunet_plans.json by `benchmarks/nnunet_plans.py reference` (run in a venv that has nnunetv2)."""
+tests/data/nnunet_plans.json by `benchmarks/segmentation/nnunet_plans.py reference` (run in a venv that has
+nnunetv2)."""
 
 from __future__ import annotations
 

@@ -268,8 +268,8 @@ LEARNS_WT_DICE = 0.56
 def test_the_planned_default_learns_on_real_anatomy(tmp_path):
     """The default segmentation command learns brain lesions on real anatomy (0.634 WT Dice when calibrated). The old
     default (`model.plan.use=false`) reached 0.481 on the same run, under the threshold: the mutation
-    `seg-plan-default-off` (benchmarks/mutations/segmentation-plan.yaml) runs it in place of the default, kept out of
-    the suite since it doubles a 7-minute test."""
+    `seg-plan-default-off` (benchmarks/trust/mutations/segmentation-plan.yaml) runs it in place of the default, kept out
+    of the suite since it doubles a 7-minute test."""
     pytest.importorskip("nilearn.datasets")
     from datamodules.sources.brain_lesions import write_brain_lesions
 

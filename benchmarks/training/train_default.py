@@ -1,0 +1,73 @@
+"""Times the default `make train` run (VQ-GAN on synthetic phantoms) and reports its quality figures.
+
+    .venv/bin/python benchmarks/training/train_default.py [--repeats N] [hydra overrides ...]
+
+Runs `python train.py` in a fresh temporary directory (plus `logger=[tensorboard,csv]` to read
+per-epoch metrics) and prints a Markdown table: wall time of the whole command, val PSNR/SSIM
+per epoch, training samples/s and peak host memory from the run's summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def one_run(overrides: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "train.py"),
+                "logger=[tensorboard,csv]",
+                "callbacks.progress_bar=null",
+                *overrides,
+            ],
+            cwd=tmp,
+            check=True,
+            capture_output=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+        wall = time.perf_counter() - start
+        (run_dir,) = (Path(tmp) / "outputs" / "train" / "runs").iterdir()
+        summary = json.loads((run_dir / "summary.json").read_text())
+        rows = [r for r in csv.DictReader((run_dir / "csv" / "metrics.csv").open()) if r.get("val/psnr")]
+        return {
+            "wall": wall,
+            "psnr": [float(r["val/psnr"]) for r in rows],
+            "ssim": [float(r["val/ssim"]) for r in rows],
+            "samples_per_second": summary["samples_per_second"],
+            "peak_host_memory_mb": summary["peak_host_memory_mb"],
+        }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=1)
+    args, overrides = parser.parse_known_args()
+    runs = [one_run(overrides) for _ in range(args.repeats)]
+    median = statistics.median
+    print(f"runs: {len(runs)}, overrides: {overrides or 'none'}, cores: {os.cpu_count()}")
+    print("| figure | value |\n|---|---|")
+    print(f"| wall time of `python train.py` (median) | {median(r['wall'] for r in runs):.0f} s |")
+    print(f"| training throughput (median) | {median(r['samples_per_second'] for r in runs):.2f} samples/s |")
+    print(f"| peak host memory | {max(r['peak_host_memory_mb'] for r in runs):.0f} MiB |")
+    first = runs[0]
+    print(f"| val PSNR, epoch 1 -> {len(first['psnr'])} | {first['psnr'][0]:.2f} -> {first['psnr'][-1]:.2f} dB |")
+    print(f"| val SSIM, epoch 1 -> {len(first['ssim'])} | {first['ssim'][0]:.3f} -> {first['ssim'][-1]:.3f} |")
+    print("\nval PSNR per epoch (first run): " + ", ".join(f"{p:.2f}" for p in first["psnr"]))
+
+
+if __name__ == "__main__":
+    main()
