@@ -1,6 +1,6 @@
 """Issue 50's protocol arithmetic, worked by hand: how many epochs fill nnU-Net's wall time, which runs a table row
 holds, how Dice is averaged (nnU-Net's rule: a structure absent from both sides is NaN and left out), and which
-cores an arm is pinned to. The runs themselves are measurements (docs/BENCHMARKS.md), not tests."""
+cores an arm is pinned to. The runs themselves are measurements (docs/benchmarks/segmentation.md), not tests."""
 
 from __future__ import annotations
 

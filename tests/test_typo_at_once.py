@@ -1,8 +1,8 @@
 """A misspelt key, a wrong group option or `--help` is answered before torch or Lightning is imported (issue 63,
 item 6): one `medvol: error:` line with exit status 2 and a "did you mean", and no run folder, whichever check refuses.
 
-How long the answer takes is measured in benchmarks/trust/refusal_lines.py (docs/BENCHMARKS.md), not here: these tests
-check what makes it short, that the heavy packages were never imported when the answer came.
+How long the answer takes is measured in benchmarks/trust/refusal_lines.py (docs/benchmarks/trust.md), not here: these
+tests check what makes it short, that the heavy packages were never imported when the answer came.
 """
 
 from __future__ import annotations

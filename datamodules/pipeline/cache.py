@@ -71,7 +71,7 @@ def compact_cache_fill() -> Iterator[None]:
     Loading a volume makes large short-lived buffers (decompression, casts, percentiles)
     between the long-lived cached tensors. With glibc's adaptive threshold those buffers land
     in the heap and the cached tensors pin it: measured 2.5x the cached bytes in RSS
-    (docs/BENCHMARKS.md). A low threshold only during the fill keeps the cache compact; the
+    (docs/benchmarks/data.md). A low threshold only during the fill keeps the cache compact; the
     threshold then goes to glibc's usual ceiling, since mmap-ing every batch-sized buffer
     during training halved the cached throughput. No-op where the C library is not glibc.
     """

@@ -20,7 +20,7 @@ import torch
 
 from medvol.core.errors import MedvolError
 
-# A memory cache's resident size over its tensors' bytes: 1.08-1.14x measured (docs/BENCHMARKS.md), rounded up.
+# A memory cache's resident size over its tensors' bytes: 1.08-1.14x measured (docs/benchmarks/data.md), rounded up.
 MEMORY_OVERHEAD = 1.15
 # A disk cache takes at most this share of its file system's free space.
 DISK_SHARE = 0.5

@@ -412,7 +412,7 @@ class VolumeDataModule(pl.LightningDataModule):
 
         Items served from an in-memory cache with nothing left to compute per draw go through MONAI's
         `ThreadDataLoader`: a thread collates the next batch while the step runs, where worker processes
-        would only copy every batch through shared memory (measured: docs/BENCHMARKS.md). So do items
+        would only copy every batch through shared memory (measured: docs/benchmarks/data.md). So do items
         moved to the GPU by `gpu_transforms` (CUDA cannot be used from forked workers).
         """
         if self.gpu_transforms or isinstance(dataset, CacheDataset):

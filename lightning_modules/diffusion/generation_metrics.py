@@ -8,7 +8,8 @@
 - `NearestTrainingCorrelation`, `CloserThanReal`: how close each volume is to its nearest training volume
   (Pearson correlation), and the share of samples closer to a training volume than any held-out real
   volume is: a generator that copies its training set scores 1 (not a collapse detector: the training mean
-  volume repeated scored 0 on the real-anatomy brains, blurred past every training brain; docs/BENCHMARKS.md).
+  volume repeated scored 0 on the real-anatomy brains, blurred past every training brain;
+  docs/benchmarks/generation.md).
 - `VolumeSetFID` (3D, a user's TorchScript network) and `VolumeSetFID2p5D` (MAISI's 2.5D FID: the
   axial, coronal and sagittal slices through a user's 2D network), only where the user gives a network.
 

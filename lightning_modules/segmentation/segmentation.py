@@ -226,7 +226,7 @@ class Segmenter(MedvolModule):
         DynUNet returns its heads nearest-upsampled to the patch (stacked on dim 1), where a head of 1/8 the
         resolution is scored on blocks of 8^3 voxels against the full-resolution target; nnU-Net scores it on its own
         grid. The heads at their own resolution are in `net.heads`. (Measured on BraTS-layout brains, 320 steps:
-        either way the nested regions were not learned with deep supervision on; docs/BENCHMARKS.md.)"""
+        either way the nested regions were not learned with deep supervision on; docs/benchmarks/segmentation.md.)"""
         if self.supervision_weights is None or output.dim() == target.dim():
             return self.scored_loss(output, target, annotated)
         heads = [output[:, 0], *self.net.heads]  # one per weight: zip(strict=True) below checks it

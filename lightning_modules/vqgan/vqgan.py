@@ -370,7 +370,7 @@ class VQGAN(MedvolModule):
         Values go out as `train/<term>_step` at Lightning's logging cadence, and as the epoch's
         sample-weighted means at its end. Every `self.log` call goes through Lightning's result
         bookkeeping, and with `on_epoch` it must run at every step: for these terms it was most of
-        medvol's fixed cost per step (docs/BENCHMARKS.md, overhead). Here a step only adds the
+        medvol's fixed cost per step (docs/benchmarks/training.md, overhead). Here a step only adds the
         detached values to running sums.
         """
         names = {

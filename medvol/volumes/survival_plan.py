@@ -16,10 +16,10 @@ training subjects' spacings, non-zero regions and foreground intensities per ima
   a batch needs events: the smallest batch expected to hold `EVENTS_PER_BATCH` events at the training
   split's event rate, at most half the training subjects (two steps an epoch). Five: with one or two
   events (a batch of 2) most steps rank a single pair, with ten an epoch has half the steps (measured on
-  the real-anatomy table: docs/BENCHMARKS.md);
+  the real-anatomy table: docs/benchmarks/training.md);
 - mirroring: each training volume flipped along each axis with probability `FLIP_PROB`, as nnU-Net mirrors
   its patches (a lesion's burden does not depend on its side; on a table of tens to hundreds of subjects
-  it keeps the network from learning the subjects by heart: docs/BENCHMARKS.md);
+  it keeps the network from learning the subjects by heart: docs/benchmarks/training.md);
 - a cosine learning-rate decay to 0 over the run's epochs, where the model gives no scheduler.
 
 Every value can be given instead (`overrides`); the plan records which were.

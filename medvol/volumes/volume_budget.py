@@ -34,8 +34,8 @@ BUDGET_ENV = "MEDVOL_VOLUME_BUDGET_GIB"
 # Bytes per voxel as the pipeline holds a volume (float32).
 WORKING_BYTES = 4
 # What MONAI's `Spacing` holds per voxel of the grid it resamples to (benchmarks/data/resample_memory.py,
-# docs/BENCHMARKS.md: 58 bytes linearly whatever the channels, its sampling coordinates; 57 plus 17 per channel with
-# cubic splines).
+# docs/benchmarks/data.md: 58 bytes linearly whatever the channels, its sampling coordinates; 57 plus 17 per channel
+# with cubic splines).
 RESAMPLE_GRID_BYTES = 64
 RESAMPLE_CHANNEL_BYTES = 16
 MEMORY_SHARE = 4

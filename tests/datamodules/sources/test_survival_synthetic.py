@@ -41,7 +41,7 @@ def test_non_positive_mr_scale_is_one_clear_error(value):
 def test_short_cpu_run_on_synthetic_phantoms_reaches_cindex_above_0_7_on_held_out_subjects(tmp_path):
     # The recipe, 3 epochs; 256 test subjects (the best checkpoint by val C-index is tested), because
     # the ceiling (a Cox model on the true lesion fraction) is only ~0.74: a small split's noise would
-    # swamp the margin. Seeds fixed; the margin over other seeds is in docs/BENCHMARKS.md.
+    # swamp the margin. Seeds fixed; the margin over other seeds is in docs/benchmarks/training.md.
     metrics = run(compose_cfg(tmp_path, [
         "experiment=survival_synthetic", "test=true", "seed=42", "dataset.split_seed=0",
         "callbacks.progress_bar=null", "callbacks.model_summary=null",

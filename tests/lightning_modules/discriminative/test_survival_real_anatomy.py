@@ -13,7 +13,7 @@ from datamodules.sources.brain_outcomes import write_mace_brains
 from medvol.run.training import run
 from tests.conftest import compose_cfg
 
-# Calibrated on this set and split (docs/BENCHMARKS.md, "Survival on real anatomy", seed 1, the split where the
+# Calibrated on this set and split (docs/benchmarks/training.md, "Survival on real anatomy", seed 1, the split where the
 # defaults had been below the plain script): the defaults before test-time mirroring reach a test C-index of
 # 0.440-0.464 here (two runs), the plain MONAI + torchsurv script 0.515, today's defaults 0.627; the oracle Cox
 # model on the true lesion radius 0.755. Over the benchmark's five seeds today's defaults' spread is given there.
