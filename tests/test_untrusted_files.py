@@ -18,7 +18,7 @@ from lightning_modules.xray2ct.earlier_stages import read_stage
 from medvol.core.errors import MedvolError
 from medvol.run.cascade import best_checkpoint
 from medvol.run.predicting import predict
-from medvol.run.trained_model import load_module
+from medvol.run.trained_run import open_trained_run
 from medvol.run.training import check_config
 from tests.conftest import ROOT, TINY_MODEL, compose_cfg, subprocess_env
 from tests.medvol.run.test_predict import predict_cfg, trained_run, write_lps_scans  # noqa: F401 - a fixture
@@ -134,5 +134,5 @@ def test_settings_a_checkpoint_restores_may_not_name_a_target_either(tmp_path):
                                                               "command": f"touch {tmp_path / 'ran'}"}}}, ckpt)
     refusal = rf"^{ckpt}: `hyper_parameters\.first_stage_settings\._target_` is a Hydra key"
     with pytest.raises(MedvolError, match=refusal):
-        load_module(cfg, str(ckpt), torch.device("cpu"))
+        open_trained_run(str(ckpt), config=cfg).module(torch.device("cpu"))
     assert not (tmp_path / "ran").exists()

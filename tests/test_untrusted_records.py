@@ -25,7 +25,7 @@ from medvol.run.exporting import export
 from medvol.run.predicting import predict
 from medvol.run.resume import resumed
 from medvol.run.run_record import RECORD_FILE, read_record
-from medvol.run.trained_model import load_module
+from medvol.run.trained_run import open_trained_run
 from medvol.run.training import run
 from tests.conftest import compose_cfg
 from tests.medvol.run.test_predict import predict_cfg, trained_run, write_lps_scans  # noqa: F401 - a fixture
@@ -159,12 +159,12 @@ def test_a_checkpoint_restoring_a_class_in_place_of_a_number_truncates_nothing(t
                 "hyper_parameters": {"num_classes": payload, "in_channels": 1}}, ckpt)
     refusal = r"segmentation\.ckpt: `hyper_parameters\.num_classes\._target_` is a Hydra key"
     with pytest.raises(MedvolError, match=refusal):
-        load_module(cfg, str(ckpt), torch.device("cpu"))
+        open_trained_run(str(ckpt), config=cfg).module(torch.device("cpu"))
     torch.save({MODEL_KEY: SEGMENTATION_CLASS, "state_dict": {}, "loops": {},
                 "hyper_parameters": {"num_classes": [3], "in_channels": 1}}, ckpt)
     with pytest.raises(MedvolError, match=r"`hyper_parameters\.num_classes` is list \(\[3\]\) where the run's "
                                           r"`model\.num_classes` is number"):
-        load_module(cfg, str(ckpt), torch.device("cpu"))
+        open_trained_run(str(ckpt), config=cfg).module(torch.device("cpu"))
     assert victim.read_text() == "precious"
 
 

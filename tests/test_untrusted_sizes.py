@@ -25,7 +25,7 @@ from lightning_modules.xray2ct.earlier_stages import read_stage
 from medvol.core.errors import MedvolError, refusal_within
 from medvol.run.data_check import main as check_data
 from medvol.run.predicting import predict
-from medvol.run.trained_model import load_module
+from medvol.run.trained_run import open_trained_run
 from medvol.run.training import check_config, run
 from medvol.volumes.dicom_io import Slice, series_geometry, stored_pixels
 from medvol.volumes.dicom_radiograph import read_radiograph
@@ -211,7 +211,7 @@ def test_a_latent_models_checkpoint_whose_first_stage_settings_ask_for_2_to_the_
     ckpt = tmp_path / "ldm.ckpt"
     torch.save({MODEL_KEY: LDM_CLASS, "state_dict": {}, "loops": {}, "hyper_parameters": {"first_stage_settings": {
         "in_channels": 1, "embedding_dim": 8, "n_codes": 2**28, "n_hiddens": 8, "downsample": [4, 4, 4]}}}, ckpt)
-    line = one_line_refusal(load_module, cfg, str(ckpt), torch.device("cpu"))
+    line = one_line_refusal(lambda: open_trained_run(str(ckpt), config=cfg))
     # The family's bounds (medvol/run/settings_bounds.py) refuse it first; within them, the shapes on the meta device.
     assert line == (f"{ckpt}: `hyper_parameters.first_stage_settings.n_codes` is 268435456; expected a whole number "
                     "in [1, 131072]")
@@ -232,7 +232,7 @@ def test_a_segmentation_checkpoint_restoring_a_billion_classes_is_refused_before
     ckpt = tmp_path / "segmentation.ckpt"
     torch.save({MODEL_KEY: SEGMENTATION_CLASS, "state_dict": {}, "loops": {},
                 "hyper_parameters": {"num_classes": 10**9, "in_channels": 1}}, ckpt)
-    line = one_line_refusal(load_module, cfg, str(ckpt), torch.device("cpu"))
+    line = one_line_refusal(lambda: open_trained_run(str(ckpt), config=cfg))
     assert line == f"{ckpt}: `hyper_parameters.num_classes` is 1000000000; expected null or a whole number in [2, 1024]"
 
 

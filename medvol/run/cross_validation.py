@@ -51,7 +51,8 @@ from medvol.run.fold_records import (
 )
 from medvol.run.predict_config import window_size
 from medvol.run.predict_inputs import batches, dataset_subjects
-from medvol.run.trained_model import load_module, mean_metrics
+from medvol.run.trained_model import mean_metrics
+from medvol.run.trained_run import open_trained_run
 from medvol.volumes.prediction_writer import PredictionWriter
 from medvol.volumes.segmentation_report import structure_volumes
 from medvol.volumes.sliding_window import SlidingWindow
@@ -94,7 +95,7 @@ def validate(cfg: DictConfig, checkpoint: str, device: torch.device) -> dict[str
     on them written to `<run>/postprocessing.json`; the mean metrics (`validation/dice_<name>`, ...)."""
     run_dir = Path(str(cfg.paths.output_dir))
     out = run_dir / VALIDATION_DIR
-    module = load_module(cfg, checkpoint, device)
+    module = open_trained_run(checkpoint, config=cfg).module(device)
     assert isinstance(module, Segmenter)
     # The decision is made on the raw predictions.
     module.postprocessing = Postprocessing()

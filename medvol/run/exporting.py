@@ -1,7 +1,7 @@
 """`export(cfg)`: a trained model out of medvol, as TorchScript, ONNX or a MONAI bundle (`python export.py`).
 
-The checkpoint and its run are read as predict.py reads them (`recovered_run`, `load_module`: the checkpoint as
-data, the run config's `_target_`s checked, the plan applied), and the family says which of its networks can leave
+The checkpoint and its run are opened as predict.py opens them (`medvol.run.trained_run`: the checkpoint read once
+as data, the run's record settled, the plan applied), and the family says which of its networks can leave
 (`MedvolModule.exported_networks`: plain tensors in and out, an example of the training size and a larger one).
 Each file is checked against PyTorch on both examples (ONNX through ONNX Runtime where it is installed) and
 described in `export.json`, with the pre- and post-processing predict.py applies around it. A bundle is the whole
@@ -28,9 +28,9 @@ from lightning_modules.base import ExportedNetwork, MedvolModule, class_path
 from medvol.core.checkpoint_read import TRUST_KEY, checkpoints_trusted
 from medvol.core.errors import MedvolError
 from medvol.run.bundle import inference_settings, traced, write_bundle
-from medvol.run.predict_config import recovered_run, window_size
+from medvol.run.predict_config import window_size
 from medvol.run.predicting import segmentation_predictor
-from medvol.run.trained_model import load_module
+from medvol.run.trained_run import open_trained_run
 
 log = logging.getLogger("medvol")
 
@@ -57,9 +57,10 @@ def _exported(cfg: DictConfig) -> dict[str, Any]:
     opset = check_opset(cfg.get("opset", MIN_OPSET))
     if cfg.get("ckpt_path") is None:
         raise MedvolError("`ckpt_path` is not set; expected a checkpoint of a medvol run (<run>/checkpoints/last.ckpt)")
-    run = recovered_run(cfg)
-    module = load_module(run, str(cfg.ckpt_path), torch.device("cpu"))
     ckpt = str(cfg.ckpt_path)
+    trained = open_trained_run(ckpt, cfg.get("model"))
+    run = trained.config
+    module = trained.module(torch.device("cpu"))
     if hasattr(module, "probabilities"):
         # Mirroring as the command's `tta` says, and the post-processing of the run, as predict.py applies them.
         module = segmentation_predictor(cfg, module, run, [ckpt], None, torch.device("cpu"))

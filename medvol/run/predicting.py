@@ -49,11 +49,12 @@ from medvol.run.predict_check import (
     pick_device,
     window_roi,
 )
-from medvol.run.predict_config import input_geometry, recovered_run, with_geometry
+from medvol.run.predict_config import input_geometry, with_geometry
 from medvol.run.predict_inputs import Inputs, check_output_dir, find_inputs, subject_batch
 from medvol.run.radiographs import ct_from_radiographs
 from medvol.run.resolvers import run_dir_of_checkpoint
-from medvol.run.trained_model import load_module, mean_metrics
+from medvol.run.trained_model import mean_metrics
+from medvol.run.trained_run import open_trained_run
 from medvol.volumes.prediction_writer import PredictionWriter, check_output_format
 from medvol.volumes.sliding_window import SlidingWindow
 
@@ -75,12 +76,13 @@ def predict(cfg: DictConfig) -> dict[str, float]:
 def _predicted(cfg: DictConfig) -> dict[str, float]:
     checkpoints, decided_in = member_checkpoints(cfg)
     cfg = with_checkpoint(cfg, checkpoints[0])
-    run = recovered_run(cfg)
+    trained = open_trained_run(checkpoints[0], cfg.get("model"))
+    run = trained.config
     overlap = check_predict(cfg, run)
     output_format = check_output_format(str(cfg.get("output_format", "nifti")))
     output_dir = Path(str(cfg.output_dir)).expanduser()
     device = pick_device(str(cfg.device))
-    module = load_module(run, str(cfg.ckpt_path), device)
+    module = trained.module(device)
     if hasattr(module, "progress"):
         # A generative model logs its walk (steps, windows) and its decoding (slabs) as it goes.
         module.progress = True
@@ -210,9 +212,9 @@ def segmentation_predictor(
     module.volume_range = read_volume_range(own) if own is not None else {}
     if len(checkpoints) == 1:
         return module
-    runs = [run] + [recovered_run(with_checkpoint(cfg, c)) for c in checkpoints[1:]]
-    same_preprocessing(runs, checkpoints)
-    members = [module] + [load_module(r, c, device) for r, c in zip(runs[1:], checkpoints[1:], strict=True)]
+    others = [open_trained_run(c, cfg.get("model")) for c in checkpoints[1:]]
+    same_preprocessing([run, *(other.config for other in others)], checkpoints)
+    members = [module, *(other.module(device) for other in others)]
     return Ensemble(members)
 
 

@@ -25,9 +25,8 @@ from lightning_modules.vqgan.vqgan import VQGAN
 from medvol.core.build import build, build_model
 from medvol.core.errors import MedvolError
 from medvol.core.plain_values import plain
-from medvol.run.predict_config import run_config
 from medvol.run.predicting import predict
-from medvol.run.trained_model import load_module
+from medvol.run.trained_run import open_trained_run
 from medvol.run.training import check_config, run
 from tests.conftest import TINY_COMMON, TINY_MODEL, compose_cfg
 from tests.ddp_support import validation_on_two_ranks_and_one
@@ -360,8 +359,7 @@ def test_predict_with_no_input_writes_n_samples_at_the_spacing_asked_in_hounsfie
     first, second = (image.get_fdata() for image in images)
     # Each file is the model's own draw (the same seed: subject `sample`, draw k) mapped from [-1, 1] to the
     # phantoms' CT window [-1000, 1000] HU by hand.
-    run = run_config(str(run_dir / "checkpoints" / "last.ckpt"))
-    module = load_module(run, str(run_dir / "checkpoints" / "last.ckpt"), torch.device("cpu"))
+    module = open_trained_run(str(run_dir / "checkpoints" / "last.ckpt")).module(torch.device("cpu"))
     for draw, written in enumerate((first, second)):
         batch = {"subject": ["sample"], "affine": torch.from_numpy(np.diag([2.0, 2.0, 3.0, 1.0]))[None]}
         model_units = module.generate_volumes(batch, draw)["volumes"]["sample"][0, 0].double().numpy()
