@@ -337,3 +337,26 @@ def test_a_file_input_may_write_beside_itself_but_never_onto_an_input(trained_ru
                        match=r"`output_dir`: the output .*image_reconstruction.nii.gz would replace the input file"):
         predict(predict_cfg(ckpt, f"input={link}", f"output_dir={out}"))
     assert target.read_bytes() == before and sorted(p.name for p in out.iterdir()) == [target.name]
+
+
+def test_predict_opens_the_checkpoint_and_the_runs_record_once(trained_run, tmp_path, monkeypatch):
+    """Issue 62 item 1: predict's first stage (`medvol.run.trained_run`) reads the checkpoint and the run's record
+    once and hands them on; no later stage reads either again."""
+    import medvol.run.checkpoint_check as checkpoint_check
+    import medvol.run.run_record as run_record
+
+    reads: list[str] = []
+
+    def counted(name, read):
+        def wrapper(path, *args, **kwargs):
+            reads.append(f"{name} {Path(path).name}")
+            return read(path, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(checkpoint_check, "load_checkpoint", counted("checkpoint", checkpoint_check.load_checkpoint))
+    monkeypatch.setattr(run_record, "read_json", counted("record", run_record.read_json))
+    out = tmp_path / "out"
+    predict(predict_cfg(f"ckpt_path={trained_run}/checkpoints/last.ckpt", "split=test", "keep_crop=true",
+                        f"output_dir={out}"))
+    assert list(out.glob("*_reconstruction.nii.gz"))
+    assert sorted(reads) == ["checkpoint last.ckpt", "record run.json"]
