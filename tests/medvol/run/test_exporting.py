@@ -197,3 +197,20 @@ def test_a_file_that_differs_from_pytorch_at_the_second_size_is_refused(tmp_path
     with pytest.raises(MedvolError, match=r"the exported flip\.ts gives outputs 3 away from PyTorch's on inputs of "
                                           r"shapes \{'image': \[2, 1, 4, 4, 4\]\}; expected at most 0\.0001 times"):
         write_networks(tmp_path, [network], "torchscript", 17)
+
+
+def test_export_reads_the_checkpoint_once(tmp_path, monkeypatch):
+    """Issue 62 item 1: export opens the run as predict does (`medvol.run.trained_run`): one read of the checkpoint
+    serves the family's check, the shapes' and the weights."""
+    import medvol.run.checkpoint_check as checkpoint_check
+
+    run_dir = classifier_run(tmp_path)
+    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    ckpt = save_checkpoint(build_model(cfg.model), run_dir / "checkpoints" / "last.ckpt",
+                           "lightning_modules.discriminative.classifier.ClassifierModel")
+    read = checkpoint_check.load_checkpoint
+    reads: list[str] = []
+    monkeypatch.setattr(checkpoint_check, "load_checkpoint", lambda path, *a, **k: reads.append(path.name) or read(
+        path, *a, **k))
+    export(export_cfg(ckpt, tmp_path / "scripted", format="torchscript"))
+    assert reads == ["last.ckpt"]
