@@ -71,8 +71,8 @@ def test_a_wall_run_with_its_timing_runs_epochs_is_recorded_as_that_run(tmp_path
     timed_by = tmp_path / "medvol32-steps-seed0"
     timed_by.mkdir()
     (timed_by / "result.json").write_text(json.dumps({"epochs": 5, "scores": {"dice_WT": 0.86}}))
-    protocol.same_run(tmp_path / "medvol32-wall-seed0", protocol.harness.recorded(timed_by), timed_by, 3176.0)
-    recorded = protocol.harness.recorded(tmp_path / "medvol32-wall-seed0")
+    protocol.same_run(tmp_path / "medvol32-wall-seed0", protocol.head_to_head.recorded(timed_by), timed_by, 3176.0)
+    recorded = protocol.head_to_head.recorded(tmp_path / "medvol32-wall-seed0")
     assert recorded == {"epochs": 5, "scores": {"dice_WT": 0.86}, "wall_reference_s": 3176.0,
                         "same_run_as": "medvol32-steps-seed0"}
     wall = [{**recorded, "seed": 0, "folder": "medvol32-wall-seed0"}]

@@ -51,12 +51,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from monai.data import ThreadDataLoader  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
+from benchmarks.common import ROOT, child_env, table_header  # noqa: E402
 from datamodules.pipeline.cache import SmartCacheLifecycle, compact_cache_fill, find_smart_cache  # noqa: E402
 from datamodules.sources.brats import BratsDataModule  # noqa: E402
 from datamodules.sources.example_data import write_brats, write_nifti_folder  # noqa: E402
 from datamodules.sources.nifti import NiftiDataModule  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 MODES = ("none", "memory", "smart", "disk")
 # The command of issue 23 (add dataset.root=DIR), and the default run.
 TRAIN_RUNS = {
@@ -194,7 +194,7 @@ def train_run(root: Path, overrides: list[str], epochs: int, work: Path, label: 
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
     done = subprocess.run(
-        command, cwd=folder, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}
+        command, cwd=folder, capture_output=True, text=True, env=child_env(root)
     )
     wall = time.perf_counter() - start
     if done.returncode != 0:
@@ -230,9 +230,10 @@ def train_runs(args: argparse.Namespace, work: Path) -> list[dict]:
 
 
 def train_table(runs: list[dict]) -> None:
-    print("\n| run | cache chosen | estimate / budget | fill (s) | epoch 1: wait, time | later epochs: wait, time "
-          "| samples/s | peak host memory | load |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n" + table_header([
+        "run", "cache chosen", "estimate / budget", "fill (s)", "epoch 1: wait, time", "later epochs: wait, time",
+        "samples/s", "peak host memory", "load"
+    ]))
     for run in runs:
         cache = run["cache"] or {}
         sizes = f"{cache['estimate_mb']:.0f} / {cache['budget_mb']:.0f} MiB" if "estimate_mb" in cache else "-"
@@ -363,8 +364,7 @@ def report(results: dict) -> None:
 
 def throughput_table(modes: dict) -> None:
     base = modes["none"]["later_volumes_per_s"]
-    print("\n| cache | first epoch (s) | first epoch vol/s | later epochs vol/s | later vs none |")
-    print("|---|---|---|---|---|")
+    print("\n" + table_header(["cache", "first epoch (s)", "first epoch vol/s", "later epochs vol/s", "later vs none"]))
     for mode, row in modes.items():
         print(
             f"| {mode} | {row['first_epoch_s']:.1f} | {row['first_volumes_per_s']:.1f} | "

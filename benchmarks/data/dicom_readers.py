@@ -13,7 +13,9 @@ volume should be refused. Prints one Markdown table.
 
 from __future__ import annotations
 
+import argparse
 import shutil
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -25,7 +27,9 @@ import pydicom
 import SimpleITK as sitk
 from monai.data import PydicomReader
 
-from medvol.volumes.dicom_io import LPS_TO_RAS, read_series
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import table_header  # noqa: E402
+from medvol.volumes.dicom_io import LPS_TO_RAS, read_series  # noqa: E402
 from tests.dicom_series import CT5N, oblique_orientation, pydicom_file, ramp, write_localizer, write_series
 
 Truth = tuple[np.ndarray, np.ndarray] | None  # (volume, RAS affine), or None: the series should be refused
@@ -138,11 +142,11 @@ def verdict(reader: Callable, folder: Path, truth: Truth) -> str:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     sitk.ProcessObject.SetGlobalWarningDisplay(False)
     with tempfile.TemporaryDirectory() as scratch:
         cases = written_cases(Path(scratch))
-        print("| case | " + " | ".join(READERS) + " |")
-        print("|---" * (len(READERS) + 1) + "|")
+        print(table_header(["case", *READERS]))
         for name, (folder, truth) in cases.items():
             print(f"| {name} | " + " | ".join(verdict(reader, folder, truth) for reader in READERS.values()) + " |")
 

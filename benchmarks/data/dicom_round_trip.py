@@ -12,6 +12,8 @@ model-grid thresholds read back with highdicom against the thresholds of SimpleI
 
 from __future__ import annotations
 
+import argparse
+import sys
 import tempfile
 from pathlib import Path
 
@@ -22,6 +24,7 @@ import pydicom
 import SimpleITK as sitk
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
 from datamodules.sources.nifti import NiftiDataModule
 from datamodules.sources.phantom import make_phantom
 from medvol.volumes.dicom_io import read_series
@@ -39,6 +42,7 @@ def batch_of(root: Path, pattern: str, spacing: list[float] | None) -> dict:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         root = Path(scratch)
         values = np.rint(make_phantom(0, 3, SHAPE).channels["t1"] * 1000).astype(np.int16)

@@ -11,8 +11,13 @@ per output voxel (C channels together).
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import table_header  # noqa: E402
 
 CASE = """
 import resource, torch
@@ -37,8 +42,8 @@ def bytes_per_voxel(mode: str | int, channels: int) -> float:
 
 
 def main() -> None:
-    print("| interpolation | channels | bytes per output voxel |")
-    print("|---|---|---|")
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    print(table_header(["interpolation", "channels", "bytes per output voxel"]))
     for name, mode in (("bilinear", "bilinear"), ("nearest", "nearest"), ("cubic spline (order 3)", 3)):
         for channels in (1, 2, 4):
             print(f"| {name} | {channels} | {bytes_per_voxel(mode, channels):.1f} |")

@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import argparse
 import io
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import median_seconds, table_header  # noqa: E402
 from callbacks.slice_grid import Sample, slice_grid  # noqa: E402
 
 
@@ -33,14 +32,11 @@ def grid_figures(size: int, repeats: int) -> tuple[float, int, tuple[int, int]]:
         volume = torch.rand(size, size, size, generator=generator) * 2 - 1
         volumes = {"input": volume, "reconstruction": volume + 0.1 * torch.randn(volume.shape, generator=generator)}
         samples.append(Sample(f"sub-{i:03d}", volumes, affine, ("reconstruction", "input")))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        image = slice_grid(samples)
-        times.append(time.perf_counter() - start)
+    seconds = median_seconds(lambda: slice_grid(samples), repeats, warmup=0)
+    image = slice_grid(samples)
     png = io.BytesIO()
     Image.fromarray(image).save(png, format="PNG")
-    return statistics.median(times), len(png.getvalue()), (image.shape[1], image.shape[0])
+    return seconds, len(png.getvalue()), (image.shape[1], image.shape[0])
 
 
 def main() -> None:
@@ -48,8 +44,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print("| volume | grid (w x h px) | render (median) | PNG size |")
-    print("|---|---|---|---|")
+    print(table_header(["volume", "grid (w x h px)", "render (median)", "PNG size"]))
     for size in (32, 64, 128, 256):
         seconds, png_bytes, (width, height) = grid_figures(size, args.repeats)
         print(f"| {size}³ | {width} x {height} | {seconds * 1000:.0f} ms | {png_bytes / 1024:.0f} KiB |")

@@ -25,9 +25,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
 
 from lightning_modules.vqgan.codebook import EMACodebook  # noqa: E402 - after the path set-up for direct runs
 from tests.lightning_modules.vqgan.test_codebook_chunked import full_forward  # noqa: E402

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -35,9 +34,8 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import ROOT, child_env, composed, table_header  # noqa: E402
 from lightning_modules.diffusion.fast_ddpm import ConditionalDiffusion  # noqa: E402
 
 
@@ -192,7 +190,7 @@ def train(name: str, directory: Path, overrides: list[str]) -> list[dict[str, fl
     subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "model=ddpm", "logger=csv", "callbacks.progress_bar=null",
          "callbacks.model_summary=null", f"hydra.run.dir={directory}", *overrides],
-        check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        check=True, capture_output=True, env=child_env(),
     )
     wall = time.perf_counter() - start
     rows = [r for r in csv.DictReader((directory / "csv" / "metrics.csv").open()) if r.get("val/psnr")]
@@ -202,14 +200,11 @@ def train(name: str, directory: Path, overrides: list[str]) -> list[dict[str, fl
 
 def identity_baseline(overrides: list[str], directory: Path) -> tuple[float, float]:
     """PSNR/SSIM of the condition taken as the answer, on the same validation subjects."""
-    from hydra import compose, initialize_config_dir
     from torchmetrics.image import PeakSignalNoiseRatio, StructuralSimilarityIndexMeasure
 
-    import medvol.run.resolvers  # noqa: F401
     from medvol.core.build import build
 
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
-        cfg = compose("train", overrides=["model=ddpm", f"paths.output_dir={directory}", *overrides])
+    cfg = composed(["model=ddpm", f"paths.output_dir={directory}", *overrides], job_name="ddpm")
     datamodule = build(cfg.dataset)
     datamodule.setup("fit")
     psnr = PeakSignalNoiseRatio(data_range=2.0, reduction="elementwise_mean", dim=(1, 2, 3, 4))
@@ -236,8 +231,7 @@ def quality(args: argparse.Namespace, overrides: list[str]) -> None:
             name: train(name, Path(tmp) / str(i), [*common, *extra]) for i, (name, extra) in enumerate(variants.items())
         }
     print(f"\nsynthetic T1 -> T2, {args.size}^3, overrides: {overrides or 'none'}")
-    print("| model | " + " | ".join(f"epoch {r['epoch']}" for r in next(iter(results.values()))) + " |")
-    print("|---" * (1 + len(next(iter(results.values())))) + "|")
+    print(table_header(["model", *(f"epoch {r['epoch']}" for r in next(iter(results.values())))]))
     print(f"| identity baseline | {identity[0]:.2f} dB / {identity[1]:.3f} (every epoch) |")
     for name, rows in results.items():
         print(f"| {name} | " + " | ".join(f"{r['psnr']:.2f} dB / {r['ssim']:.3f}" for r in rows) + " |")

@@ -31,8 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import ROOT, composed  # noqa: E402
 
 # The brains at the LDM CPU preset's grid (conf/experiment_data/ldm_cpu_brats.yaml), for every run here.
 GRID = ["dataset.transforms.spacing=[6.0,6.0,6.0]", "dataset.transforms.spatial_size=[32,32,32]"]
@@ -76,17 +76,12 @@ def train(out: Path, name: str, overrides: list[str]) -> tuple[dict[str, float],
 def model_unit_sets(data: Path, split_file: Path):
     """(training, validation, test) T1 volumes in model units at the preset's grid, by the run's own transforms."""
     import torch
-    from hydra import compose, initialize_config_dir
 
     from medvol.core.build import build
-    from medvol.run.resolvers import register_resolvers
 
-    register_resolvers()  # the config's `${cwd:}` and others, as train.py has them
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="train"):
-        cfg = compose("train", overrides=["experiment=ldm_cpu", "dataset=brats", f"dataset.root={data}",
-                                          "dataset.image_modalities=[t1]", "dataset.label=false",
-                                          f"dataset.split_file={split_file}", "dataset.cache=none",
-                                          "dataset.num_workers=0", "paths.output_dir=/tmp", *GRID])
+    cfg = composed(["experiment=ldm_cpu", "dataset=brats", f"dataset.root={data}", "dataset.image_modalities=[t1]",
+                    "dataset.label=false", f"dataset.split_file={split_file}", "dataset.cache=none",
+                    "dataset.num_workers=0", "paths.output_dir=/tmp", *GRID], job_name="train")
     datamodule = build(cfg.dataset)
     datamodule.setup("fit")
     datamodule.setup("test")

@@ -64,9 +64,8 @@ from pathlib import Path
 import torch
 from monai.networks.nets import DiffusionModelUNet
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import ROOT, composed  # noqa: E402
 from lightning_modules.ldm.latent_diffusion import LatentDiffusion  # noqa: E402
 
 FIRST_STAGE = {"in_channels": 1, "embedding_dim": 8, "n_codes": 16384, "n_hiddens": 16, "downsample": [4, 4, 4]}
@@ -290,15 +289,10 @@ def sampled(ckpt: Path, count: int, window: list[int] | None) -> tuple[torch.Ten
 
 def anatomy_sets(out: Path, common: list[str]) -> list[torch.Tensor]:
     """(training, validation, test) brains in model units, by the whole-volume runs' own transforms."""
-    from hydra import compose, initialize_config_dir
-
     from medvol.core.build import build
-    from medvol.run.resolvers import register_resolvers
 
-    register_resolvers()  # the config's `${cwd:}` and others, as train.py has them
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="train"):
-        cfg = compose("train", overrides=["dataset=nifti", *common, "dataset.cache=none", "dataset.num_workers=0",
-                                          "paths.output_dir=/tmp"])
+    cfg = composed(["dataset=nifti", *common, "dataset.cache=none", "dataset.num_workers=0", "paths.output_dir=/tmp"],
+                   job_name="train")
     datamodule = build(cfg.dataset)
     datamodule.setup("fit")
     datamodule.setup("test")

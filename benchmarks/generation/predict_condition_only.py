@@ -29,9 +29,8 @@ import numpy as np
 import torch
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import ROOT, table_header  # noqa: E402
 from datamodules.sources.phantom import make_phantom, phantom_affine  # noqa: E402
 from datamodules.sources.synthetic import MR_PERCENTILE  # noqa: E402
 
@@ -108,8 +107,7 @@ def main() -> None:
         rows["identity (T1 as the T2)"].append(scores(unit(t1, np.percentile(t1, MR_PERCENTILE)), target))
         spreads.append(float(spread.mean()))
         calibration.append(float(np.corrcoef(spread.ravel(), (mean - target).abs().numpy().ravel())[0, 1]))
-    print("| prediction | PSNR (dB) | SSIM |")
-    print("|---|---|---|")
+    print(table_header(["prediction", "PSNR (dB)", "SSIM"]))
     for name, values in rows.items():
         psnr, ssim = np.mean(values, axis=0)
         print(f"| {name} | {psnr:.2f} | {ssim:.3f} |")

@@ -32,10 +32,9 @@ from omegaconf import OmegaConf
 from torch.utils.data import default_collate
 from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
 import medvol.run.resolvers  # noqa: E402, F401 - the stage configs use medvol's resolvers
+from benchmarks.common import ROOT, table_header  # noqa: E402
 from lightning_modules.xray2ct.body_metrics import BodyMAE, BodyPSNR, BodySSIM, to_hounsfield  # noqa: E402
 from lightning_modules.xray2ct.module import XrayToCT, as_size  # noqa: E402
 from lightning_modules.xray2ct.stage_settings import window_of  # noqa: E402
@@ -118,9 +117,10 @@ def overlap_sweep(stage_dir: Path, overlaps: list[float], repeats: int) -> None:
     print(f"\n{len(subjects)} test subjects through stages {' -> '.join('x'.join(map(str, s)) for s in sizes)}, "
           f"windows {' / '.join('x'.join(map(str, w)) for w in windows)}, {len(module.sampling_timesteps)} steps a "
           "stage, one thread; figures on one HU scale as above\n")
-    print("| overlap | windows a step (each stage) | CPU seconds | PSNR | SSIM | body PSNR | body SSIM "
-          "| body MAE (HU) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(table_header([
+        "overlap", "windows a step (each stage)", "CPU seconds", "PSNR", "SSIM", "body PSNR", "body SSIM",
+        "body MAE (HU)"
+    ]))
     for overlap in overlaps:
         module.sampling_window_overlap = overlap
         counts = [SlidingWindow.of(w, overlap=overlap).windows([1, 1, *s]) for s, w in zip(sizes, windows,
@@ -157,9 +157,10 @@ def main() -> None:
         print(f"wall time, all stages with validation and test: {time.perf_counter() - start:.0f} s\n")
     print("Figures on one HU scale (PSNR peak and SSIM range 4095 HU); body: true CT > -500 HU; MAE in HU over the "
           "body. Each cell: the stage's CT / back-projection / upsampled previous stage (identity).\n")
-    print("| stage | size | epochs | train samples/s | peak host memory | test physics loss (true CT's) | PSNR | SSIM "
-          "| body PSNR | body SSIM | body MAE (HU) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print(table_header([
+        "stage", "size", "epochs", "train samples/s", "peak host memory", "test physics loss (true CT's)", "PSNR",
+        "SSIM", "body PSNR", "body SSIM", "body MAE (HU)"
+    ]))
     for stage_dir in sorted(out.glob("stage*")):
         summary = json.loads((stage_dir / "summary.json").read_text())
         metrics = summary.get("metrics", summary)

@@ -32,10 +32,8 @@ from unittest import mock
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import table_header  # noqa: E402
 from medvol.core.cuda_emulation import (  # noqa: E402
     as_fake,
     cuda_autocast_policy,
@@ -336,9 +334,10 @@ def main() -> None:
     rows = [row for row in ROWS if not args.rows or row.key in args.rows]
     results = {}
     print(f"sizes / {args.reduce}; measured: the 2026-11-27 round on one H200 (GiB, torch.cuda.max_memory_allocated)")
-    print("| row | predicted peak (GiB) | measured (GiB) | predicted / measured | largest allocation (GiB) | "
-          "TFLOP per step | verdict |")
-    print("|---|---|---|---|---|---|---|")
+    print(table_header([
+        "row", "predicted peak (GiB)", "measured (GiB)", "predicted / measured", "largest allocation (GiB)",
+        "TFLOP per step", "verdict"
+    ]))
     with cuda_autocast_policy():
         for row in rows:
             try:

@@ -31,21 +31,15 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import composed  # noqa: E402
 from benchmarks.training.overhead import gan_step  # noqa: E402 - after the path set-up for direct runs
 
 
 def build_model(overrides: list[str]) -> torch.nn.Module:
-    from hydra import compose, initialize_config_dir
-
-    import medvol.run.resolvers  # noqa: F401 - resolvers used by the configs
     from medvol.core.build import build_model
 
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="gpu_vqgan"):
-        cfg = compose(config_name="train", overrides=["experiment=ctpa_vqgan", "model.in_channels=1", *overrides])
+    cfg = composed(["experiment=ctpa_vqgan", "model.in_channels=1", *overrides], job_name="gpu_vqgan")
     return build_model(cfg.model)
 
 

@@ -14,9 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import composed  # noqa: E402
 
 SEED = {
     "Fast-DDPM": ["experiment=fast_ddpm_brats", "dataset.root=/unused"],
@@ -35,15 +34,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="toy sizes instead of the seed's")
     args = parser.parse_args()
-    from hydra import compose, initialize_config_dir
-
-    import medvol.run.resolvers  # noqa: F401 - resolvers the configs use
     from medvol.run.preflight import predict
 
     print("| family | command | predicted peak (GiB) | TFLOP a step | preflight time (s) |\n|---|---|---|---|---|")
     for family, overrides in (SMALL if args.small else SEED).items():
-        with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="preflight_time"):
-            cfg = compose("train", overrides=[*overrides, "paths.output_dir=/tmp/preflight_time"])
+        cfg = composed([*overrides, "paths.output_dir=/tmp/preflight_time"], job_name="preflight_time")
         began = time.perf_counter()
         prediction = predict(cfg, "bf16-mixed")
         seconds = time.perf_counter() - began

@@ -33,8 +33,12 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
 
     import medvol.run.resolvers  # noqa: F401 - resolvers used by the configs
-    from benchmarks.training.overhead import gan_step
     from medvol.core.build import build_model
+
+    try:
+        from benchmarks.training.overhead import gan_step
+    except ModuleNotFoundError:  # a checkout from before benchmarks/ was grouped by what it measures
+        from benchmarks.overhead import gan_step
 
     torch.set_num_threads(1)
     with initialize_config_dir(version_base="1.3", config_dir=str(root / "conf"), job_name="vqgan_step_time"):

@@ -56,9 +56,8 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import ROOT, composed, table_header  # noqa: E402
 from lightning_modules.xray2ct.crops import coordinate_channels  # noqa: E402
 from lightning_modules.xray2ct.denoiser import NETWORK_SETTINGS, ViewConditionedDenoiser  # noqa: E402
 from lightning_modules.xray2ct.module import XrayToCT, as_size  # noqa: E402
@@ -74,13 +73,9 @@ RUN_SETTINGS = {"_target_", "stage", "size", "crop_size", "xray_size", "activati
 def preset_stages(overrides: list[str]) -> list[tuple[dict[str, Any], int]]:
     """(model settings, batch per GPU) of each stage of `experiment=xray2ct_a100x4` with Hydra `overrides`, each
     stage's `cascade.stage<k>` merged over the job's config as the cascade runner merges it."""
-    from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    import medvol.run.resolvers  # noqa: F401 - resolvers the configs use
-
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="xray2ct_memory"):
-        cfg = compose(config_name="train", overrides=["experiment=xray2ct_a100x4", "dataset.root=/unused", *overrides])
+    cfg = composed(["experiment=xray2ct_a100x4", "dataset.root=/unused", *overrides], job_name="xray2ct_memory")
     stages = []
     for stage in cfg.cascade.stages:
         merged = OmegaConf.merge(cfg, cfg.cascade[f"stage{stage}"])
@@ -294,9 +289,10 @@ def saved_per_voxel(checkpointing: bool) -> tuple[float, float, float]:
 
 
 def activations() -> None:
-    print("| activation checkpointing | kept at 16^3 | kept at 32^3 | per trained voxel | per 64^3 crop | "
-          "stage 1 (b16) / 2 (b8) / 3 (b4) activations |")
-    print("|---|---|---|---|---|---|")
+    print(table_header([
+        "activation checkpointing", "kept at 16^3", "kept at 32^3", "per trained voxel", "per 64^3 crop",
+        "stage 1 (b16) / 2 (b8) / 3 (b4) activations"
+    ]))
     for checkpointing in (False, True):
         small, large, per_voxel = saved_per_voxel(checkpointing)
         crop = per_voxel * 64**3 / 1024
@@ -399,9 +395,10 @@ def main() -> None:
 def train_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One training row per stage and activation-checkpointing mode, printed as a table and returned."""
     cpu = args.device == "cpu"
-    print("| stage | volume | trained on | batch | activation checkpointing | peak memory | samples/s | "
-          "estimate at the preset (64^3 crops, full batch) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(table_header([
+        "stage", "volume", "trained on", "batch", "activation checkpointing", "peak memory", "samples/s",
+        "estimate at the preset (64^3 crops, full batch)"
+    ]))
     per_voxel: dict[bool, float] = {}
     rows = []
     for stage, (_, preset_batch) in enumerate(STAGES, start=1):

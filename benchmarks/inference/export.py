@@ -45,7 +45,6 @@ import importlib.metadata
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,9 +57,8 @@ import nibabel as nib
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import ROOT, composed, median_seconds, table_header  # noqa: E402
 from datamodules.sources.phantom import make_phantom  # noqa: E402
 from lightning_modules.segmentation.segmentation import Segmenter  # noqa: E402
 from medvol.run.bundle import DESCRIPTION_PREFIX, PACKAGES_KEY, SOURCE_KEY  # noqa: E402
@@ -82,16 +80,6 @@ runpy.run_module("monai.bundle", run_name="__main__", alter_sys=True)
 SMALL_REGIONS = {"WT": 0.03, "TC": 0.01, "ET": 0.004}
 ADAM = ["model.optimizer._target_=torch.optim.Adam", "~model.optimizer.momentum", "~model.optimizer.nesterov",
         "model.optimizer.lr=1e-3"]
-
-
-def median_seconds(call, repeats: int) -> float:
-    call()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def window_figures(args: argparse.Namespace, workdir: Path) -> None:
@@ -285,8 +273,7 @@ def bundle_figures(args: argparse.Namespace, workdir: Path) -> None:
         raise SystemExit(f"the bundle failed:\n{ran.stderr[-3000:]}")
     size = sum(f.stat().st_size for f in (workdir / "bundle").rglob("*") if f.is_file()) / 2**20
     print(f"\n## Bundle vs predict.py: {args.scans} scan(s) of {shape} voxels, model trained {args.epochs} epoch(s)")
-    print("| step | wall (s) |")
-    print("|---|---|")
+    print(table_header(["step", "wall (s)"]))
     print(f"| export.py format=bundle ({size:.2f} MiB) | {export_seconds:.1f} |")
     print(f"| python predict.py | {predict_seconds:.1f} |")
     print(f"| python -m monai.bundle run (declared packages only: {declared_packages(workdir / 'bundle')}) "
@@ -394,8 +381,7 @@ def real_figures(args: argparse.Namespace, workdir: Path) -> None:
         truth[case]["share"] = float((label > 0).mean())
     print(f"\n## Bundle vs predict.py on real anatomy: {args.scans} unseen brains at {args.scan_spacing:g} mm "
           f"(4 channels), a model planned at 4 mm ({ckpt})")
-    print("| step | wall (s) |")
-    print("|---|---|")
+    print(table_header(["step", "wall (s)"]))
     print(f"| export.py format=bundle | {export_seconds:.1f} |")
     print(f"| python predict.py (channel files) | {predict_seconds:.1f} |")
     print(f"| python -m monai.bundle run (4D files; declared packages only: "
@@ -419,16 +405,13 @@ def real_figures(args: argparse.Namespace, workdir: Path) -> None:
 
 def predict_config(ckpt: Path, channels: Path) -> Any:
     """predict.py's composed config for `ckpt` on the files of `channels`, as the current Hydra job."""
-    from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
     GlobalHydra.instance().clear()
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="predict"):
-        cfg = compose(config_name="predict", overrides=[
-            "device=cpu", f"ckpt_path={ckpt}", f"input={channels}", f"output_dir={channels.parent / 'unused'}"],
-            return_hydra_config=True)
+    cfg = composed(["device=cpu", f"ckpt_path={ckpt}", f"input={channels}", f"output_dir={channels.parent / 'unused'}"],
+                   config_name="predict", job_name="predict", return_hydra_config=True)
     HydraConfig().set_config(cfg)
     GlobalHydra.instance().clear()
     with open_dict(cfg):

@@ -38,9 +38,8 @@ import nibabel as nib
 import numpy as np
 from nibabel.processing import resample_from_to
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import ROOT  # noqa: E402
 from datamodules.sources.phantom import make_phantom  # noqa: E402
 
 PHANTOM_SHAPE = (96, 120, 100)

@@ -60,7 +60,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import ROOT, table_header  # noqa: E402
+
 NNUNET_PYTHON = os.environ.get("NNUNET_PYTHON", "/work/nnunet-venv/bin/python")
 
 # medvol's axes (the NIfTI voxel axes, x y z); nnU-Net reads them reversed. Per case: spacing and cropped shape.
@@ -797,8 +799,9 @@ def compare(args: argparse.Namespace) -> None:
     if line is None:
         raise SystemExit(f"nnU-Net's planner failed: {result.stderr[-3000:]}")
     nnunet = json.loads(line.removeprefix("NNUNET_PLANS "))
-    print("| data | planner | spacing (mm) | patch | batch | strides (after the first) | kernels | normalization |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(table_header([
+        "data", "planner", "spacing (mm)", "patch", "batch", "strides (after the first)", "kernels", "normalization"
+    ]))
     for name, dataset in names.items():
         theirs = nnunet[dataset]
         forward = theirs["transpose_forward"]

@@ -61,16 +61,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.segmentation import head_to_head  # noqa: E402
 
-from benchmarks.segmentation import segmentation as harness  # noqa: E402 - the harness, importable from the repository root
-
-# nnU-Net's BraTS convention (1 oedema, 2 necrosis, 3 enhancing; regions), as the harness converts BraTS files.
+# nnU-Net's BraTS convention (1 oedema, 2 necrosis, 3 enhancing; regions), as `head_to_head` converts BraTS files.
 NNUNET_BRATS_LABELS = {"background": 0, "whole tumor": [1, 2, 3], "tumor core": [2, 3], "enhancing tumor": [3]}
 TISSUE_LABELS = {"background": 0, "grey matter": 1, "white matter": 2}
 DATASETS: dict[str, dict[str, Any]] = {
-    "brats": {"kind": "brats", "spacings": [(4.0, 4.0, 4.0)], "structures": harness.STRUCTURES["brats"],
+    "brats": {"kind": "brats", "spacings": [(4.0, 4.0, 4.0)], "structures": head_to_head.STRUCTURES["brats"],
               "medvol": ["dataset=brats", "dataset.label_regions=[WT,TC,ET]"]},
     "tissue": {"kind": "raw", "spacings": [(5.0, 5.0, 5.0)], "structures": {"GM": (1,), "WM": (2,)},
                "medvol": ["dataset=nnunet"]},
@@ -145,7 +143,7 @@ def write_thick_lesions(raw: Path, subjects: int, spacings: Sequence[Sequence[fl
         volumes = subject_volumes(gm, wm, csf, rng)
         label = resample(volumes["seg"], spacing, label=True)
         converted = np.zeros_like(label)
-        for ours, theirs in harness.TO_NNUNET["brats"].items():
+        for ours, theirs in head_to_head.TO_NNUNET["brats"].items():
             converted[label == ours] = theirs
         save_case(raw, f"thick_{index:04d}", [resample(volumes[c], spacing, label=False) for c in CONTRASTS],
                   converted, spacing)
@@ -183,14 +181,14 @@ def nnunet_view(dataset: str, root: Path, raw: Path, dataset_id: int, split: dic
     the test subjects in imagesTs (never seen by nnU-Net's planner)."""
     kind = DATASETS[dataset]["kind"]
     if kind != "raw":
-        return harness.nnunet_dataset(kind, root, raw, dataset_id, split)
+        return head_to_head.nnunet_dataset(kind, root, raw, dataset_id, split)
     name = f"Dataset{dataset_id:03d}_medvol{dataset.capitalize()}"
-    folder = harness.raw_folder(raw, name)
-    for images, subject in harness.raw_subjects(split):
-        for path in harness.image_files(kind, root, subject):
-            harness.linked(folder / images / Path(path).name, path)
+    folder = head_to_head.raw_folder(raw, name)
+    for images, subject in head_to_head.raw_subjects(split):
+        for path in head_to_head.image_files(kind, root, subject):
+            head_to_head.linked(folder / images / Path(path).name, path)
         if images == "imagesTr":
-            harness.linked(folder / "labelsTr" / f"{subject}.nii.gz", harness.label_file(kind, root, subject))
+            head_to_head.linked(folder / "labelsTr" / f"{subject}.nii.gz", head_to_head.label_file(kind, root, subject))
     record = json.loads((root / "dataset.json").read_text())
     record["numTraining"] = len(split["train"]) + len(split["val"])
     (folder / "dataset.json").write_text(json.dumps(record, indent=2))
@@ -250,7 +248,7 @@ def nnunet_run(
     raw, preprocessed, results = out / "nnUNet_raw", out / "nnUNet_preprocessed", out / "nnUNet_results"
     trainers = out / "trainers"
     trainers.mkdir(parents=True, exist_ok=True)
-    (trainers / f"{harness.TRAINER_NAME}.py").write_text(harness.BUDGET_TRAINER)
+    (trainers / f"{head_to_head.TRAINER_NAME}.py").write_text(head_to_head.BUDGET_TRAINER)
     (out / "launch.py").write_text(NNUNET_LAUNCHER)
     name = nnunet_view(dataset, root, raw, dataset_id, split)
     env = {
@@ -264,23 +262,23 @@ def nnunet_run(
         "MEDVOL_NNUNET_VAL_ITERATIONS": str(val_iterations), **thread_env(cpus),
     }
     python = [*pinned(cpus), str(venv / "bin" / "python"), str(out / "launch.py")]
-    plan_wall, plan_peak = harness.timed(
+    plan_wall, plan_peak = head_to_head.timed(
         [*python, "plan", "-d", str(dataset_id), "-c", "3d_fullres", "-np", "1", "-npfp", "1", "-gpu_memory_target",
          str(NNUNET_MEMORY_GB)], out / "plan.log", {**env, "nnUNet_n_proc_DA": "1"},
     )
     (preprocessed / name / "splits_final.json").write_text(json.dumps([{"train": split["train"], "val": split["val"]}]))
-    train_wall, train_peak = harness.timed(
-        [*python, "train", str(dataset_id), "3d_fullres", "0", "-tr", harness.TRAINER_NAME, "-device", "cpu"],
+    train_wall, train_peak = head_to_head.timed(
+        [*python, "train", str(dataset_id), "3d_fullres", "0", "-tr", head_to_head.TRAINER_NAME, "-device", "cpu"],
         out / "train.log", env,
     )
     predicted = out / "test-predictions"
-    predict_wall, predict_peak = harness.timed(
+    predict_wall, predict_peak = head_to_head.timed(
         [*python, "predict", "-i", str(raw / name / "imagesTs"), "-o", str(predicted), "-d", str(dataset_id), "-c",
-         "3d_fullres", "-f", "0", "-tr", harness.TRAINER_NAME, "-chk", "checkpoint_final.pth", "-device", "cpu",
+         "3d_fullres", "-f", "0", "-tr", head_to_head.TRAINER_NAME, "-chk", "checkpoint_final.pth", "-device", "cpu",
          "-npp", "1", "-nps", "1", "--disable_progress_bar"], out / "predict.log", env,
     )
     plans = json.loads((preprocessed / name / "nnUNetPlans.json").read_text())["configurations"]["3d_fullres"]
-    scores = harness.score_folder(DATASETS[dataset]["kind"], root, predicted, split["test"], "{subject}.nii.gz",
+    scores = head_to_head.score_folder(DATASETS[dataset]["kind"], root, predicted, split["test"], "{subject}.nii.gz",
                                   nnunet_labels_back(dataset), DATASETS[dataset]["structures"])
     epochs = max(1, steps // iterations)
     return {
@@ -293,19 +291,19 @@ def nnunet_run(
 
 
 def nnunet_labels_back(dataset: str) -> dict[int, int] | None:
-    """nnU-Net's label values -> the dataset's files' (BraTS files: the harness converted their labels), or None."""
+    """nnU-Net's label values -> the dataset's files' (BraTS files: `head_to_head` converted their labels), or None."""
     if DATASETS[dataset]["kind"] != "brats":
         return None
-    return {theirs: ours for ours, theirs in harness.TO_NNUNET["brats"].items()}
+    return {theirs: ours for ours, theirs in head_to_head.TO_NNUNET["brats"].items()}
 
 
 def medvol_run(
     dataset: str, root: Path, split_file: Path, test: list[str], out: Path, width: list[str], epochs: int,
     iterations: int, seed: int, cpus: Sequence[int], note: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """medvol's default command for `epochs` epochs of `iterations` batches, pinned to `cpus` (`harness.medvol_arm`:
-    the final and the best checkpoint scored); `note` recorded with the result."""
-    result = harness.medvol_arm(
+    """medvol's default command for `epochs` epochs of `iterations` batches, pinned to `cpus`
+    (`head_to_head.medvol_arm`: the final and the best checkpoint scored); `note` recorded with the result."""
+    result = head_to_head.medvol_arm(
         DATASETS[dataset]["kind"], root, split_file, out, epochs, test,
         [*width, f"seed={seed}", f"model.plan.iterations_per_epoch={iterations}"], dataset=DATASETS[dataset]["medvol"],
         structures=DATASETS[dataset]["structures"], prefix=pinned(cpus), env=thread_env(cpus),
@@ -345,20 +343,20 @@ def run_protocol(args: argparse.Namespace) -> Path:
         reference = None
         if "nnunet" in args.arms:
             folder = out / f"nnunet-steps-seed{seed}"
-            reference = harness.finished(folder, partial(
+            reference = head_to_head.finished(folder, partial(
                 nnunet_run, dataset, root, split, folder, Path(args.nnunet_venv), args.steps, args.iterations,
                 args.val_iterations, cpus, 600 + 10 * list(DATASETS).index(dataset) + seed,
             ))
         for arm in [a for a in args.arms if a != "nnunet"]:
             def trained(folder: Path, arm_epochs: int, note: dict[str, Any] | None = None, arm: str = arm,
                         seed: int = seed) -> dict[str, Any]:
-                return harness.finished(folder, partial(
+                return head_to_head.finished(folder, partial(
                     medvol_run, dataset, root, split_file, split["test"], folder, ARMS[arm], arm_epochs,
                     args.iterations, seed, cpus, note,
                 ))
 
             timed_by = out / f"{arm}-steps-seed{seed}"
-            timing = trained(timed_by, epochs) if "steps" in args.budgets else harness.recorded(timed_by)
+            timing = trained(timed_by, epochs) if "steps" in args.budgets else head_to_head.recorded(timed_by)
             if "wall" not in args.budgets:
                 continue
             wall_s = reference["train_s"] if reference else args.wall_seconds
@@ -389,7 +387,7 @@ def run_protocol(args: argparse.Namespace) -> Path:
 def same_run(folder: Path, timing: dict[str, Any], timed_by: Path, wall_s: float) -> dict[str, Any]:
     """The wall run recorded as the finished run `timed_by` (its result `timing`): the same command (arm, seed,
     epochs) as the wall budget gives, so the same run."""
-    return harness.finished(folder, partial(dict, timing, wall_reference_s=wall_s, same_run_as=timed_by.name))
+    return head_to_head.finished(folder, partial(dict, timing, wall_reference_s=wall_s, same_run_as=timed_by.name))
 
 
 def recorded_runs(out: Path) -> dict[tuple[str, str], list[dict[str, Any]]]:
@@ -490,7 +488,7 @@ def subject_table(dataset: str, out: Path, root: Path, test: Sequence[str]) -> s
             folder = out / result.get("same_run_as", result["folder"]) / "test-predictions"
             seeds.setdefault(column, []).append(str(result["seed"]))
             columns.setdefault(column, []).append(
-                harness.subject_scores(kind, root, folder, list(test), name, back, structures))
+                head_to_head.subject_scores(kind, root, folder, list(test), name, back, structures))
     names = "/".join(structures)
     lines = [
         f"| test subject | voxel (mm) | reference voxels {names} | "
@@ -498,7 +496,7 @@ def subject_table(dataset: str, out: Path, root: Path, test: Sequence[str]) -> s
         "|" + "---|" * (len(columns) + 3),
     ]
     for index, subject in enumerate(test):
-        truth = nib.load(harness.label_file(kind, root, subject))
+        truth = nib.load(head_to_head.label_file(kind, root, subject))
         labels = np.asarray(truth.dataobj)
         voxel = "x".join(f"{float(z):g}" for z in truth.header.get_zooms()[:3])
         counts = "/".join(str(int(np.isin(labels, values).sum())) for values in structures.values())
@@ -527,9 +525,9 @@ def write_into(docs: Path, dataset: str, table: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", required=True, choices=list(DATASETS))
-    parser.add_argument("--arms", type=harness.comma_list, default=list(ARMS), help="medvol16,medvol32,nnunet")
-    parser.add_argument("--budgets", type=harness.comma_list, default=list(BUDGETS), help="steps,wall")
-    parser.add_argument("--seeds", type=lambda v: [int(s) for s in harness.comma_list(v)], default=[0, 1, 2])
+    parser.add_argument("--arms", type=head_to_head.comma_list, default=list(ARMS), help="medvol16,medvol32,nnunet")
+    parser.add_argument("--budgets", type=head_to_head.comma_list, default=list(BUDGETS), help="steps,wall")
+    parser.add_argument("--seeds", type=lambda v: [int(s) for s in head_to_head.comma_list(v)], default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=1250, help="optimizer steps of the steps budget (nnU-Net's too)")
     parser.add_argument("--iterations", type=int, default=250, help="batches an epoch (every arm)")
     parser.add_argument("--val-iterations", type=int, default=50, help="nnU-Net's validation batches an epoch")
@@ -538,7 +536,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spacing-scale", type=float, default=1.0, help="every spacing times this (a toy check)")
     parser.add_argument("--data-seed", type=int, default=0)
     parser.add_argument("--cores", type=int, default=1, help="cores each arm is pinned to (taskset)")
-    parser.add_argument("--cpus", type=lambda v: [int(c) for c in harness.comma_list(v)], default=None,
+    parser.add_argument("--cpus", type=lambda v: [int(c) for c in head_to_head.comma_list(v)], default=None,
                         help="the cores themselves (e.g. 0 for one command and 1 for another run beside it)")
     parser.add_argument("--nnunet-venv", default="/work/nnunet-venv")
     parser.add_argument("--out", default="outputs/benchmarks/segmentation-protocol")

@@ -18,9 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
 
 from tests.ddp_support import train_cli  # noqa: E402
 from tests.medvol.run.test_ddp_correctness import DATA, DDP, REGRESSOR, TINY_DATA  # noqa: E402 - after the path set-up

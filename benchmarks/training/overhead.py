@@ -36,9 +36,8 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import ROOT, child_env, composed  # noqa: E402
 
 
 class StepEnds(pl.Callback):
@@ -66,13 +65,6 @@ def median_step_ms(ends: list[list[float]], warmup: int) -> tuple[float, float]:
     """Median wall and CPU time between consecutive step ends after `warmup` steps, in ms."""
     pairs = list(zip(ends[warmup:], ends[warmup + 1 :], strict=False))
     return tuple(1000 * statistics.median(b[i] - a[i] for a, b in pairs) for i in (0, 1))  # type: ignore[return-value]
-
-
-def _env() -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MEDVOL_RUN_STAMP"):
-        env.pop(name, None)
-    return env
 
 
 def interpreter(args: argparse.Namespace, side: str) -> list[str]:
@@ -108,7 +100,7 @@ def medvol_run(args: argparse.Namespace) -> tuple[float, float]:
         subprocess.run(
             [*interpreter(args, "medvol"), str(ROOT / "train.py"), *overrides, f"hydra.run.dir={tmp}/run",
              f"+callbacks.step_ends={{_target_:benchmarks.training.overhead.StepEnds,path:{ends}}}"],
-            cwd=tmp, env=_env(), check=True, capture_output=True, text=True,
+            cwd=tmp, env=child_env(threads=1), check=True, capture_output=True, text=True,
         )
         return median_step_ms(json.loads(ends.read_text()), args.warmup)
 
@@ -130,14 +122,10 @@ def gan_step(
 
 def hand_worker(args: argparse.Namespace, out: Path) -> None:
     """The hand-written loop over the same VQGAN object, losses, optimizers, batch and data."""
-    from hydra import compose, initialize_config_dir
-
-    import medvol.run.resolvers  # noqa: F401 - resolvers used by the configs
     from medvol.core.build import build_model
 
     torch.set_num_threads(1)
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf"), job_name="overhead"):
-        cfg = compose(config_name="train", overrides=["hardware=cpu", *model_overrides(args)])
+    cfg = composed(["hardware=cpu", *model_overrides(args)], job_name="overhead")
     torch.manual_seed(0)
     model = build_model(cfg.model).train()
     opt_ae, opt_disc = model.configure_optimizers()
@@ -170,7 +158,7 @@ def hand_run(args: argparse.Namespace) -> tuple[float, float]:
                 str(args.batch),
                 *args.overrides,
             ],
-            env=_env(),
+            env=child_env(threads=1),
             check=True,
             capture_output=True,
             text=True,

@@ -34,9 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import ROOT, child_env, table_header  # noqa: E402
 
 # The project's imports come after the path set-up for direct runs.
 from datamodules.pipeline.volume_datamodule import VolumeDataModule  # noqa: E402
@@ -148,13 +147,6 @@ class RandomVolumes(VolumeDataModule):
         return [{"image": torch.rand(shape, generator=generator) * 2 - 1} for _ in records]
 
 
-def _env(threads: int = 1) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads)}
-    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MEDVOL_RUN_STAMP"):
-        env.pop(name, None)
-    return env
-
-
 def medvol_run(processes: int, args: argparse.Namespace) -> dict[str, float]:
     """One `train.py` run; samples/s from its summary.json (all ranks' samples over rank 0's step time)."""
     subjects = args.steps * args.batch * processes + 4
@@ -185,7 +177,7 @@ def medvol_run(processes: int, args: argparse.Namespace) -> dict[str, float]:
         subprocess.run(
             [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={tmp}/run",
              f"+callbacks.step_timer={{_target_:benchmarks.training.scaling.StepTimer,path:{timings}}}"],
-            cwd=tmp, env=_env(), check=True, capture_output=True, text=True,
+            cwd=tmp, env=child_env(threads=1), check=True, capture_output=True, text=True,
         )
         durations = json.loads(timings.read_text())
     return {"samples_per_second": throughput(durations, args.batch, processes, args.warmup)}
@@ -251,7 +243,8 @@ def plain_run(processes: int, args: argparse.Namespace) -> dict[str, float]:
                   "--channels", str(args.channels), "--accelerator", args.accelerator, "--warmup", str(args.warmup)]
         workers = [
             subprocess.Popen(
-                [sys.executable, __file__, "--worker", f"{rank},{processes},{port},{out}", *common], env=_env()
+                [sys.executable, __file__, "--worker", f"{rank},{processes},{port},{out}", *common],
+                env=child_env(threads=1),
             )
             for rank in range(processes)
         ]
@@ -295,8 +288,7 @@ def main() -> None:
     median = statistics.median
     print(f"{args.repeats} repeats x {args.steps} steps, per-process batch {args.batch}, {args.size}^3 volumes, "
           f"{args.accelerator}, {os.cpu_count()} cores, 1 thread per process\n")
-    print("| | 1 process (samples/s) | 2 processes (samples/s) | speed-up | scaling efficiency |")
-    print("|---|---|---|---|---|")
+    print(table_header(["", "1 process (samples/s)", "2 processes (samples/s)", "speed-up", "scaling efficiency"]))
     for side, label in (("medvol", "medvol `train.py`"), ("plain", "hand-written DDP loop")):
         one = median(r["samples_per_second"] for r in results[side, 1])
         two = median(r["samples_per_second"] for r in results[side, 2])

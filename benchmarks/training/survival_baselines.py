@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import ROOT  # noqa: E402
 
 COVARIATES = ["age", "sex"]
 METRICS = ("cindex", "uno_cindex", "auc_early", "auc_late", "ibs")

@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import ROOT, child_env  # noqa: E402
 
 
 def one_run(overrides: list[str]) -> dict:
@@ -37,7 +38,7 @@ def one_run(overrides: list[str]) -> dict:
             cwd=tmp,
             check=True,
             capture_output=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env=child_env(),
         )
         wall = time.perf_counter() - start
         (run_dir,) = (Path(tmp) / "outputs" / "train" / "runs").iterdir()

@@ -20,7 +20,6 @@ Minutes, not seconds: run it before a release, not in CI.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import subprocess
 import sys
@@ -33,7 +32,9 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import ROOT, child_env  # noqa: E402
+
 # A mutation that makes a DDP test hang is caught by the test's own timeouts long before this.
 RUN_TIMEOUT = 900
 MUTATIONS_DIR = ROOT / "benchmarks" / "trust" / "mutations"
@@ -98,7 +99,7 @@ class Verdict:
 
 def pytest(copy: Path, tests: Sequence[str]) -> Verdict:
     """Run `tests` (slow ones too) in `copy` and say how they ended, with the first failure's line."""
-    env = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"}
+    env = child_env(copy, threads=1)
     command = [sys.executable, "-m", "pytest", "-q", "-x", "-rfE", "-m", "", "-p", "no:cacheprovider", *tests]
     start = time.perf_counter()
     try:
@@ -120,7 +121,7 @@ def pytest(copy: Path, tests: Sequence[str]) -> Verdict:
 
 def check_imports_from(copy: Path) -> None:
     """The tests must import the copy's (mutated) modules, not the editable install of the working tree."""
-    env = {**os.environ, "PYTHONPATH": str(copy)}
+    env = child_env(copy)
     probe = (
         "import medvol, lightning_modules, datamodules; print(medvol.__file__, lightning_modules.__file__, "
         "datamodules.__file__)"

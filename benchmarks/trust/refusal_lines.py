@@ -18,7 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import ROOT, child_env  # noqa: E402
 
 CONFIG_LINES = """
 import sys
@@ -49,7 +50,7 @@ def fixtures(work: Path, repo: Path) -> dict[str, list[str]]:
         "sys.argv[1] + '/foreign.ckpt'); "
         "write_nifti_folder(sys.argv[1] + '/scans', 4, 16)"
     )
-    subprocess.run([sys.executable, "-c", code, str(work)], cwd=repo, check=True, env=_env(repo))
+    subprocess.run([sys.executable, "-c", code, str(work)], cwd=repo, check=True, env=child_env(repo, threads=1))
     (work / "corrupt.ckpt").write_bytes(os.urandom(2000))
     truncated = work / "scans" / "sub-001" / "ct.nii.gz"
     truncated.write_bytes(truncated.read_bytes()[:300])
@@ -68,15 +69,12 @@ def fixtures(work: Path, repo: Path) -> dict[str, list[str]]:
     }
 
 
-def _env(repo: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
-
-
 def refused(repo: Path, args: list[str]) -> tuple[int, int, bool]:
     """(exit status, lines printed, whether a run directory was left) of `python train.py args`."""
     with tempfile.TemporaryDirectory() as cwd:
         done = subprocess.run(
-            [sys.executable, str(repo / "train.py"), *args], cwd=cwd, env=_env(repo), capture_output=True, text=True
+            [sys.executable, str(repo / "train.py"), *args], cwd=cwd, env=child_env(repo, threads=1),
+            capture_output=True, text=True,
         )
         runs = Path(cwd) / "outputs" / "train" / "runs"
         left = runs.is_dir() and any(runs.iterdir())
@@ -99,7 +97,7 @@ def main() -> None:
         done = subprocess.run(
             [sys.executable, "-c", CONFIG_LINES, str(width)],
             cwd=repo,
-            env=_env(repo),
+            env=child_env(repo, threads=1),
             capture_output=True,
             text=True,
             check=True,

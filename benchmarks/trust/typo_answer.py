@@ -23,7 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
+from benchmarks.common import ROOT, child_env  # noqa: E402
 
 COMMANDS = {
     "`import torch`": ["-c", "import torch"],
@@ -38,7 +39,7 @@ COMMANDS = {
 def timed(repo: Path, args: list[str]) -> tuple[float, float, int, bool]:
     """(wall seconds, child CPU seconds, exit status, whether anything was left in the working directory)."""
     command = [sys.executable, *(args if args[0] == "-c" else [str(repo / args[0]), *args[1:]])]
-    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    env = child_env(repo, threads=1)
     with tempfile.TemporaryDirectory() as cwd:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
