@@ -1,7 +1,7 @@
 """The MONAI bundle export.py writes: predict.py's outputs from MONAI alone, metadata the specification accepts.
 
 The reference is predict.py itself, run on the same scans. Masks are judged structure by structure
-(`benchmarks/inference/export.py`'s `structure_agreement`): the model predicts every structure, each structure's Dice
+(`benchmarks/export/export.py`'s `structure_agreement`): the model predicts every structure, each structure's Dice
 between the two masks is at least 0.99, the label values agree on at least 99.9% of the union of their foreground, and
 both hold the same label values; reconstructions agree within 1e-3 of their range. The fast tests run the bundle in this
 process through MONAI's own `ConfigWorkflow` (what `python -m monai.bundle run` builds); the slow ones run `python -m
@@ -30,7 +30,7 @@ from monai.bundle import ConfigWorkflow
 from monai.bundle.utils import DEFAULT_METADATA
 from omegaconf import OmegaConf
 
-from benchmarks.inference.export import (
+from benchmarks.export.export import (
     SMALL_REGIONS,
     declared_site,
     real_scans,

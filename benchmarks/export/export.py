@@ -1,10 +1,10 @@
 """export.py's figures: one window through PyTorch, TorchScript and ONNX Runtime; export time and file sizes; the
 whole MONAI bundle on scans against predict.py, structure by structure and stage by stage.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/inference/export.py [--parts window,bundle] [--window 128]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/export/export.py [--parts window,bundle] [--window 128]
         [--features 32,64,128,256,320] [--repeats 5] [--threads 2] [--scan 96,96,64] [--scans 1] [--epochs 2]
         [--workdir DIR]
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/inference/export.py --parts real [--subjects 12] [--scans 4]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/export/export.py --parts real [--subjects 12] [--scans 4]
         [--epochs 12] [--iterations 50] [--scan-spacing 2] [--run DIR] [--workdir DIR]
 
 `window`:

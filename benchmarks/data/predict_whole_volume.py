@@ -2,7 +2,7 @@
 own.
 
     .venv/bin/pip install --no-deps nilearn     # only its bundled MNI152 template (a real head) is read
-    .venv/bin/python benchmarks/inference/predict_whole_volume.py [--ckpt CKPT] [--epochs 16] [--workdir DIR]
+    .venv/bin/python benchmarks/data/predict_whole_volume.py [--ckpt CKPT] [--epochs 16] [--workdir DIR]
         [--scan head|phantom]
         [--overlap 0.25] [predict.py overrides ...]
 
