@@ -323,7 +323,7 @@ def test_a_gpu_step_that_exits_0_without_a_targets_figure_fails_and_says_why(tmp
 
 
 def test_the_whole_cts_window_batch_is_the_free_memory_over_a_windows_and_at_most_the_cap(monkeypatch):
-    from benchmarks.gpu import xray2ct_memory
+    from benchmarks.generation import xray2ct_memory
 
     mib = 2**20
     calls = []

@@ -116,9 +116,9 @@ def ddpm_setup(fused: bool, per_block: bool, low_precision_norm: bool, reduce: i
 
 
 def xray2ct_setup(stage: int, reduce: int, mode: FakeTensorMode) -> Setup:
-    """`benchmarks/gpu/xray2ct_memory.py --parts train`: stage `stage` of experiment=xray2ct_a100x4 at its seed batch
-    (16 / 8 / 4), activation checkpointing as the preset, its earlier stages frozen on the device."""
-    from benchmarks.gpu import xray2ct_memory
+    """`benchmarks/generation/xray2ct_memory.py --parts train`: stage `stage` of experiment=xray2ct_a100x4 at its seed
+    batch (16 / 8 / 4), activation checkpointing as the preset, its earlier stages frozen on the device."""
+    from benchmarks.generation import xray2ct_memory
 
     xray2ct_memory.STAGES[:] = xray2ct_memory.preset_stages([])
     module = xray2ct_memory.build(stage, reduce, True, 10)
@@ -237,7 +237,7 @@ def ldm_decode_setup(reduce: int, mode: FakeTensorMode) -> Setup:
 def xray2ct_window_setup(count: int, reduce: int, mode: FakeTensorMode) -> Setup:
     """`count` sampling windows of the whole CT's last stage in one call (`xray2ct_memory.py --parts whole`'s probe):
     the stage's network on 64^3 windows with their condition and coordinates, no gradient, bf16."""
-    from benchmarks.gpu import xray2ct_memory
+    from benchmarks.generation import xray2ct_memory
 
     xray2ct_memory.STAGES[:] = xray2ct_memory.preset_stages([])
     stage = len(xray2ct_memory.STAGES)
@@ -259,7 +259,7 @@ def xray2ct_window_setup(count: int, reduce: int, mode: FakeTensorMode) -> Setup
 def whole_ct_windows(reduce: int, overlap: float) -> int:
     """The network calls' windows of a whole CT: the first stage whole, each later stage's windows a step, times 10
     steps."""
-    from benchmarks.gpu import xray2ct_memory
+    from benchmarks.generation import xray2ct_memory
     from medvol.volumes.sliding_window import SlidingWindow
 
     xray2ct_memory.STAGES[:] = xray2ct_memory.preset_stages([])

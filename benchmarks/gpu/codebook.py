@@ -1,6 +1,6 @@
 """Memory and time of one EMA-codebook training step at the CTPA scale, full vs chunked, on the CPU.
 
-    .venv/bin/python benchmarks/generation/codebook.py [--latents 32768] [--codes 16384] [--dim 8] [--repeats 3]
+    .venv/bin/python benchmarks/gpu/codebook.py [--latents 32768] [--codes 16384] [--dim 8] [--repeats 3]
 
 A 128^3 patch at downsample 4 gives 32^3 = 32768 latent vectors per patch; the CTPA experiment
 has 16384 codes of size 8. "full" is the computation before chunking (one latents x codes

@@ -28,11 +28,12 @@ pass (every distinct storage saved by autograd, fp32, batch 1, 128 px views) at 
 inputs, with and without activation checkpointing: the slope is the activation memory per
 trained voxel, which times 64^3 x batch estimates a stage's activations at the preset.
 
-    python benchmarks/gpu/xray2ct_memory.py                      # CPU, reduced sizes
-    python benchmarks/gpu/xray2ct_memory.py --activations        # CPU, saved activations per voxel
-    python benchmarks/gpu/xray2ct_memory.py --device cuda --reduce 1
-    python benchmarks/gpu/xray2ct_memory.py --device cuda --reduce 1 --modes on --repeats 2 --parts train --json x.json
-    python benchmarks/gpu/xray2ct_memory.py --reduce 8 --parts whole model.channels=[16,16,16,16]   # a toy network
+    python benchmarks/generation/xray2ct_memory.py                      # CPU, reduced sizes
+    python benchmarks/generation/xray2ct_memory.py --activations        # CPU, saved activations per voxel
+    python benchmarks/generation/xray2ct_memory.py --device cuda --reduce 1
+    python benchmarks/generation/xray2ct_memory.py --device cuda --reduce 1 --modes on --repeats 2 --parts train
+        --json x.json
+    python benchmarks/generation/xray2ct_memory.py --reduce 8 --parts whole model.channels=[16,16,16,16]  # toy
 
 `--parts` picks the per-stage training rows (`train`) and/or the whole CT (`whole`); `--json FILE` also writes
 every row and the whole CT's figures to FILE. Arguments of the form `key=value` are Hydra overrides of the

@@ -1,6 +1,6 @@
 """What the validation image costs: render time and PNG size of one `val/slices` grid per volume size.
 
-    .venv/bin/python benchmarks/data/slice_images.py [--repeats N]
+    .venv/bin/python benchmarks/training/slice_images.py [--repeats N]
 
 Renders the default grid (2 subjects; input | reconstruction | error map with colour bar;
 256 px panels) from random volumes with a 1.5 mm RAS affine, as the callback does once per
