@@ -30,6 +30,7 @@ from medvol.core.errors import MedvolError
 from medvol.run.ensemble import Ensemble, same_preprocessing
 from medvol.run.fold_records import applied_postprocessing, fold_checkpoints, read_volume_range
 from medvol.run.generation import intensity_record, on_model_grid, sampled_outputs, with_target_units
+from medvol.run.inference_preflight import plan_inference
 from medvol.run.noise_samples import noise_geometry, write_noise_samples
 from medvol.run.predict_batch import (
     DoneRecords,
@@ -87,6 +88,13 @@ def _predicted(cfg: DictConfig) -> dict[str, float]:
         # A generative model logs its walk (steps, windows) and its decoding (slabs) as it goes.
         module.progress = True
     predictor = segmentation_predictor(cfg, module, run, checkpoints, decided_in, device)
+    # The window batches and the decoder slab from the predicted peak of a call, before any subject is read (an
+    # ensemble's members are called one after the other: the first stands for them).
+    plan = plan_inference(cfg, module, lambda: window_roi(cfg, run), device)
+    if plan.named:
+        # `preflight=<card>`: the plan for that card, nothing read or written.
+        return {}
+    plan.apply(module)
     num_samples = int(cfg.get("num_samples", 1))
     if from_noise(cfg):
         return noise_samples(module, cfg.get("spacing"), output_dir, num_samples, device)
@@ -108,7 +116,7 @@ def _predicted(cfg: DictConfig) -> dict[str, float]:
             # Not one subject this command could predict: a refusal, before any output.
             raise MedvolError(problems[todo[0]])
         window = SlidingWindow.of(
-            window_roi(cfg, run), overlap=overlap, mode=str(cfg.mode), batch_size=int(cfg.sw_batch_size), device=device,
+            window_roi(cfg, run), overlap=overlap, mode=str(cfg.mode), batch_size=plan.sw_batch_size, device=device,
         )
         writer = PredictionWriter(
             output_dir, protected=inputs.protected, output_format=output_format,

@@ -101,6 +101,17 @@ Spacing = Annotated[Any, _refusal(
     lambda v: v is None or isinstance(v, list) and len(v) == 3 and all(_number(s) and s > 0 for s in v))]
 Overlap = number(0.0, MAX_OVERLAP)
 WindowBatch = whole(1, MAX_WINDOW_BATCH)
+# predict.py's window batches: `auto` (sized from the predicted peak of a call, `medvol.run.inference_preflight`) or a
+# whole number within the same bounds.
+AUTO = "auto"
+PlannedWindowBatch = Annotated[Any, _refusal(
+    f"{AUTO} or a whole number in [1, {MAX_WINDOW_BATCH}]",
+    lambda v: v == AUTO or _whole(v) and 1 <= v <= MAX_WINDOW_BATCH)]
+# The LDM's decoder slab (values on the device at once), and predict.py's: `auto` there.
+MAX_SLAB_ELEMENTS = 2**31
+PlannedSlab = Annotated[Any, _refusal(
+    f"{AUTO} or a whole number of values in [1, 2^31]",
+    lambda v: v == AUTO or _whole(v) and 1 <= v <= MAX_SLAB_ELEMENTS)]
 Steps = Annotated[Any, _refusal(
     f"null, a whole number of steps in [1, {MAX_DIFFUSION_STEPS}] or a list of at most that many steps in "
     f"[0, {MAX_DIFFUSION_STEPS})",
@@ -186,7 +197,8 @@ class LDM(Diffusion):
     cond_channels: whole(0, MAX_FEATURES) = 0
     sample_size: Volume = None
     decode_slab_elements: Annotated[Any, _refusal(
-        "null or a whole number of values in [1, 2^31]", lambda v: v is None or _whole(v) and 1 <= v <= 2**31)] = None
+        "null or a whole number of values in [1, 2^31]",
+        lambda v: v is None or _whole(v) and 1 <= v <= MAX_SLAB_ELEMENTS)] = None
     first_stage_settings: VQGAN | None = None
 
 
@@ -226,6 +238,24 @@ class Segmentation(Model):
         = None
     features: widths(MAX_FEATURES) = []
     feature_size: whole(1, MAX_FEATURES) = 24
+
+
+class PredictSizes(Bounded):
+    """predict.py's own window batches (its sliding window's, the diffusion walk's sampling windows') and the LDM's
+    decoder slab: `auto` or a number within the bounds of a run's own."""
+
+    sw_batch_size: PlannedWindowBatch = AUTO
+    sampling_window_batch_size: PlannedWindowBatch = AUTO
+    decode_slab_elements: PlannedSlab = AUTO
+
+
+def check_predict_sizes(values: Mapping[str, Any], source: str) -> PredictSizes:
+    """predict.py's `sw_batch_size`, `sampling_window_batch_size` and `decode_slab_elements`, refused in one line
+    beyond their bounds."""
+    try:
+        return PredictSizes.model_validate(dict(values))
+    except ValidationError as err:
+        raise _refused(err, source) from None
 
 
 # Each family by the package of its class (`model._target_`); a class of the user's own gets the common bounds.

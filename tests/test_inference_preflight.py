@@ -1,0 +1,221 @@
+"""The inference preflight (medvol/run/inference_preflight.py): predict.py's window batches sized from a network call's
+peak predicted on fake tensors, an explicit batch that will not fit refused, `preflight=<card>` printing the plan."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from medvol.core.build import build_model
+from medvol.core.errors import MedvolError
+from medvol.core.gpu_cards import card_named
+from medvol.run.inference_preflight import (
+    CPU_WINDOW_BATCH,
+    Memory,
+    call_peak,
+    decoding_call,
+    fits,
+    plan_decoding,
+    plan_inference,
+    plan_sampling,
+    plan_sliding_window,
+    sliding_window_call,
+)
+from medvol.run.preflight import MARGIN
+from medvol.run.settings_bounds import MAX_WINDOW_BATCH
+from medvol.run.training import run
+from tests.conftest import ROOT, TINY_COMMON, TINY_MODEL, compose_cfg, subprocess_env
+from tests.lightning_modules.diffusion.test_windowed_sampling import _xray_stage_two
+
+CPU = torch.device("cpu")
+
+
+def test_a_conv_nets_predicted_window_peak_is_its_hand_counted_weights_windows_and_two_activations():
+    net = nn.Sequential(nn.Conv3d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv3d(8, 2, 3, padding=1))
+
+    def call(count: int):
+        window = torch.randn(count, 1, 16, 16, 16)
+        return [window], lambda: net(window)
+
+    def blocks(nbytes: int) -> int:
+        return -(-nbytes // 512) * 512
+
+    # Weights and biases (float32, each in 512-byte blocks), the windows, and at the peak the first convolution's
+    # output beside the ReLU's (the ReLU is not in place): 8 channels of 16^3 each, per window.
+    weights = blocks(8 * 27 * 4) + blocks(8 * 4) + blocks(2 * 8 * 27 * 4) + blocks(2 * 4)
+    for count in (1, 4):
+        voxels = count * 16**3
+        assert call_peak(net, call, count) == weights + voxels * 4 + 2 * 8 * voxels * 4
+    assert all(type(p) is nn.Parameter and not p.is_meta for p in net.parameters())  # the net's own weights, back
+
+
+def tiny_vqgan(tmp_path: Path):
+    cfg = compose_cfg(tmp_path, ["model=vqgan"])
+    return build_model(cfg.model).eval()
+
+
+@pytest.mark.parametrize("memory_mib", [12, 20, 40])
+def test_the_window_batch_is_the_largest_whose_peak_and_margin_fit(tmp_path, memory_mib):
+    module = tiny_vqgan(tmp_path)
+    memory = Memory("card", memory_mib / 1024, True)
+    plan = plan_sliding_window(module, [16, 16, 16], "auto", memory)
+    call = sliding_window_call(module, [16, 16, 16])
+    assert plan.peak == call_peak(module, call, plan.batch)
+    assert plan.peak * (1 + MARGIN) <= memory_mib * 2**20
+    if plan.batch < MAX_WINDOW_BATCH:
+        assert call_peak(module, call, plan.batch + 1) * (1 + MARGIN) > memory_mib * 2**20
+
+
+def test_the_window_batch_grows_with_the_memory_and_shrinks_with_the_window(tmp_path):
+    module = tiny_vqgan(tmp_path)
+
+    def batch(memory_mib: int, edge: int) -> int:
+        return plan_sliding_window(module, [edge] * 3, "auto", Memory("card", memory_mib / 1024, True)).batch
+
+    by_memory = [batch(mib, 16) for mib in (12, 20, 40)]
+    assert by_memory == sorted(by_memory) and by_memory[0] < by_memory[-1] < MAX_WINDOW_BATCH, by_memory
+    by_window = [batch(40, edge) for edge in (16, 24, 32)]
+    assert by_window == sorted(by_window, reverse=True) and by_window[0] > by_window[-1], by_window
+
+
+def test_an_explicit_batch_that_fits_is_kept_and_one_that_does_not_is_refused_naming_the_largest(tmp_path):
+    module = tiny_vqgan(tmp_path)
+    memory = Memory("card", 20 / 1024, True)
+    largest = plan_sliding_window(module, [16, 16, 16], "auto", memory).batch
+    assert plan_sliding_window(module, [16, 16, 16], largest, memory).batch == largest
+    with pytest.raises(MedvolError) as refusal:
+        plan_sliding_window(module, [16, 16, 16], largest + 1, memory)
+    assert "\n" not in str(refusal.value)
+    assert f"`sw_batch_size={largest + 1}` predicts" in str(refusal.value)
+    peak = plan_sliding_window(module, [16] * 3, largest, memory).peak
+    assert str(refusal.value).endswith(f"the largest that fits is sw_batch_size={largest} ({peak / 2**20:.1f} MiB)")
+
+
+def test_on_the_cpu_auto_keeps_todays_batches_and_nothing_is_measured(tmp_path, monkeypatch):
+    module = tiny_vqgan(tmp_path)
+    monkeypatch.setattr("medvol.run.inference_preflight.call_peak", lambda *a: pytest.fail("measured on the CPU"))
+    cfg = OmegaConf.create({"sw_batch_size": "auto", "sampling_window_batch_size": "auto", "preflight": None})
+    plan = plan_inference(cfg, module, lambda: [16, 16, 16], CPU)
+    assert (plan.sw_batch_size, plan.sampling_window_batch_size, plan.named) == (CPU_WINDOW_BATCH, None, False)
+    cfg.sw_batch_size, cfg.sampling_window_batch_size = 7, 3
+    assert plan_inference(cfg, module, lambda: [16, 16, 16], CPU).sw_batch_size == 7
+    cfg.sw_batch_size = 65
+    with pytest.raises(MedvolError, match=r"`sw_batch_size` is 65; expected auto or a whole number in \[1, 64\]"):
+        plan_inference(cfg, module, lambda: [16, 16, 16], CPU)
+
+
+def test_the_xray_to_ct_walks_window_batch_comes_from_the_prediction_below_the_cap(tmp_path):
+    # Stage 2 (16^3, by 8^3 windows) over a whole stage 1 (8^3): one batch serves both stages' calls.
+    module = _xray_stage_two(tmp_path, crop_size=8).eval()
+    memory = Memory("0.01GiB", 0.01, True)
+    plan = plan_sampling(module, "auto", memory)
+    assert 1 < plan.batch < MAX_WINDOW_BATCH and fits(plan.peak, memory)
+    assert "the whole 8x8x8, windows of 8x8x8" in plan.line()
+    larger = plan_sampling(module, "auto", Memory("0.05GiB", 0.05, True))
+    assert larger.batch == MAX_WINDOW_BATCH
+    with pytest.raises(MedvolError, match=f"the largest that fits is sampling_window_batch_size={plan.batch} "):
+        plan_sampling(module, MAX_WINDOW_BATCH, memory)
+
+
+def test_the_planned_sampling_batch_is_the_one_the_walk_runs_with(tmp_path):
+    module = _xray_stage_two(tmp_path, crop_size=8).eval()
+    cfg = OmegaConf.create({"sw_batch_size": "auto", "sampling_window_batch_size": "auto", "preflight": "0.01GiB"})
+    plan = plan_inference(cfg, module, lambda: pytest.fail("X-ray-to-CT runs no sliding window"), CPU)
+    assert plan.named and plan.sampling_window_batch_size == plan_sampling(
+        module, "auto", Memory("0.01GiB", 0.01, True)).batch
+
+
+def test_the_ldms_decoder_slab_is_the_largest_power_of_two_whose_decoding_fits_and_the_decoder_gets_it(tmp_path):
+    from lightning_modules.ldm.first_stage import VQGAN_CLASS
+    from lightning_modules.vqgan.vqgan import VQGAN
+    from tests.lightning_modules.ldm.test_ldm import TINY_VQGAN, save_checkpoint, tiny_ldm
+
+    first_stage = save_checkpoint(VQGAN(**TINY_VQGAN), tmp_path / "vqgan.ckpt", VQGAN_CLASS)
+    module = tiny_ldm(first_stage, sample_size=[32, 32, 32]).eval()
+    module.scale_factor.fill_(1.0)
+    latent = [1, TINY_VQGAN["embedding_dim"], 8, 8, 8]
+    slabs = []
+    for mib in (6, 8, 64):
+        memory = Memory("card", mib / 1024, True)
+        plan = plan_decoding(module, "auto", memory)
+        assert plan.peak == call_peak(module, decoding_call(module, latent, plan.batch), 1) and fits(plan.peak, memory)
+        if plan.batch < 2**31:
+            assert not fits(call_peak(module, decoding_call(module, latent, 2 * plan.batch), 1), memory)
+        slabs.append(plan.batch)
+    assert slabs == sorted(slabs) and slabs[0] < slabs[-1], slabs
+    with pytest.raises(MedvolError, match="no slab keeps the decoder's activations on the device"):
+        plan_decoding(module, "auto", Memory("card", 2 / 1024, True))
+    cfg = OmegaConf.create({"preflight": "8GB"})
+    plan_inference(cfg, module, lambda: pytest.fail("no sliding window"), CPU).apply(module)
+    card = card_named("8GB")
+    assert module.hparams.decode_slab_elements == plan_decoding(module, "auto", Memory(card.name, card.memory_gib,
+                                                                                      True)).batch
+    assert module.hparams.decode_offload is None and not module.progress
+
+
+@pytest.fixture(scope="module")
+def vqgan_run(tmp_path_factory) -> Path:
+    """A tiny VQ-GAN run on the phantoms, its config where train.py saves it."""
+    run_dir = tmp_path_factory.mktemp("inference-preflight") / "run"
+    cfg = compose_cfg(run_dir, [*TINY_COMMON, *TINY_MODEL["vqgan"], "logger=none", "callbacks.volume_slices=null"],
+                      tiny=False)
+    run(cfg)
+    (run_dir / ".hydra").mkdir(exist_ok=True)
+    OmegaConf.save({k: v for k, v in cfg.items() if k != "hydra"}, run_dir / ".hydra" / "config.yaml")
+    return run_dir
+
+
+def predict_command(run_dir: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "predict.py"), f"ckpt_path={run_dir}/checkpoints/last.ckpt", "split=test",
+         f"output_dir={out}", "device=cpu", *extra],
+        capture_output=True, text=True, cwd=out.parent, timeout=300, env=subprocess_env(OMP_NUM_THREADS="1"),
+    )
+
+
+def test_preflight_on_a_card_prints_the_plan_and_writes_nothing(vqgan_run, tmp_path):
+    result = predict_command(vqgan_run, tmp_path / "out", "preflight=H100")
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if "inference preflight" in line]
+    assert len(lines) == 1 and "sw_batch_size=64 (auto) on windows of 16x16x16" in lines[0], result.stdout
+    assert lines[0].endswith("H100 has 79.18 GiB")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_batch_that_will_not_fit_the_named_card_is_refused_in_one_line_before_anything_is_written(vqgan_run,
+                                                                                                     tmp_path):
+    result = predict_command(vqgan_run, tmp_path / "out", "preflight=0.015GiB", "sw_batch_size=64")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("medvol: error: `sw_batch_size=64` predicts "), result.stderr
+    assert "0.015GiB has 15.4 MiB: the largest that fits is sw_batch_size=" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_on_a_gpu_the_window_runs_with_the_planned_batch_and_one_line_says_so(vqgan_run, tmp_path, monkeypatch,
+                                                                              caplog):
+    from medvol.run import inference_preflight
+    from medvol.run.predicting import predict
+    from medvol.volumes.sliding_window import SlidingWindow
+    from tests.medvol.run.test_predict import predict_cfg
+
+    # The CPU stands in for a GPU with 15 MiB free: the plan is what a GPU's free memory would give.
+    memory = Memory("GPU", 0.015, False)
+    monkeypatch.setattr(inference_preflight, "device_memory", lambda cfg, device: memory)
+    expected = plan_sliding_window(tiny_vqgan(tmp_path / "m"), [16, 16, 16], "auto", memory)
+    batches = []
+    run_window = SlidingWindow.__call__
+    monkeypatch.setattr(SlidingWindow, "__call__", lambda self, *a, **k: batches.append(self.batch_size) or
+                        run_window(self, *a, **k))
+    with caplog.at_level("INFO", logger="medvol"):
+        predict(predict_cfg(f"ckpt_path={vqgan_run}/checkpoints/last.ckpt", "split=test",
+                            f"output_dir={tmp_path / 'out'}"))
+    assert 1 < expected.batch < MAX_WINDOW_BATCH and batches and set(batches) == {expected.batch}
+    lines = [r.getMessage() for r in caplog.records if "inference preflight" in r.getMessage()]
+    assert lines == [expected.line()] and lines[0].endswith("GPU free 15.4 MiB")
