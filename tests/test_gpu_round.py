@@ -58,6 +58,16 @@ def test_the_dry_run_replaces_cuda_by_cpu_and_bf16_by_fp32():
         assert "cuda" not in command and "bf16" not in command and "hardware=gpu" not in command, step.name
 
 
+def test_every_benchmark_step_runs_a_script_that_exists(tmp_path):
+    # The steps name scripts by their path under benchmarks/<folder>/ (benchmarks/README.md): a script moved or
+    # renamed without its step would fail only on the GPU machine.
+    for dry in (False, True):
+        for step in all_steps(dry=dry, work=tmp_path):
+            if step.phase == "benchmarks":
+                script = Path(step.commands[0][1])
+                assert script.is_file() and script.is_relative_to(ROOT / "benchmarks"), (step.name, script)
+
+
 def test_a_step_past_its_limit_is_killed_with_everything_it_started(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_round, "LEAST", 0.5)
     marker = tmp_path / "grandchild-survived"
