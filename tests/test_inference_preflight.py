@@ -116,7 +116,7 @@ def test_the_xray_to_ct_walks_window_batch_comes_from_the_prediction_below_the_c
     memory = Memory("0.01GiB", 0.01, True)
     plan = plan_sampling(module, "auto", memory)
     assert 1 < plan.batch < MAX_WINDOW_BATCH and fits(plan.peak, memory)
-    assert "the whole 8x8x8, windows of 8x8x8" in plan.line()
+    assert "(auto) on stage 1: the whole 8x8x8, stage 2: windows of 8x8x8: predicted peak" in plan.line()
     larger = plan_sampling(module, "auto", Memory("0.05GiB", 0.05, True))
     assert larger.batch == MAX_WINDOW_BATCH
     with pytest.raises(MedvolError, match=f"the largest that fits is sampling_window_batch_size={plan.batch} "):

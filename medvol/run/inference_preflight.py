@@ -223,11 +223,15 @@ def sliding_window_call(module: Any, roi: Sequence[int]) -> WindowCall | None:
 @dataclass(frozen=True)
 class SamplingCall:
     """One kind of network call of a diffusion walk: its window, whether it is the whole volume (one call, whatever
-    the batch), and the call on `count` windows."""
+    the batch), the call on `count` windows, and whose call it is (an X-ray-to-CT stage's)."""
 
     window: list[int]
     whole: bool
     call: WindowCall
+    owner: str = ""
+
+    def describe(self) -> str:
+        return f"{self.owner}{'the whole' if self.whole else 'windows of'} {shown(self.window)}"
 
 
 def sampling_calls(module: DiffusionModule) -> list[SamplingCall]:
@@ -241,7 +245,8 @@ def sampling_calls(module: DiffusionModule) -> list[SamplingCall]:
         stages = [*zip(module.previous_settings, module.previous, strict=True),
                   (dict(module.hparams), module.sampling_network)]
         return [SamplingCall(window_of(settings), window_of(settings) == as_size(settings["size"]),
-                             xray_call(module, network, window_of(settings), int(settings["stage"]) > 1))
+                             xray_call(module, network, window_of(settings), int(settings["stage"]) > 1),
+                             f"stage {settings['stage']}: ")
                 for settings, network in stages]
     if module.sampling_window is None:
         return []
@@ -304,8 +309,7 @@ def plan_sampling(module: DiffusionModule, given: Any, memory: Memory) -> Window
     windowed = [c for c in calls if not c.whole]
     if not windowed:
         return None
-    described = ", ".join(dict.fromkeys(f"{'the whole' if c.whole else 'windows of'} {shown(c.window)}"
-                                        for c in calls))
+    described = ", ".join(c.describe() for c in calls)
     whole = max((call_peak(module, c.call, 1) for c in calls if c.whole), default=0)
 
     def peak_of(count: int) -> int:
