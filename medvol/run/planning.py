@@ -24,7 +24,16 @@ from medvol.core.errors import MedvolError
 from medvol.core.literal_text import literal_names
 from medvol.run.survival_planning import is_survival_plan, survival_planned, with_survival_plan
 from medvol.run.world import global_rank
-from medvol.volumes.plan import PLAN_FILE, background_values, describe, make_plan, read_plan, write_plan
+from medvol.volumes.plan import (
+    PLAN_FILE,
+    background_values,
+    describe,
+    fitted,
+    make_plan,
+    network,
+    read_plan,
+    write_plan,
+)
 from medvol.volumes.survival_plan import describe_survival_plan
 
 log = logging.getLogger("medvol")
@@ -106,14 +115,14 @@ def data_ignore_label(cfg: DictConfig, datamodule: pl.LightningDataModule) -> in
 
 
 def planned(
-    cfg: DictConfig, datamodule: pl.LightningDataModule, accelerator: str, recorded: bool = False
+    cfg: DictConfig, datamodule: pl.LightningDataModule, accelerator: str, recorded: bool = False, write: bool = True
 ) -> tuple[DictConfig, list[str]]:
     """`cfg` with the run's plan applied, and the plan's lines to print; without a plan `cfg` with the dataset's
     classes where `model.num_classes` is null.
 
     The plan of `<run>/plan.json` where the run has one (a resume), else one made from the training
-    subjects and written there by rank 0. A config that is the run's record (`recorded`: a resume) holds the plan
-    already: it is described, not applied again.
+    subjects and written there by rank 0 (not with `write=false`: a named card's preflight). A config that is the
+    run's record (`recorded`: a resume) holds the plan already: it is described, not applied again.
     """
     if not wants_plan(cfg):
         return (cfg if recorded else with_data_classes(cfg, datamodule)), []
@@ -150,9 +159,69 @@ def planned(
     plan["class_names"] = class_names
     # How many files a subject's channels came in, so predict.py groups its input files alike.
     plan["channel_files"] = len(getattr(datamodule, "image_modalities", []) or []) or 1
+    if not write:
+        return with_plan(cfg, plan), [*describe(plan), "plan: made from the data, not written (a card's preflight)"]
     if global_rank() == 0:
         write_plan(plan, path)
     return with_plan(cfg, plan), [*describe(plan), f"plan: written to {path}"]
+
+
+def plan_before_data(cfg: DictConfig, accelerator: str, recorded: bool = False) -> DictConfig | None:
+    """`cfg` with the network the run will train, where that is known before any data is read: a resume's record
+    (`recorded`: it holds its plan and classes), the run folder's plan.json, or a plan the config gives whole
+    (`with_config_plan`); None where the plan or a segmenter's classes come from the data."""
+    if recorded:
+        return cfg
+    if not wants_plan(cfg):
+        return cfg if classes_known(cfg) else None
+    if cfg.model.plan.get("family") == "survival":
+        # An outcome model's plan sets its crop and network depth; no step of its family is predicted.
+        return cfg
+    path = plan_path(cfg)
+    if path.is_file():
+        return with_plan(cfg, read_plan(path))
+    return with_config_plan(cfg, accelerator)
+
+
+def classes_known(cfg: DictConfig) -> bool:
+    """Whether the model's outputs are set by the config: not a segmenter, or its classes or regions given."""
+    model = cfg.model
+    if not issubclass(target_class(model._target_), Segmenter):
+        return True
+    return model.get("num_classes") is not None or model.get("regions") is not None
+
+
+def with_config_plan(cfg: DictConfig, accelerator: str) -> DictConfig | None:
+    """`cfg` with the plan's network where the config gives what the data would otherwise decide: the spacing (its
+    ratios set the strides and kernels), the patch, the batch (else capped by the dataset's voxels) and the classes
+    or regions; None otherwise. The same search as `make_plan`'s (`fitted`, `network`), refused alike where the given
+    patch and batch exceed the budget."""
+    given = given_values(cfg)
+    if not {"spacing", "patch_size", "batch_size"} <= set(given) or not classes_known(cfg):
+        return None
+    regions = cfg.model.get("regions")
+    outputs = len(regions) + 1 if regions else int(given["num_classes"])
+    base = int(cfg.model.plan.get("base_features") or BASE_FEATURES["gpu" if accelerator == "gpu" else "cpu"])
+    fit = fitted(given["spacing"], given["patch_size"], memory_budget(cfg, accelerator), base, outputs, 0.0, given)
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        with_network(cfg, network(fit, given))
+    return cfg
+
+
+def with_network(cfg: DictConfig, layout: dict[str, Any]) -> None:
+    """Set a plan's network (`medvol.volumes.plan.network`) on `cfg` (open for new keys): nnU-Net's DynUNet, its
+    patch and its batch."""
+    cfg.dataset.batch_size = layout["batch_size"]
+    cfg.model.net = "dynunet"
+    cfg.model.res_block = False
+    cfg.model.transposed_bias = True
+    cfg.model.features = layout["features"]
+    cfg.model.strides = layout["strides"]
+    cfg.model.kernels = layout["kernels"]
+    cfg.model.patch_size = list(layout["patch_size"])
+    cfg.model.patch_sampling = "random"
+    cfg.model.deep_supervision = layout["deep_supervision"]
 
 
 def with_data_classes(cfg: DictConfig, datamodule: pl.LightningDataModule) -> DictConfig:
@@ -209,24 +278,15 @@ def with_plan(cfg: DictConfig, plan: dict[str, Any]) -> DictConfig:
                 "enabled": augment.get("enabled", True),
             },
         }}
-        cfg.dataset.batch_size = plan["batch_size"]
+        with_network(cfg, plan)
         cfg.dataset.iterations_per_epoch = plan["iterations_per_epoch"]
         cfg.dataset.oversample_foreground = plan["foreground_ratio"]
         # Volumes cropped to their own non-zero region differ in shape: evaluated one at a time.
         cfg.dataset.val_batch_size = 1
-        cfg.model.net = "dynunet"
-        cfg.model.res_block = False
-        cfg.model.transposed_bias = True
         # Left to its interpolation without the plan's count: a run's reader applies the plan before the record's
         # dataset values are set, when `in_channels` cannot resolve yet.
         if "channels" in plan:
             cfg.model.in_channels = plan["channels"]
-        cfg.model.features = plan["features"]
-        cfg.model.strides = plan["strides"]
-        cfg.model.kernels = plan["kernels"]
-        cfg.model.patch_size = patch
-        cfg.model.patch_sampling = "random"
-        cfg.model.deep_supervision = plan["deep_supervision"]
         cfg.model.batch_dice = bool(plan.get("batch_dice", False))
         if cfg.model.get("ignore_label") is None and plan.get("ignore_label") is not None:
             cfg.model.ignore_label = int(plan["ignore_label"])

@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from medvol.core.build import build_model
 from medvol.core.errors import MedvolError
 from medvol.core.gpu_cards import GIB, Card, card_named, card_of_device_name
+from medvol.run.planning import plan_before_data, wants_plan
 
 log = logging.getLogger("medvol")
 
@@ -48,6 +49,10 @@ MEASURED_EFFICIENCY = {
 }
 # Families without a measured step: the median of the measured ones (the segmentation step's).
 DEFAULT_EFFICIENCY = MEASURED_EFFICIENCY["Segmenter"]
+# `hardware.fit`'s search: up to a run record's bound on `dataset.batch_size` (`medvol.run.settings_bounds`), with
+# probes on the line through the known predictions before it halves.
+MAX_FIT_BATCH = 4096
+LINEAR_PROBES = 3
 
 
 @dataclass
@@ -60,12 +65,28 @@ class Prediction:
     size: list[int]
 
 
-def preflight(cfg: DictConfig) -> bool:
+@dataclass
+class Preflight:
+    """What the preflight decided: `stop` (a card was named: the run ends after its line), `after_planning` (the
+    network comes from the data: the preflight runs again on the planned config), `batch` (`hardware.fit`'s choice,
+    set on the run's config once planned)."""
+
+    stop: bool = False
+    after_planning: bool = False
+    batch: int | None = None
+
+
+def preflight(cfg: DictConfig, recorded: bool = False, planned: bool = False) -> Preflight:
     """Predict the run's training step on its GPU (or the card `preflight` names) and print it in one line.
 
-    Returns True when a card was named (the run stops after the line). Raises `MedvolError` in one line, naming the
-    changes that would fit, when the step will not fit the card. On the CPU with no card named: nothing, at no cost.
+    The network is the one the run will train: a planned segmentation run's plan where it is known before the data
+    (`recorded`: a resume's record holds it; the run folder's plan.json; a plan the config gives whole), else the step
+    waits for planning (`after_planning`) and this is called again with `planned=True` on the planned config. With
+    `hardware.fit=true` (not on a resume: its record keeps the batch) the largest batch that fits is chosen.
+    Raises `MedvolError` in one line, naming the changes that would fit, when the step will not fit the card. On the
+    CPU with no card named: nothing, at no cost.
     """
+    fit = fit_wanted(cfg) and not recorded
     named = cfg.get("preflight")
     if named:
         card, free_gib = card_named(str(named)), None
@@ -75,24 +96,94 @@ def preflight(cfg: DictConfig) -> bool:
         device = torch.cuda.get_device_name()
         card = card_of_device_name(device) or Card(device, free_gib, None, "this machine")
     else:
-        return False
+        if fit:
+            log.info("preflight: hardware.fit: no GPU and no card named (preflight=H100): dataset.batch_size stays %s",
+                     cfg.dataset.get("batch_size"))
+        return Preflight()
+    known = cfg if planned else plan_before_data(cfg, "gpu", recorded)
+    if known is None:
+        log.info("preflight: the network comes from the data (%s); predicted once planned, before the cache is "
+                 "built or a rank starts", _waits_for(cfg))
+        return Preflight(after_planning=True)
     available = card.memory_gib if free_gib is None else free_gib
-    precision = run_precision(cfg, named=bool(named))
-    prediction = predict(cfg, precision)
+    precision = run_precision(known, named=bool(named))
+    prediction = predict(known, precision)
     if prediction is None:
         log.info("preflight: no step emulation for %s yet; nothing predicted", str(cfg.model._target_))
-        return bool(named)
+        return Preflight(stop=bool(named))
+    if fit:
+        prediction = largest_fitting_batch(known, precision, prediction, available)
     peak_gib = prediction.peak / GIB
     line = (f"preflight: predicted peak {peak_gib:.2f} GiB per rank (+{MARGIN:.0%} margin) at batch "
             f"{prediction.batch} of {'x'.join(map(str, prediction.size))}, {precision}; {card.name} "
-            f"{'free' if free_gib is not None else 'has'} {available:.2f} GiB; {step_time(cfg, card, prediction)}")
-    if peak_gib * (1 + MARGIN) > available:
-        fixes = fitting_changes(cfg, precision, prediction, available)
+            f"{'free' if free_gib is not None else 'has'} {available:.2f} GiB; {step_time(known, card, prediction)}")
+    if not _fits(prediction, available):
+        fixes = fitting_changes(known, precision, prediction, available)
         raise MedvolError(f"{line}; will not fit: " + (f"would fit: {fixes}" if fixes else
                                                          "no smaller batch, volume or setting found that fits"))
-    # A named card's run ends here, before a rank starts or data is read.
+    # A named card's run ends here, before a rank starts or the cache is built.
     log.info("%s", line)
-    return bool(named)
+    if fit:
+        log.info("preflight: hardware.fit: dataset.batch_size=%d, the largest batch that fits %s with the %.0f%% "
+                 "margin (configured: %s)", prediction.batch, card.name, MARGIN * 100, known.dataset.get("batch_size"))
+    return Preflight(stop=bool(named), batch=prediction.batch if fit else None)
+
+
+def _waits_for(cfg: DictConfig) -> str:
+    return "its plan" if wants_plan(cfg) else "model.num_classes is null: its classes"
+
+
+def fit_wanted(cfg: DictConfig) -> bool:
+    """`hardware.fit`: true or false (absent: false); anything else is refused in one line."""
+    value = OmegaConf.select(cfg, "hardware.fit", default=False)
+    if not isinstance(value, bool):
+        raise MedvolError(f"`hardware.fit` is {value!r}; expected true (choose the largest batch that fits) or false")
+    return value
+
+
+def _fits(prediction: Prediction, available_gib: float) -> bool:
+    return prediction.peak / GIB * (1 + MARGIN) <= available_gib
+
+
+def largest_fitting_batch(cfg: DictConfig, precision: str, first: Prediction, available_gib: float) -> Prediction:
+    """The prediction at the largest batch (up to `MAX_FIT_BATCH`) whose peak plus the margin fits `available_gib`;
+    `first` where not even batch 1 fits. A step's peak grows about linearly with the batch, so each probe is the
+    batch where the line through the two nearest known predictions meets the limit, kept strictly between the largest
+    batch known to fit and the smallest known not to (halving after `LINEAR_PROBES` probes): about four
+    predictions."""
+    known = {first.batch: first}
+    fitting = [b for b in known if _fits(known[b], available_gib)]
+    low = max(fitting, default=0)
+    high = first.batch if not fitting else MAX_FIT_BATCH + 1
+    probes = 0
+    while high - low > 1:
+        # A second point for the line: the batch doubled (it fits) or halved (it does not).
+        if len(known) == 1:
+            batch = min(2 * first.batch, high - 1) if low else max(1, first.batch // 2)
+        elif probes < LINEAR_PROBES:
+            batch = min(max(_on_the_line(known, available_gib), low + 1), high - 1)
+        else:
+            batch = (low + high) // 2
+        probes += 1
+        changed = cfg.copy()
+        with open_dict(changed):
+            changed.dataset.batch_size = batch
+        guess = predict(changed, precision)
+        assert guess is not None
+        known[batch] = guess
+        if _fits(guess, available_gib):
+            low = batch
+        else:
+            high = batch
+    return known.get(low, first)
+
+
+def _on_the_line(known: dict[int, Prediction], available_gib: float) -> int:
+    """The batch where the peak, on the line through the two known batches nearest the limit, reaches it."""
+    limit = available_gib / (1 + MARGIN) * GIB
+    (b1, p1), (b2, p2) = sorted(sorted(known.items(), key=lambda item: abs(item[1].peak - limit))[:2])
+    slope = (p2.peak - p1.peak) / (b2 - b1)
+    return int(b1 + (limit - p1.peak) // slope) if slope > 0 else b2 * 2
 
 
 def _trains_on_a_gpu(cfg: DictConfig) -> bool:

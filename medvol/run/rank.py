@@ -39,7 +39,8 @@ def main(argv: list[str]) -> int:
     cfg = OmegaConf.load(config_path)
     assert isinstance(cfg, DictConfig)
     try:
-        run(cfg)
+        # Rank 0's config as it planned it (and chose `hardware.fit`'s batch): not planned or fitted again here.
+        run(cfg, settled=True)
     except MedvolError as err:
         # One write, so that rank 0's copy of the same line cannot land inside it (see train.py).
         sys.stderr.write(f"medvol: error: {err}\n")

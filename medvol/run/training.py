@@ -26,7 +26,7 @@ from medvol.run.cross_validation import after_training
 from medvol.run.fingerprint import RecordFingerprint
 from medvol.run.launch import local_ranks
 from medvol.run.planning import planned
-from medvol.run.preflight import preflight
+from medvol.run.preflight import Preflight, preflight
 from medvol.run.resolvers import run_dir_of_checkpoint
 from medvol.run.resume import resumed
 from medvol.run.run_check import check_label_regions, check_run, check_trainer
@@ -109,19 +109,20 @@ def sweep_objective(metrics: dict[str, float], metric: str | None, mode: str = "
     return -math.inf if mode == "max" else math.inf
 
 
-def run(cfg: DictConfig) -> dict[str, float]:
+def run(cfg: DictConfig, settled: bool = False) -> dict[str, float]:
     """Train (and optionally test) as the config says; return the final metrics as floats.
 
     With `trainer.devices=N > 1` on one node and no external launcher, this process becomes
     rank 0 and starts the other ranks itself (see `medvol.run.launch`). A config with a `cascade`
     node runs its stages one after another (see `medvol.run.cascade`). Checkpoints are read as data unless the
     command says `trust_checkpoints=true` (`medvol.core.checkpoint_read`). A `ckpt_path` inside a run continues
-    that run: its record with this command's overrides on top (`medvol.run.resume`).
+    that run: its record with this command's overrides on top (`medvol.run.resume`). `settled`: `cfg` is rank 0's
+    planned config (ranks 1..N-1 of `medvol.run.launch`): planned and fitted already, as a record is.
     """
     refuse_a_linked_run(cfg.get("ckpt_path"))
     with checkpoints_trusted(cfg.get(TRUST_KEY, False)):
         cfg, record = resumed(cfg)
-        return _stages_or_run(cfg, recorded=record is not None)
+        return _stages_or_run(cfg, recorded=settled or record is not None)
 
 
 def refuse_a_linked_run(ckpt_path: str | None) -> None:
@@ -144,36 +145,59 @@ def _stages_or_run(cfg: DictConfig, recorded: bool = False) -> dict[str, float]:
         if global_rank() == 0:
             write_run_record(cfg)
         return run_cascade(cfg, _stages_or_run, check_config)
-    if preflight(cfg):
+    checked = preflight(cfg, recorded)
+    if checked.stop:
         return {}
     world = check_config(cfg)
     if global_rank() != 0:
         # Rank 0 alone prints; the others still report warnings and errors.
         logging.getLogger().setLevel(logging.WARNING)
         log.setLevel(logging.WARNING)
+    if cfg.get("seed") is not None:
+        pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
+    prepared = _planned_data(cfg, world, recorded, checked)
+    if prepared is None:
+        return {}
+    cfg, datamodule, plan_lines = prepared
     if starts_own_ranks(cfg.get("strategy"), world):
         with local_ranks(cfg, world.devices):
-            return _run(cfg, world, recorded)
+            return _run(cfg, world, datamodule, plan_lines)
     run_started()
-    metrics = _run(cfg, world, recorded)
+    metrics = _run(cfg, world, datamodule, plan_lines)
     # Gloo's threads abort a process whose group outlives the interpreter (see medvol.core.process_group).
     release_at_exit()
     return metrics
 
 
-def _run(cfg: DictConfig, world: World, recorded: bool = False) -> dict[str, float]:
-    # Everything is built and checked before the first line is printed: a refused command prints only its error.
-    if cfg.get("seed") is not None:
-        pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
+def _planned_data(cfg: DictConfig, world: World, recorded: bool, checked: Preflight) -> tuple[
+        DictConfig, pl.LightningDataModule, list[str]] | None:
+    """The run's config with its plan (and `hardware.fit`'s batch), its datamodule and the plan's lines; made before
+    a rank starts, so the ranks this process starts receive the planned config. A preflight that waited for the plan
+    runs here, before the cache is built; None where a named card's preflight ends the run."""
     datamodule: pl.LightningDataModule = build(cfg.dataset)
     if hasattr(datamodule, "preflight"):
         datamodule.preflight()
-    cfg, plan_lines = planned(cfg, datamodule, world.accelerator, recorded)
+    named = bool(cfg.get("preflight"))
+    # A named card's preflight plans as that card's run would (nnU-Net's GPU budget and filters) and writes no plan.
+    cfg, plan_lines = planned(cfg, datamodule, "gpu" if named else world.accelerator, recorded, write=not named)
+    if checked.after_planning:
+        checked = preflight(cfg, recorded, planned=True)
+        if checked.stop:
+            return None
+    if checked.batch is not None and checked.batch != cfg.dataset.get("batch_size"):
+        cfg = cfg.copy()
+        cfg.dataset.batch_size = checked.batch
+        plan_lines = [*plan_lines, f"hardware.fit: dataset.batch_size={checked.batch}, the largest that fits"]
     if plan_lines:
         datamodule = build(cfg.dataset)
         # The plan's spacing (from the data, or a resumed run's plan.json) makes new grids: checked from the headers.
         if hasattr(datamodule, "preflight"):
             datamodule.preflight()
+    return cfg, datamodule, plan_lines
+
+
+def _run(cfg: DictConfig, world: World, datamodule: pl.LightningDataModule, plan_lines: list[str]) -> dict[str, float]:
+    # Everything is built and checked before the first line is printed: a refused command prints only its error.
     if cfg.get("test") and cfg.get("output_format") == "dicom" and hasattr(datamodule, "subjects"):
         refuse_non_series_subjects(datamodule.subjects())
     model_cfg, lr_lines = scale_learning_rates(cfg.model, str(cfg.get("lr_scaling", "none")), world.size)

@@ -324,6 +324,18 @@ def low_resolution_configuration(
     return searched and float(np.prod(median)) / median_voxels >= LOW_RESOLUTION_MIN_RATIO
 
 
+def network(fit: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+    """The network a plan trains from `fitted`'s search and the `given` values: patch, batch, filters, strides and
+    kernels per level (as many levels as filters), deep supervision."""
+    features = [int(f) for f in given.get("features") or fit["features"]][: len(fit["strides"])]
+    return {
+        "patch_size": fit["patch_size"], "batch_size": fit["batch_size"], "features": features,
+        "strides": fit["strides"][: len(features)], "kernels": fit["kernels"][: len(features)],
+        # DynUNet supervises the decoder stages between the coarsest and the output: none with two stages.
+        "deep_supervision": bool(given.get("deep_supervision", True)) and len(features) >= 3,
+    }
+
+
 def make_plan(
     fingerprint: DataFingerprint, budget_mib: float, base: int, overrides: Mapping[str, Any] | None = None,
     kinds: Sequence[str] | None = None, regions: Mapping[str, Sequence[int]] | None = None,
@@ -354,27 +366,20 @@ def make_plan(
     # nnU-Net counts its dataset.json labels: background and every class, or background and every region.
     outputs = len(regions) + 1 if regions else classes or 2
     fit = fitted(spacing, median, budget_mib, base, outputs, float(np.prod(median)) * subjects, given)
-    features = [int(f) for f in given.get("features") or fit["features"]][: len(fit["strides"])]
-    strides, kernels = fit["strides"][: len(features)], fit["kernels"][: len(features)]
+    layout = network(fit, given)
     return {
         "spacing": spacing,
         "normalization": normalization(fingerprint.channels, kinds, fingerprint.relative_sizes),
         "resampling": "nnunet",
         "crop_foreground": bool(given.get("crop_foreground", True)),
         "median_shape": [int(round(m)) for m in median],
-        "patch_size": fit["patch_size"],
-        "batch_size": fit["batch_size"],
-        "features": features,
-        "strides": strides,
-        "kernels": kernels,
+        **layout,
         "channels": len(fingerprint.channels),
         "num_classes": classes,
         "labels": {str(k): int(v) for k, v in sorted(fingerprint.labels.items())},
         "ignore_label": ignore_label,
         "augmentation": {**augmentation(fit["patch_size"], spacing), "enabled": bool(given.get("augmentation", True))},
         "foreground_ratio": float(given.get("foreground_ratio", FOREGROUND_RATIO)),
-        # DynUNet supervises the decoder stages between the coarsest and the output: none with two stages.
-        "deep_supervision": bool(given.get("deep_supervision", True)) and len(features) >= 3,
         "batch_dice": bool(given["batch_dice"]) if "batch_dice" in given else low_resolution_configuration(
             spacing, median, fit["patch_size"], budget_mib, base, outputs
         ),

@@ -25,13 +25,15 @@ def saved_config(tmp_path, monkeypatch):
 
 def test_the_rank_runs_the_config_rank_zero_saved_and_exits_zero(saved_config, monkeypatch):
     received = []
-    monkeypatch.setattr(rank, "run", received.append)
+    monkeypatch.setattr(rank, "run", lambda cfg, settled=False: received.append((cfg, settled)))
     assert rank.main([str(saved_config), str(os.getppid())]) == 0
-    assert [OmegaConf.to_container(cfg) for cfg in received] == [{"seed": 7, "model": {"name": "vqgan"}}]
+    # Settled: rank 0 planned it (and chose hardware.fit's batch); this rank neither plans nor fits again.
+    assert [(OmegaConf.to_container(cfg), settled) for cfg, settled in received] == [
+        ({"seed": 7, "model": {"name": "vqgan"}}, True)]
 
 
 def test_a_medvol_error_is_one_stderr_line_and_exit_code_two(saved_config, monkeypatch, capsys):
-    def refuse(cfg):
+    def refuse(cfg, settled=False):
         raise MedvolError("`dataset.root` has no images")
 
     monkeypatch.setattr(rank, "run", refuse)
