@@ -25,6 +25,7 @@ from medvol.run.inference_preflight import (
     plan_inference,
     plan_sampling,
     plan_sliding_window,
+    sampling_calls,
     sliding_window_call,
 )
 from medvol.run.preflight import MARGIN
@@ -121,6 +122,21 @@ def test_the_xray_to_ct_walks_window_batch_comes_from_the_prediction_below_the_c
     assert larger.batch == MAX_WINDOW_BATCH
     with pytest.raises(MedvolError, match=f"the largest that fits is sampling_window_batch_size={plan.batch} "):
         plan_sampling(module, MAX_WINDOW_BATCH, memory)
+
+
+def test_a_fast_ddpm_sampling_window_costs_its_hand_counted_six_volumes_and_no_window_plans_nothing():
+    from lightning_modules.diffusion.diffusion_module import sampling_window_size
+    from tests.lightning_modules.diffusion.test_windowed_sampling import _fast_ddpm
+
+    module = _fast_ddpm(sampling_window=8).eval()
+    (call,) = sampling_calls(module)
+    # Per 8^3 window (float32): x_t and its cut of the condition in, their concatenation (2 channels: the network's
+    # input, alive through its call), the convolution's output and the step added to it: 6 volumes of 2 KiB.
+    assert call_peak(module, call.call, 5) - call_peak(module, call.call, 1) == 4 * 6 * 8**3 * 4
+    small, large = (plan_sampling(module, "auto", Memory("card", mib / 1024, True)).batch for mib in (0.2, 0.4))
+    assert small < large
+    module.sampling_window = sampling_window_size(None)
+    assert plan_sampling(module, "auto", Memory("card", 1.0, True)) is None
 
 
 def test_the_planned_sampling_batch_is_the_one_the_walk_runs_with(tmp_path):
