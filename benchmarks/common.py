@@ -7,10 +7,15 @@ one thing it cannot import from here), then it imports what it needs from this m
 
 from __future__ import annotations
 
+import csv
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +37,34 @@ def child_env(repo: Path = ROOT, threads: int | None = None) -> dict[str, str]:
     return env
 
 
+@contextmanager
+def trained(overrides: Sequence[str]) -> Iterator[tuple[Path, float]]:
+    """`python train.py <overrides>` as a user runs it, in a fresh temporary folder, with the CSV logger beside
+    TensorBoard and no progress bar: (its run folder, the command's wall seconds), deleted when the `with` ends."""
+    with tempfile.TemporaryDirectory() as folder:
+        start = time.perf_counter()
+        subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), "logger=[tensorboard,csv]", "callbacks.progress_bar=null",
+             *overrides],
+            cwd=folder, check=True, capture_output=True, env=child_env(),
+        )
+        wall = time.perf_counter() - start
+        yield run_folder(Path(folder) / "outputs"), wall
+
+
+def run_folder(outputs: Path) -> Path:
+    """The one run folder a `train.py` run left under `outputs`: outputs/<family>/runs/<run> (a checkout from before
+    the families' folders: outputs/train/runs/<run>)."""
+    (run_dir,) = outputs.glob("*/runs/*")
+    return run_dir
+
+
+def logged_rows(run_dir: Path, metric: str) -> list[dict[str, str]]:
+    """The rows of a run's CSV log (`<run_dir>/csv/metrics.csv`) that hold `metric`: its validation epochs."""
+    with (run_dir / "csv" / "metrics.csv").open() as log:
+        return [row for row in csv.DictReader(log) if row.get(metric)]
+
+
 def composed(overrides: Sequence[str], config_name: str = "train", job_name: str = "benchmark", root: Path = ROOT,
              **compose_kwargs: Any) -> Any:
     """`conf/<config_name>.yaml` of the checkout `root` composed with `overrides`, as train.py composes it (its
@@ -42,6 +75,20 @@ def composed(overrides: Sequence[str], config_name: str = "train", job_name: str
 
     with initialize_config_dir(version_base="1.3", config_dir=str(root / "conf"), job_name=job_name):
         return compose(config_name=config_name, overrides=list(overrides), **compose_kwargs)
+
+
+def split_images(overrides: Sequence[str]) -> list[Any]:
+    """(training, validation, test): each split's images in model units, stacked, as the datamodule of the config
+    composed with `overrides` (job `train`) makes them: the run's own transforms."""
+    import torch
+
+    from medvol.core.build import build
+
+    datamodule = build(composed(overrides, job_name="train").dataset)
+    datamodule.setup("fit")
+    datamodule.setup("test")
+    return [torch.stack([datamodule.datasets[s][i]["image"] for i in range(len(datamodule.datasets[s]))]).float()
+            for s in ("train", "val", "test")]
 
 
 def table_header(columns: Iterable[str]) -> str:

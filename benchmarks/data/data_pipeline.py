@@ -33,7 +33,6 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # fair to the 2-core CI machine; set before torch loads
 
 import argparse
-import csv
 import json
 import shutil
 import subprocess
@@ -51,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from monai.data import ThreadDataLoader  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from benchmarks.common import ROOT, child_env, table_header  # noqa: E402
+from benchmarks.common import ROOT, child_env, logged_rows, run_folder, table_header  # noqa: E402
 from datamodules.pipeline.cache import SmartCacheLifecycle, compact_cache_fill, find_smart_cache  # noqa: E402
 from datamodules.sources.brats import BratsDataModule  # noqa: E402
 from datamodules.sources.example_data import write_brats, write_nifti_folder  # noqa: E402
@@ -199,10 +198,9 @@ def train_run(root: Path, overrides: list[str], epochs: int, work: Path, label: 
     wall = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{label}: train.py failed:\n{done.stderr[-3000:]}")
-    (run_dir,) = (folder / "outputs" / "train" / "runs").iterdir()
+    run_dir = run_folder(folder / "outputs")
     summary = json.loads((run_dir / "summary.json").read_text())
-    with (run_dir / "csv" / "metrics.csv").open() as handle:
-        rows = [r for r in csv.DictReader(handle) if r.get("telemetry/data_wait_fraction")]
+    rows = logged_rows(run_dir, "telemetry/data_wait_fraction")
     per_epoch = [{"data_wait": float(r["telemetry/data_wait_fraction"]), "step_ms": float(r["telemetry/step_time_ms"]),
                   "epoch_s": float(r["telemetry/epoch_seconds"]) if r.get("telemetry/epoch_seconds") else None}
                  for r in rows]

@@ -18,7 +18,6 @@ identity baseline (the condition copied as the answer).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import resource
 import statistics
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
-from benchmarks.common import ROOT, child_env, composed, table_header  # noqa: E402
+from benchmarks.common import ROOT, child_env, composed, logged_rows, table_header  # noqa: E402
 from lightning_modules.diffusion.fast_ddpm import ConditionalDiffusion  # noqa: E402
 
 
@@ -193,7 +192,7 @@ def train(name: str, directory: Path, overrides: list[str]) -> list[dict[str, fl
         check=True, capture_output=True, env=child_env(),
     )
     wall = time.perf_counter() - start
-    rows = [r for r in csv.DictReader((directory / "csv" / "metrics.csv").open()) if r.get("val/psnr")]
+    rows = logged_rows(directory, "val/psnr")
     print(f"{name}: {wall:.0f} s", flush=True)
     return [{"epoch": int(r["epoch"]) + 1, "psnr": float(r["val/psnr"]), "ssim": float(r["val/ssim"])} for r in rows]
 

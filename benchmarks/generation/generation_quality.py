@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
-from benchmarks.common import ROOT, composed  # noqa: E402
+from benchmarks.common import ROOT, split_images  # noqa: E402
 
 # The brains at the LDM CPU preset's grid (conf/experiment_data/ldm_cpu_brats.yaml), for every run here.
 GRID = ["dataset.transforms.spacing=[6.0,6.0,6.0]", "dataset.transforms.spatial_size=[32,32,32]"]
@@ -75,18 +75,9 @@ def train(out: Path, name: str, overrides: list[str]) -> tuple[dict[str, float],
 
 def model_unit_sets(data: Path, split_file: Path):
     """(training, validation, test) T1 volumes in model units at the preset's grid, by the run's own transforms."""
-    import torch
-
-    from medvol.core.build import build
-
-    cfg = composed(["experiment=ldm_cpu", "dataset=brats", f"dataset.root={data}", "dataset.image_modalities=[t1]",
-                    "dataset.label=false", f"dataset.split_file={split_file}", "dataset.cache=none",
-                    "dataset.num_workers=0", "paths.output_dir=/tmp", *GRID], job_name="train")
-    datamodule = build(cfg.dataset)
-    datamodule.setup("fit")
-    datamodule.setup("test")
-    return [torch.stack([datamodule.datasets[s][i]["image"] for i in range(len(datamodule.datasets[s]))]).float()
-            for s in ("train", "val", "test")]
+    return split_images(["experiment=ldm_cpu", "dataset=brats", f"dataset.root={data}", "dataset.image_modalities=[t1]",
+                         "dataset.label=false", f"dataset.split_file={split_file}", "dataset.cache=none",
+                         "dataset.num_workers=0", "paths.output_dir=/tmp", *GRID])
 
 
 def set_row(name: str, generated, real, reference) -> str:

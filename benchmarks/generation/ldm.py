@@ -65,7 +65,7 @@ import torch
 from monai.networks.nets import DiffusionModelUNet
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
-from benchmarks.common import ROOT, composed  # noqa: E402
+from benchmarks.common import ROOT, split_images  # noqa: E402
 from lightning_modules.ldm.latent_diffusion import LatentDiffusion  # noqa: E402
 
 FIRST_STAGE = {"in_channels": 1, "embedding_dim": 8, "n_codes": 16384, "n_hiddens": 16, "downsample": [4, 4, 4]}
@@ -289,15 +289,8 @@ def sampled(ckpt: Path, count: int, window: list[int] | None) -> tuple[torch.Ten
 
 def anatomy_sets(out: Path, common: list[str]) -> list[torch.Tensor]:
     """(training, validation, test) brains in model units, by the whole-volume runs' own transforms."""
-    from medvol.core.build import build
-
-    cfg = composed(["dataset=nifti", *common, "dataset.cache=none", "dataset.num_workers=0", "paths.output_dir=/tmp"],
-                   job_name="train")
-    datamodule = build(cfg.dataset)
-    datamodule.setup("fit")
-    datamodule.setup("test")
-    return [torch.stack([datamodule.datasets[s][i]["image"] for i in range(len(datamodule.datasets[s]))]).float()
-            for s in ("train", "val", "test")]
+    return split_images(["dataset=nifti", *common, "dataset.cache=none", "dataset.num_workers=0",
+                         "paths.output_dir=/tmp"])
 
 
 def anatomy_row(name: str, volumes: torch.Tensor, training: torch.Tensor, test: torch.Tensor, seconds: float) -> str:

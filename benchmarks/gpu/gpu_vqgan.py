@@ -43,17 +43,25 @@ def build_model(overrides: list[str]) -> torch.nn.Module:
     return build_model(cfg.model)
 
 
+def training_setup(overrides: list[str], device: torch.device, batch: int, size: int, precision: str) -> tuple:
+    """The CTPA VQ-GAN in training mode on `device` as train.py readies it (`VQGAN.setup`'s `accelerate`, on a CUDA
+    device only), its two optimizers, `batch` random patches of `size`^3 in [-1, 1] and the autocast of `precision`."""
+    model = build_model(overrides).to(device).train()
+    model.accelerate(device)
+    opt_ae, opt_disc = model.configure_optimizers()
+    patches = torch.rand(batch, 1, size, size, size, device=device) * 2 - 1
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
+    return model, opt_ae, opt_disc, patches, autocast
+
+
 def measure(args: argparse.Namespace) -> dict[str, float | str]:
     """Patches/s and peak memory of `args.steps` training steps with the chosen options."""
     device = torch.device(args.device)
     torch.manual_seed(0)
     options = [f"model.compile={args.compile}", f"model.channels_last={args.channels_last}"]
-    model = build_model([*options, *args.overrides]).to(device).train()
-    # What `train.py` does in `VQGAN.setup` (on a CUDA device only).
-    model.accelerate(device)
-    opt_ae, opt_disc = model.configure_optimizers()
-    patches = torch.rand(args.batch, 1, args.size, args.size, args.size, device=device) * 2 - 1
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16-mixed" else nullcontext()
+    model, opt_ae, opt_disc, patches, autocast = training_setup(
+        [*options, *args.overrides], device, args.batch, args.size, args.precision
+    )
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)

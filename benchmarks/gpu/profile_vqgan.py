@@ -25,7 +25,6 @@ import argparse
 import json
 import sys
 from collections import defaultdict
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -33,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
 
-from benchmarks.gpu.gpu_vqgan import build_model  # noqa: E402 - after the path set-up for direct runs
+from benchmarks.gpu.gpu_vqgan import training_setup  # noqa: E402 - after the path set-up for direct runs
 
 NETWORKS = ("encoder", "codebook", "decoder", "image_discriminator", "video_discriminator")
 PHASES = ("losses", "discriminator backward", "discriminator Adam step", "generator backward", "generator Adam step")
@@ -94,12 +93,8 @@ def main() -> None:
     if device.type == "cuda":
         # As hardware=gpu trains (trainer.benchmark): cuDNN picks its fastest kernels for the fixed patch.
         torch.backends.cudnn.benchmark = True
-    model = build_model(overrides).to(device).train()
-    model.accelerate(device)
+    model, opt_ae, opt_disc, x, autocast = training_setup(overrides, device, args.batch, args.size, args.precision)
     mark_forward_passes(model)
-    opt_ae, opt_disc = model.configure_optimizers()
-    x = torch.rand(args.batch, 1, args.size, args.size, args.size, device=device) * 2 - 1
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16-mixed" else nullcontext()
     cuda = device.type == "cuda"
     with autocast:
         for _ in range(args.warmup):

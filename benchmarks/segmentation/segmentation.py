@@ -58,7 +58,6 @@ test `tests/lightning_modules/segmentation/test_nnunet_step.py` does the same at
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
@@ -74,7 +73,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
-from benchmarks.common import ROOT, child_env, composed  # noqa: E402
+from benchmarks.common import ROOT, child_env, composed, logged_rows, trained  # noqa: E402
 from benchmarks.segmentation.head_to_head import (  # noqa: E402 - after the path set-up for direct runs
     BUDGET_TRAINER,
     MODALITIES,
@@ -106,16 +105,8 @@ DICE_RUN = [
 
 
 def dice(overrides: list[str]) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        start = time.perf_counter()
-        subprocess.run(
-            [sys.executable, str(ROOT / "train.py"), "logger=[tensorboard,csv]", "callbacks.progress_bar=null",
-             "hardware=cpu", *DICE_RUN, *overrides],
-            cwd=tmp, check=True, capture_output=True, env=child_env(),
-        )
-        wall = time.perf_counter() - start
-        (run_dir,) = (Path(tmp) / "outputs" / "train" / "runs").iterdir()
-        rows = [r for r in csv.DictReader((run_dir / "csv" / "metrics.csv").open()) if r.get("val/dice")]
+    with trained(["hardware=cpu", *DICE_RUN, *overrides]) as (run_dir, wall):
+        rows = logged_rows(run_dir, "val/dice")
     print(f"overrides: {[*DICE_RUN, *overrides]}; wall time {wall:.0f} s on {os.cpu_count()} cores")
     names = [k for k in rows[0] if k.startswith("val/dice_") or k.startswith("val/hd95_")]
     print("| epoch | val/dice | " + " | ".join(names) + " |\n|" + "---|" * (len(names) + 2))

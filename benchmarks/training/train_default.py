@@ -10,40 +10,20 @@ per epoch, training samples/s and peak host memory from the run's summary.json.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
-from benchmarks.common import ROOT, child_env  # noqa: E402
+from benchmarks.common import logged_rows, trained  # noqa: E402
 
 
 def one_run(overrides: list[str]) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        start = time.perf_counter()
-        subprocess.run(
-            [
-                sys.executable,
-                str(ROOT / "train.py"),
-                "logger=[tensorboard,csv]",
-                "callbacks.progress_bar=null",
-                *overrides,
-            ],
-            cwd=tmp,
-            check=True,
-            capture_output=True,
-            env=child_env(),
-        )
-        wall = time.perf_counter() - start
-        (run_dir,) = (Path(tmp) / "outputs" / "train" / "runs").iterdir()
+    with trained(overrides) as (run_dir, wall):
         summary = json.loads((run_dir / "summary.json").read_text())
-        rows = [r for r in csv.DictReader((run_dir / "csv" / "metrics.csv").open()) if r.get("val/psnr")]
+        rows = logged_rows(run_dir, "val/psnr")
         return {
             "wall": wall,
             "psnr": [float(r["val/psnr"]) for r in rows],

@@ -76,8 +76,7 @@ def refused(repo: Path, args: list[str]) -> tuple[int, int, bool]:
             [sys.executable, str(repo / "train.py"), *args], cwd=cwd, env=child_env(repo, threads=1),
             capture_output=True, text=True,
         )
-        runs = Path(cwd) / "outputs" / "train" / "runs"
-        left = runs.is_dir() and any(runs.iterdir())
+        left = any((Path(cwd) / "outputs").glob("*/runs/*"))
     return done.returncode, len((done.stdout + done.stderr).splitlines()), left
 
 
