@@ -94,9 +94,9 @@ def device_memory(cfg: DictConfig, device: torch.device) -> Memory | None:
 def fake_weights(module: torch.nn.Module, mode: Any) -> Iterator[torch.nn.Module]:
     """`module` with fake host tensors of `mode` for its parameters and buffers within, its own given back after.
 
-    The fakes are made empty on the host, whatever device the weights are on: nothing is copied off a GPU, and the
-    windows, made on the host too, meet weights on their own device (device memory is counted in bytes, wherever
-    the fakes say they are). Shared tensors stay shared; 0-d buffers keep their value (code reads scalars)."""
+    The fakes are made empty on the host whatever device the weights are on: nothing is copied off a GPU, and the
+    windows, made on the host too, meet the weights on one device (the memory is counted in bytes, not by device).
+    Shared tensors stay shared; 0-d buffers keep their value (code reads scalars)."""
     fakes: dict[int, torch.Tensor] = {}
 
     def fake(tensor: torch.Tensor) -> torch.Tensor:
