@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 # What runs for a user: everything tracked but the measurements, the tests, the seeds' own scripts and CI.
 NOT_PRODUCT = ("benchmarks/", "tests/", "seeds/", ".ci/")
-# A path the guides name with benchmarks/ in it, up to the first character that is no path's (`<package>`, a space).
-NAMED_PATH = re.compile(r"(?<![\w./-])([\w./-]*?)(benchmarks/[\w./-]*[\w/])")
+# A path the guides name with benchmarks/ in it, up to the first character that is no path's (`<package>`, a space);
+# not `<commit>:benchmarks/...`, a path as it was in that commit (`git show 66b9dd3:benchmarks/ddpm.py`).
+NAMED_PATH = re.compile(r"(?<![\w./:-])([\w./-]*?)(benchmarks/[\w./-]*[\w/])")
 
 
 def tracked_python() -> list[Path]:
