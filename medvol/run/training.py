@@ -79,17 +79,23 @@ def trainer_settings(cfg: DictConfig, module: MedvolModule) -> dict[str, Any]:
 def check_config(cfg: DictConfig) -> World:
     """Every check that needs no data or model built: bad values and checkpoints stop here, before anything is
     written."""
+    return checked_config(cfg)[0]
+
+
+def checked_config(cfg: DictConfig) -> tuple[World, dict[str, Any] | None]:
+    """`check_config`'s checks; also the checkpoint `ckpt_path` names, read once (tensors memory-mapped) for the
+    shapes' check after planning."""
     world = plan_world(cfg.trainer)
     check_trainer(OmegaConf.to_container(cfg.trainer, resolve=True), world.accelerator)
     check_run(cfg)
     check_label_regions(cfg)
     check_strategy(cfg.get("strategy"), world)
     check_launch(world)
-    check_checkpoint_family(cfg.get("ckpt_path"), str(cfg.model._target_))
+    checkpoint = check_checkpoint_family(cfg.get("ckpt_path"), str(cfg.model._target_))
     family = target_class(str(cfg.model._target_))
     if hasattr(family, "check_settings"):
         family.check_settings(cfg.model)
-    return world
+    return world, checkpoint
 
 
 def sweep_objective(metrics: dict[str, float], metric: str | None, mode: str = "max") -> float | None:
@@ -148,7 +154,7 @@ def _stages_or_run(cfg: DictConfig, recorded: bool = False) -> dict[str, float]:
     checked = preflight(cfg, recorded)
     if checked.stop:
         return {}
-    world = check_config(cfg)
+    world, checkpoint = checked_config(cfg)
     if global_rank() != 0:
         # Rank 0 alone prints; the others still report warnings and errors.
         logging.getLogger().setLevel(logging.WARNING)
@@ -161,9 +167,9 @@ def _stages_or_run(cfg: DictConfig, recorded: bool = False) -> dict[str, float]:
     cfg, datamodule, plan_lines = prepared
     if starts_own_ranks(cfg.get("strategy"), world):
         with local_ranks(cfg, world.devices):
-            return _run(cfg, world, datamodule, plan_lines)
+            return _run(cfg, world, datamodule, plan_lines, checkpoint)
     run_started()
-    metrics = _run(cfg, world, datamodule, plan_lines)
+    metrics = _run(cfg, world, datamodule, plan_lines, checkpoint)
     # Gloo's threads abort a process whose group outlives the interpreter (see medvol.core.process_group).
     release_at_exit()
     return metrics
@@ -196,12 +202,16 @@ def _planned_data(cfg: DictConfig, world: World, recorded: bool, checked: Prefli
     return cfg, datamodule, plan_lines
 
 
-def _run(cfg: DictConfig, world: World, datamodule: pl.LightningDataModule, plan_lines: list[str]) -> dict[str, float]:
+def _run(
+    cfg: DictConfig, world: World, datamodule: pl.LightningDataModule, plan_lines: list[str],
+    checkpoint: dict[str, Any] | None = None,
+) -> dict[str, float]:
     # Everything is built and checked before the first line is printed: a refused command prints only its error.
+    # `checkpoint`: `ckpt_path` as `checked_config` read it (Lightning restores from the file itself).
     if cfg.get("test") and cfg.get("output_format") == "dicom" and hasattr(datamodule, "subjects"):
         refuse_non_series_subjects(datamodule.subjects())
     model_cfg, lr_lines = scale_learning_rates(cfg.model, str(cfg.get("lr_scaling", "none")), world.size)
-    check_checkpoint_shapes(cfg.get("ckpt_path"), lambda: build_model(model_cfg))
+    check_checkpoint_shapes(cfg.get("ckpt_path"), lambda: build_model(model_cfg), checkpoint)
     module: MedvolModule = build_model(model_cfg)
     if hasattr(module, "cached_transform") and hasattr(datamodule, "add_cached_transform"):
         # A latent model's encoder runs once per subject inside the dataset's cache (docs/ldm.md).

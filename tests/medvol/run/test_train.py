@@ -113,6 +113,20 @@ def test_resumed_run_matches_uninterrupted_run_and_keeps_the_codebook(tmp_path):
     assert {"0", "1", "2"} <= epochs
 
 
+def test_a_resume_checks_its_checkpoint_from_one_read(tiny_cfg, tmp_path, monkeypatch):
+    """Issue 62 item 1: the family's check (before data) and the shapes' check (after planning) share one read of the
+    checkpoint (Lightning then restores from the file itself)."""
+    import medvol.run.checkpoint_check as checkpoint_check
+
+    run(tiny_cfg("trainer.max_epochs=1"))
+    read = checkpoint_check.load_checkpoint
+    reads: list[str] = []
+    monkeypatch.setattr(checkpoint_check, "load_checkpoint", lambda path, *a, **k: reads.append(path.name) or read(
+        path, *a, **k))
+    run(tiny_cfg("trainer.max_epochs=2", f"ckpt_path={tmp_path}/checkpoints/last.ckpt"))
+    assert reads == ["last.ckpt"]
+
+
 def test_split_is_by_subject_recorded_and_reused(tiny_cfg, tmp_path):
     run(tiny_cfg("trainer.fast_dev_run=true", "dataset.num_subjects=10"))
     split = json.loads((tmp_path / "split.json").read_text())
