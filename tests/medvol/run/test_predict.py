@@ -91,7 +91,9 @@ def test_sliding_window_of_an_identity_net_equals_the_input_on_a_larger_non_divi
 
     out = SlidingWindow.of([8, 8, 8], overlap=0.25, mode="gaussian", batch_size=3)(identity, volume)
     assert out.shape == volume.shape
-    torch.testing.assert_close(out, volume, rtol=0, atol=1e-6)
+    # float32's own tolerances: the blend sums each voxel's windows in an order the CPU kernels choose (it moved by
+    # 1.4e-6 after other tests had run on the same worker).
+    torch.testing.assert_close(out, volume)
     # The network only ever sees windows of the training size, several of them.
     assert set(seen) == {(8, 8, 8)} and len(seen) > 1
 
