@@ -1,5 +1,6 @@
-"""What the benchmark scripts share: the repository root, a child process's environment, the composed config, a
-Markdown table's header and a median time.
+"""What the benchmark scripts share: the repository root, a child process's environment, a `train.py` run in a
+temporary folder and its CSV log, the composed config and a split's images, a Markdown table's header and a median
+time.
 
 A script runs as `python benchmarks/<group>/<name>.py`: its first lines put the repository root on `sys.path` (the
 one thing it cannot import from here), then it imports what it needs from this module.

@@ -1,7 +1,8 @@
 """The pieces of issue 28/35's `real` head-to-head (`segmentation.py real`) that issue 50's protocol
 (`segmentation_protocol.py`) runs too: the datasets' files and their nnU-Net raw layout, the medvol arm as a user
 types it, the Dice/HD95 scoring of a folder of masks, GNU time's figures of a command, and the record of a finished
-arm. Both scripts import it; neither imports the other's module for these.
+arm. Both scripts import it, so the protocol needs nothing of segmentation.py, which runs it as `segmentation.py
+protocol`: the imports go one way.
 """
 
 from __future__ import annotations
