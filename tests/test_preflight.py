@@ -301,3 +301,14 @@ def test_fits_batch_is_recorded_in_the_run_and_a_resume_keeps_it(tmp_path, monke
     training.run(compose_cfg(run_dir, [f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}",
                                        "trainer.max_epochs=2"], tiny=False))
     assert batches == [3, 3]
+
+
+def test_a_latent_diffusion_step_is_predicted_before_its_scale_and_with_its_spacing(tmp_path):
+    """The LDM's latent scale is computed from the data before its first step, and spacing conditioning reads each
+    sample's affine: the preflight steps it before either exists (it raised on both)."""
+    from tests.medvol.run.test_train import model_extra
+
+    cfg = compose_cfg(tmp_path, ["model=ldm", *model_extra("ldm", tmp_path), "model.spacing_conditioning=true",
+                                 "model.position_channels=true", "preflight=H200"])
+    prediction = preflight_module.predict(cfg, "bf16-mixed")
+    assert prediction is not None and 0 < prediction.peak < 2**30 and prediction.flops > 0

@@ -253,14 +253,14 @@ def measured_step(step: Callable[[], Any], tensors: Sequence[torch.Tensor], mode
         DeviceMemory, StepFlops]:
     """A fake training step measured as a GPU runs it: the device memory over two steps (the second with the
     optimizer's state) on top of `tensors` (weights, buffers, inputs: what is allocated before the peak is reset),
-    and a third step's FLOPs."""
+    and the second step's FLOPs (counted in the same pass: a step's ops are the same every step, and a third step
+    would add half again to the preflight's time)."""
     memory = DeviceMemory()
     memory.track(*tensors)
     memory.reset_peak()
+    flops = StepFlops()
     with mode, HostIntegers(), memory:
         step()
-        step()
-    flops = StepFlops()
-    with mode, HostIntegers(), flops:
-        step()
+        with flops:
+            step()
     return memory, flops

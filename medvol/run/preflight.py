@@ -222,7 +222,7 @@ def volume_key(cfg: DictConfig) -> tuple[str, list[int]] | None:
 
 def predict(cfg: DictConfig, precision: str) -> Prediction | None:
     """One step of the run's module on fake tensors, twice (the second with the optimizer's state): its peak per
-    rank and a third step's FLOPs; None for a family without a step emulation here."""
+    rank and the second step's FLOPs; None for a family without a step emulation here."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from medvol.core.cuda_emulation import as_fake, cuda_autocast_policy, measured_step
@@ -315,11 +315,14 @@ def _conditional_step(module: Any, optimizers: list, batch: int, size: list[int]
 
 
 def _latent_step(module: Any, optimizers: list, batch: int, size: list[int], autocast: Any) -> Any:
-    """The LDM trains on latents its dataset cached (`cached_transform`): the batch holds them, not the images."""
+    """The LDM trains on latents its dataset cached (`cached_transform`): the batch holds them, not the images. Its
+    latent scale is computed from the data before the first step; any positive number steps the same memory."""
+    module._scale = 1.0
     factors = [int(f) for f in module.first_stage.downsample]
     channels = int(module.first_stage.embedding_dim)
     latent = torch.randn(batch, channels, *[s // f for s, f in zip(size, factors, strict=True)])
-    inputs = {"latent": latent, module.hparams.image_key: None}
+    # Each sample's affine, read for its voxel spacing where spacing conditions the model.
+    inputs = {"latent": latent, module.hparams.image_key: None, "affine": torch.eye(4).expand(batch, 4, 4)}
     return [latent], _automatic(module, optimizers, inputs, autocast)
 
 
