@@ -338,10 +338,8 @@ def report(results: dict) -> None:
     if results.get("train"):
         train_table(results["train"])
     if results.get("loader"):
-        print(
-            "\n| memory-cached BraTS batch (48 MiB) read by | mean wait between 300 ms steps | steps | load |\n"
-            "|---|---|---|---|"
-        )
+        print("\n" + table_header(["memory-cached BraTS batch (48 MiB) read by", "mean wait between 300 ms steps",
+                                   "steps", "load"]))
         for label, row in results["loader"].items():
             print(f"| {label} | {row['mean_wait_ms']:.0f} ms | {row['steps']} | {row['load']:.1f} |")
     if "one_copy_mib" not in results:

@@ -117,8 +117,7 @@ def window_figures(args: argparse.Namespace, workdir: Path) -> None:
             "TorchScript": lambda: scripted(window),
             "ONNX Runtime (CPU)": lambda: session.run(None, feed),
         }
-        print(f"\n| runtime | median of {args.repeats} (s) |")
-        print("|---|---|")
+        print("\n" + table_header(["runtime", f"median of {args.repeats} (s)"]))
         for name, call in runtimes.items():
             print(f"| {name} | {median_seconds(call, args.repeats):.2f} |")
 
@@ -235,9 +234,8 @@ def structure_agreement(reference: Path, other: Path, structures: Mapping[str, l
 
 def agreement_table(found: Mapping[str, Any]) -> str:
     names = list(next(iter(found.values()))["structures"])
-    lines = ["| scan | " + " | ".join(f"{n}: voxels predict / bundle, Dice" for n in names)
-             + " | union of foreground | labels agree on | label values |",
-             "|---|" + "---|" * (len(names) + 3)]
+    lines = [table_header(["scan", *(f"{n}: voxels predict / bundle, Dice" for n in names), "union of foreground",
+                           "labels agree on", "label values"])]
     for scan, row in found.items():
         cells = [f"{s['predict']} / {s['bundle']}, {s['dice']:.4f}" for s in row["structures"].values()]
         values = row["values"]

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
-from benchmarks.common import ROOT, split_images  # noqa: E402
+from benchmarks.common import ROOT, split_images, table_header  # noqa: E402
 
 # The brains at the LDM CPU preset's grid (conf/experiment_data/ldm_cpu_brats.yaml), for every run here.
 GRID = ["dataset.transforms.spacing=[6.0,6.0,6.0]", "dataset.transforms.spatial_size=[32,32,32]"]
@@ -131,8 +131,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     data = data_folder(out, args.subjects, args.spacing, args.seed)
     brats = ["dataset=brats", f"dataset.root={data}", "dataset.label=false", "logger=csv"]
-    lines = ["| set (against the test subjects) | volumes | " + " | ".join(SET_METRICS) + " |",
-             "|---|---|" + "---|" * len(SET_METRICS)]
+    lines = [table_header(["set (against the test subjects)", "volumes", *SET_METRICS])]
     others = []
     if "ldm" in args.runs:
         metrics, wall = train(out, "ldm_cpu", ["experiment=ldm_cpu", *brats, "dataset.image_modalities=[t1]"])

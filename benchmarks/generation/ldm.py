@@ -65,7 +65,7 @@ import torch
 from monai.networks.nets import DiffusionModelUNet
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
-from benchmarks.common import ROOT, split_images  # noqa: E402
+from benchmarks.common import ROOT, split_images, table_header  # noqa: E402
 from lightning_modules.ldm.latent_diffusion import LatentDiffusion  # noqa: E402
 
 FIRST_STAGE = {"in_channels": 1, "embedding_dim": 8, "n_codes": 16384, "n_hiddens": 16, "downsample": [4, 4, 4]}
@@ -357,8 +357,8 @@ def whole_anatomy(out: Path, subjects: int, samples: int, epochs: list[int], cro
         return
     whole, crop, positioned = (train_run(out, name, overrides) for name, overrides in arms.items())
     training, validation, test = anatomy_sets(out, common)
-    lines = ["| set | volumes | profile error (mean of axes) | worst axis | MMD vs test | MS-SSIM | "
-             "nearest-training r | closer than real | s per sample |", "|---|---|---|---|---|---|---|---|---|",
+    lines = [table_header(["set", "volumes", "profile error (mean of axes)", "worst axis", "MMD vs test", "MS-SSIM",
+                           "nearest-training r", "closer than real", "s per sample"]),
              anatomy_row("held-out real (validation subjects)", validation, training, test, 0.0)]
     for name, ckpt, sampling in (
         ("trained whole, sampled whole (MAISI)", whole, None),

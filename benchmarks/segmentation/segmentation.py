@@ -73,7 +73,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
-from benchmarks.common import ROOT, child_env, composed, logged_rows, trained  # noqa: E402
+from benchmarks.common import ROOT, child_env, composed, logged_rows, table_header, trained  # noqa: E402
 from benchmarks.segmentation.head_to_head import (  # noqa: E402 - after the path set-up for direct runs
     BUDGET_TRAINER,
     MODALITIES,
@@ -144,10 +144,7 @@ def sliding_window_once(size: int, roi: int, overlap: float, channels: int, repe
 def sliding_window(args: argparse.Namespace) -> None:
     print(f"one {args.channels} x {args.size}^3 volume, UNet [16, 32, 64, 128], sw_batch_size 4, Gaussian blending, "
           f"{torch_threads()} threads, median of {args.repeats}")
-    print(
-        "| roi | overlap | windows | seconds | peak RSS (MiB) | RSS growth during inference (MiB) |\n"
-        "|---|---|---|---|---|---|"
-    )
+    print(table_header(["roi", "overlap", "windows", "seconds", "peak RSS (MiB)", "RSS growth during inference (MiB)"]))
     for roi in args.roi:
         for overlap in args.overlap:
             result = subprocess.run(
@@ -509,8 +506,8 @@ def mirroring(args: argparse.Namespace) -> None:
             medvol_arm("brats", root, split_file, run_dir, args.epochs, split["test"])
         best = json.loads((run_dir / "summary.json").read_text())["best_checkpoint"]
     lines = [f"{tag}, {args.epochs} epochs, {len(split['test'])} test subjects, best checkpoint {Path(best).name}",
-             "| mirroring | Dice WT | Dice TC | Dice ET | HD95 WT | HD95 TC | HD95 ET | predict (s) |",
-             "|---|---|---|---|---|---|---|---|"]
+             table_header(["mirroring", "Dice WT", "Dice TC", "Dice ET", "HD95 WT", "HD95 TC", "HD95 ET",
+                           "predict (s)"])]
     for tta in ("false", "true"):
         folder = out / f"tta-{tta}-{tag}"
         wall, _ = timed(

@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
 from benchmarks.common import ROOT, child_env, composed  # noqa: E402
+from benchmarks.training.scaling import random_volume_epoch  # noqa: E402
 
 
 class StepEnds(pl.Callback):
@@ -84,14 +85,8 @@ def medvol_run(args: argparse.Namespace) -> tuple[float, float]:
     overrides = [
         "hardware=cpu",
         *model_overrides(args),
-        "~dataset",
-        f"+dataset={{_target_:benchmarks.training.scaling.RandomVolumes,num_subjects:{subjects},size:{args.size},"
-        f"batch_size:{args.batch},val_fraction:{2 / subjects},test_fraction:{1 / subjects},split_file:null}}",
+        *random_volume_epoch(subjects, args.size, args.batch, args.steps),
         "model.in_channels=1",
-        "trainer.max_epochs=1",
-        f"trainer.limit_train_batches={args.steps}",
-        "trainer.limit_val_batches=0",
-        "trainer.num_sanity_val_steps=0",
         "optimized_metric=train/loss_epoch",
         "optimized_mode=min",
     ]

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from benchmarks.common import ROOT, child_env, table_header  # noqa: E402
 
 # The project's imports come after the path set-up for direct runs.
-from datamodules.pipeline.volume_datamodule import VolumeDataModule  # noqa: E402
+from datamodules.sources.synthetic import SyntheticDataModule  # noqa: E402
 from lightning_modules.base import MedvolModule  # noqa: E402
 
 
@@ -121,30 +121,42 @@ def throughput(durations: list[float], batch: int, world: int, warmup: int) -> f
     return batch * world / statistics.median(durations[warmup:])
 
 
-class RandomVolumes(VolumeDataModule):
+class RandomVolumes(SyntheticDataModule):
     """Uniform random volumes made once at set-up, like the hand-written loop's batches.
 
     Taking phantom generation out of the loop leaves medvol's own machinery (Lightning loop,
     sampler, loader, callbacks, logging, DDP strategy) as the only difference between the sides.
-
-    Args:
-        num_subjects: number of volumes.
-        size: volume edge in voxels.
-        **kwargs: `VolumeDataModule` arguments (batch size, split fractions, ...).
+    The synthetic dataset's settings (`dataset=synthetic`, the default) with this class as its
+    `_target_`: `num_subjects` volumes of `size`^3, one channel.
     """
 
-    def __init__(self, num_subjects: int = 64, size: int = 32, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.num_subjects = num_subjects
-        self.size = size
-
     def subjects(self) -> list[dict[str, Any]]:
-        return [{"subject": f"random-{index:05d}"} for index in range(self.num_subjects)]
+        return [{"subject": f"random-{index:05d}", "index": index} for index in range(self.num_subjects)]
 
     def build_dataset(self, records: list[dict[str, Any]], stage: str) -> list[dict[str, Any]]:
         generator = torch.Generator().manual_seed(len(records))
-        shape = (1, self.size, self.size, self.size)
+        edges = [self.size] * 3 if isinstance(self.size, int) else [int(edge) for edge in self.size]
+        shape = (1, *edges)
         return [{"image": torch.rand(shape, generator=generator) * 2 - 1} for _ in records]
+
+
+def random_volume_epoch(subjects: int, size: int, batch: int, steps: int) -> list[str]:
+    """train.py overrides for one epoch of `steps` training steps on `RandomVolumes` (`subjects` of them, `size`^3,
+    `batch` a step), no validation: a run that times medvol's steps and nothing else."""
+    return [
+        "dataset=synthetic",
+        "dataset._target_=benchmarks.training.scaling.RandomVolumes",
+        f"dataset.num_subjects={subjects}",
+        f"dataset.size={size}",
+        f"dataset.batch_size={batch}",
+        f"dataset.val_fraction={2 / subjects}",
+        f"dataset.test_fraction={1 / subjects}",
+        "dataset.split_file=null",
+        "trainer.max_epochs=1",
+        f"trainer.limit_train_batches={steps}",
+        "trainer.limit_val_batches=0",
+        "trainer.num_sanity_val_steps=0",
+    ]
 
 
 def medvol_run(processes: int, args: argparse.Namespace) -> dict[str, float]:
@@ -153,17 +165,11 @@ def medvol_run(processes: int, args: argparse.Namespace) -> dict[str, float]:
     overrides = [
         "~model",
         f"+model={{_target_:benchmarks.training.scaling.ScalingNet,channels:{args.channels}}}",
-        "~dataset",
-        f"+dataset={{_target_:benchmarks.training.scaling.RandomVolumes,num_subjects:{subjects},size:{args.size},"
-        f"batch_size:{args.batch},val_fraction:{2 / subjects},test_fraction:{1 / subjects},split_file:null}}",
+        *random_volume_epoch(subjects, args.size, args.batch, args.steps),
         f"trainer.accelerator={args.accelerator}",
         f"trainer.devices={processes}",
         f"strategy={'ddp' if processes > 1 else 'auto'}",
         "trainer.precision=32-true",
-        "trainer.max_epochs=1",
-        f"trainer.limit_train_batches={args.steps}",
-        "trainer.limit_val_batches=0",
-        "trainer.num_sanity_val_steps=0",
         "+trainer.enable_model_summary=false",
         "callbacks.progress_bar=null",
         "callbacks.model_summary=null",

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
-from benchmarks.common import ROOT  # noqa: E402
+from benchmarks.common import ROOT, table_header  # noqa: E402
 
 COVARIATES = ["age", "sex"]
 METRICS = ("cindex", "uno_cindex", "auc_early", "auc_late", "ibs")
@@ -251,8 +251,8 @@ def real(args: argparse.Namespace, overrides: list[str]) -> None:
     header = (
         f"{args.subjects} subjects ({events} events) at {'x'.join(f'{s:g}' for s in args.spacing)} mm, split val "
         f"{args.val} / test {args.test}, {args.epochs} epochs, seeds {args.seeds}; medvol overrides {overrides}\n\n"
-        f"| arm | Harrell C | Uno C | AUC@{args.horizons[0]:g} | AUC@{args.horizons[1]:g} | IBS | wall |\n"
-        "|---|---|---|---|---|---|---|"
+        + table_header(["arm", "Harrell C", "Uno C", f"AUC@{args.horizons[0]:g}", f"AUC@{args.horizons[1]:g}", "IBS",
+                        "wall"])
     )
     text = "\n".join([header, *lines])
     print(text)
