@@ -312,3 +312,17 @@ def test_a_latent_diffusion_step_is_predicted_before_its_scale_and_with_its_spac
                                  "model.position_channels=true", "preflight=H200"])
     prediction = preflight_module.predict(cfg, "bf16-mixed")
     assert prediction is not None and 0 < prediction.peak < 2**30 and prediction.flops > 0
+
+
+def test_a_named_cards_preflight_of_a_cascade_predicts_its_first_stage_and_writes_nothing(tmp_path, monkeypatch,
+                                                                                         caplog):
+    """Stage 2 is built from stage 1's best checkpoint: it is predicted when it starts, not here (the cascade went on
+    to it and failed for stage 1's missing checkpoint)."""
+    cfg = compose_cfg(tmp_path, ["model=xray2ct", "experiment=xray2ct_cascade", "preflight=H200"])
+    seen = predicted_configs(monkeypatch)
+    with caplog.at_level("INFO", logger="medvol"):
+        assert training.run(cfg) == {}
+    lines = preflight_lines(caplog)
+    assert len(seen) == 1 and seen[0][0].model.stage == 1 and "predicted peak" in lines[0]
+    assert "stages [2, 3] are predicted as each starts" in lines[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], list(tmp_path.iterdir())

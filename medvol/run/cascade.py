@@ -167,6 +167,15 @@ def run_cascade(
         stage_cfg = with_handoff(cfg, stage_configs[stage], previous)
         if handoff_keys(cfg)["previous_best"] and previous:
             check_stage(stage_cfg)
+        if cfg.get("preflight"):
+            # A named card's preflight: the first stage's line, nothing written. A later stage is built from the
+            # earlier stages' best checkpoints, so it is predicted when it starts, once they have trained.
+            run_stage(stage_cfg)
+            later = stages[stages.index(stage) + 1:]
+            if later:
+                log.info("preflight: stages %s are predicted as each starts (each is built from the earlier stages' "
+                         "best checkpoints)", later)
+            return {}
         stage_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(stage_cfg, stage_dir / "config.yaml", resolve=False)
         log.info("cascade: stage %d of %s in %s", stage, stages, stage_dir)

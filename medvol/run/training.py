@@ -148,7 +148,7 @@ def command_ckpt_path(argv: list[str]) -> str | None:
 
 def _stages_or_run(cfg: DictConfig, recorded: bool = False) -> dict[str, float]:
     if cfg.get("cascade"):
-        if global_rank() == 0:
+        if global_rank() == 0 and not cfg.get("preflight"):
             write_run_record(cfg)
         return run_cascade(cfg, _stages_or_run, check_config)
     checked = preflight(cfg, recorded)
