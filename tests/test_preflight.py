@@ -170,7 +170,7 @@ def box_cases(root: Path) -> list[str]:
         cases[f"case_{i:02d}"] = ([t2], label, [1.0, 1.0, 2.0])
     write_raw(root, "Dataset001_Box", ["T2"], {"background": 0, "box": 1}, cases)
     return ["model=segmentation", "dataset=nnunet", f"dataset.root={root / 'Dataset001_Box'}",
-            "model.plan.base_features=4", "model.plan.memory_budget_mib=64", "hardware=cpu"]
+            "model.plan.memory_budget_mib=64", "hardware=cpu"]
 
 
 def test_a_plan_from_the_data_is_predicted_once_planned_and_no_plan_is_written(tmp_path, monkeypatch, caplog):
@@ -185,14 +185,17 @@ def test_a_plan_from_the_data_is_predicted_once_planned_and_no_plan_is_written(t
     assert len(lines) == 2 and "comes from the data (its plan)" in lines[0] and "predicted peak" in lines[1]
     assert len(seen) == 1 and seen[0][0].model.net == "dynunet" and seen[0][0].model.num_classes == 2
     assert not (run_dir / "plan.json").exists()
-    # The network is the one the run plans on a GPU (nnU-Net's 32 base filters there), written by a run that plans.
+    # The network is the one the run plans on a GPU (nnU-Net's 32 base filters there, 16 on this CPU), as a run that
+    # plans writes it.
     cfg = compose_cfg(run_dir, box_cases(tmp_path / "raw")[:-1], tiny=False)
     datamodule = training.build(cfg.dataset)
+    on_the_cpu, _ = training.planned(cfg, datamodule, "cpu", write=False)
     planned, _ = training.planned(cfg, datamodule, "gpu")
     assert (run_dir / "plan.json").is_file()
     for key in ("features", "strides", "kernels", "patch_size", "num_classes"):
         assert seen[0][0].model[key] == planned.model[key], key
     assert seen[0][0].dataset.batch_size == planned.dataset.batch_size
+    assert planned.model.features[0] == 32 and on_the_cpu.model.features[0] == 16
 
 
 def test_a_run_folders_plan_json_is_the_network_predicted_before_any_data(tmp_path, monkeypatch):
