@@ -20,6 +20,7 @@ from medvol.run.inference_preflight import (
     Memory,
     call_peak,
     decoding_call,
+    emulated_precision,
     fits,
     plan_decoding,
     plan_inference,
@@ -54,6 +55,29 @@ def test_a_conv_nets_predicted_window_peak_is_its_hand_counted_weights_windows_a
         voxels = count * 16**3
         assert call_peak(net, call, count) == weights + voxels * 4 + 2 * 8 * voxels * 4
     assert all(type(p) is nn.Parameter and not p.is_meta for p in net.parameters())  # the net's own weights, back
+
+
+def test_under_bf16_autocast_the_conv_nets_activations_are_counted_in_bf16():
+    """predict.py's `precision=bf16` (auto on a GPU): the convolutions run in bf16 as CUDA's autocast runs them, so the
+    two activations alive at the peak take 2 bytes a value; the weights and the windows stay float32, and autocast
+    keeps a bf16 copy of each weight for the rest of predict.py's autocast region (the window's cast is freed)."""
+    net = nn.Sequential(nn.Conv3d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv3d(8, 2, 3, padding=1))
+
+    def call(count: int):
+        window = torch.randn(count, 1, 16, 16, 16)
+        return [window], lambda: net(window)
+
+    def blocks(nbytes: int) -> int:
+        return -(-nbytes // 512) * 512
+
+    weights = blocks(8 * 27 * 4) + blocks(8 * 4) + blocks(2 * 8 * 27 * 4) + blocks(2 * 4)
+    casts = blocks(8 * 27 * 2) + blocks(8 * 2) + blocks(2 * 8 * 27 * 2) + blocks(2 * 2)
+    with emulated_precision("bf16"):
+        for count in (1, 4):
+            voxels = count * 16**3
+            assert call_peak(net, call, count) == weights + casts + voxels * 4 + 2 * 8 * voxels * 2
+    with emulated_precision("32"):
+        assert call_peak(net, call, 1) == weights + 16**3 * 4 + 2 * 8 * 16**3 * 4
 
 
 def tiny_vqgan(tmp_path: Path):
@@ -235,3 +259,42 @@ def test_on_a_gpu_the_window_runs_with_the_planned_batch_and_one_line_says_so(vq
     assert 1 < expected.batch < MAX_WINDOW_BATCH and batches and set(batches) == {expected.batch}
     lines = [r.getMessage() for r in caplog.records if "inference preflight" in r.getMessage()]
     assert lines == [expected.line()] and lines[0].endswith("GPU free 15.4 MiB")
+
+
+def test_the_precision_is_bf16_on_a_gpu_or_a_named_card_and_float32_on_the_cpu():
+    from medvol.run.predict_check import pick_precision
+
+    assert pick_precision("auto", CPU) == "32" and pick_precision(32, CPU) == "32"
+    assert pick_precision("auto", CPU, named=True) == "bf16" and pick_precision("bf16", CPU) == "bf16"
+    with pytest.raises(MedvolError, match=r"^`precision` is 'fp8'; expected auto, 32 or bf16$"):
+        pick_precision("fp8", CPU)
+
+
+def test_predict_in_bf16_runs_the_network_under_autocast_and_auto_on_the_cpu_is_float32(vqgan_run, tmp_path,
+                                                                                       monkeypatch):
+    """`precision=bf16` (auto on a GPU) runs each window's network call under bf16 autocast, the blend and the writing
+    outside it; on the CPU `auto` predicts in float32, bit for bit as `precision=32`."""
+    import nibabel as nib
+    import numpy as np
+
+    from lightning_modules.vqgan.vqgan import VQGAN
+    from medvol.run.predicting import predict
+    from tests.medvol.run.test_predict import predict_cfg
+
+    dtypes = []
+    forward = VQGAN.forward
+    monkeypatch.setattr(VQGAN, "forward", lambda self, x, *a, **k: dtypes.append(
+        self.encoder(x[:1]).dtype) or forward(self, x, *a, **k))
+    outputs = {}
+    for precision in ("32", "auto", "bf16"):
+        dtypes.clear()
+        out = tmp_path / precision
+        predict(predict_cfg(f"ckpt_path={vqgan_run}/checkpoints/last.ckpt", "split=test", f"precision={precision}",
+                            f"output_dir={out}"))
+        assert dtypes and set(dtypes) == {torch.bfloat16 if precision == "bf16" else torch.float32}
+        outputs[precision] = {p.name: nib.load(str(p)).get_fdata() for p in sorted(out.glob("*_reconstruction.nii.gz"))}
+    assert outputs["32"].keys() == outputs["bf16"].keys() and outputs["32"]
+    for name, exact in outputs["32"].items():
+        np.testing.assert_array_equal(outputs["auto"][name], exact)
+        assert not np.array_equal(outputs["bf16"][name], exact)
+        assert np.abs(outputs["bf16"][name] - exact).mean() < 0.05 * np.ptp(exact)

@@ -5,10 +5,11 @@ predict.py runs a trained network window by window: the sliding window of segmen
 `sampling_window`, every stage of the X-ray-to-CT whole CT). Before a subject is read, one network call on fake
 tensors (`FakeTensorMode`: shapes and dtypes, no data; nothing of the windows' size is allocated) is measured as the
 CUDA caching allocator counts it (`medvol.core.cuda_emulation.DeviceMemory`): the module's weights (all of them are on
-the device), the windows in and every activation of the forward, without gradients and in float32, as predict.py runs
-it. `auto` takes the largest batch (at most `settings_bounds.MAX_WINDOW_BATCH`) whose peak plus the training
-preflight's margin fits the card's free memory; an integer is held against it and refused in one line, naming the
-largest that fits, when it does not. One log line gives the batch, the peak and the memory.
+the device), the windows in and every activation of the forward, without gradients, in predict.py's `precision`
+(bf16 autocast as CUDA runs it, `medvol.core.cuda_emulation.cuda_autocast_policy`, or float32). `auto` takes the
+largest batch (at most `settings_bounds.MAX_WINDOW_BATCH`) whose peak plus the training preflight's margin fits the
+card's free memory; an integer is held against it and refused in one line, naming the largest that fits, when it
+does not. One log line gives the batch, the peak and the memory.
 
 The card: the free memory of the GPU predict.py runs on (`torch.cuda.mem_get_info`, plus what this process's
 allocator already holds: the model's weights, which the prediction counts), or the card `preflight=H100` names (or a
@@ -71,9 +72,10 @@ class WindowPlan:
     calls: str
     memory: Memory
 
-    def line(self) -> str:
+    def line(self, precision: str = "32") -> str:
+        shown = "under bf16 autocast" if precision == "bf16" else "in float32"
         return (f"inference preflight: {self.key}={self.batch} ({self.given}) {self.calls}: predicted peak "
-                f"{amount(self.peak)} a call (+{MARGIN:.0%} margin); {self.memory.describe()}")
+                f"{amount(self.peak)} a call {shown} (+{MARGIN:.0%} margin); {self.memory.describe()}")
 
 
 def device_memory(cfg: DictConfig, device: torch.device) -> Memory | None:
@@ -136,10 +138,20 @@ def call_peak(module: torch.nn.Module, call: WindowCall, count: int) -> int:
             inputs, run = call(count)
         memory = DeviceMemory()
         memory.track(*module.parameters(), *module.buffers(), *inputs)
-        memory.reset_peak()
         with mode, HostIntegers(), memory, torch.no_grad():
+            if torch.is_autocast_enabled("cpu"):
+                # bf16: autocast keeps each weight's bf16 copy from its first call to the end of predict.py's
+                # autocast region; a call of one window first makes them, and they stay counted.
+                _warm_up(call)
+            memory.reset_peak()
             run()
     return memory.peak
+
+
+def _warm_up(call: WindowCall) -> None:
+    """One call of one window, its windows and activations let go after it."""
+    _, run = call(1)
+    run()
 
 
 def amount(nbytes: int) -> str:
@@ -401,8 +413,20 @@ class InferencePlan:
 KEYS = ("sw_batch_size", "sampling_window_batch_size", "decode_slab_elements")
 
 
-def plan_inference(cfg: DictConfig, module: Any, roi: Callable[[], Sequence[int]], device: torch.device
-                   ) -> InferencePlan:
+@contextmanager
+def emulated_precision(precision: str) -> Iterator[None]:
+    """Within: the fake calls run as `precision` runs them on a GPU (bf16: CPU autocast with CUDA's op lists)."""
+    if precision != "bf16":
+        yield
+        return
+    from medvol.core.cuda_emulation import cuda_autocast_policy, gpu_autocast
+
+    with cuda_autocast_policy(torch.bfloat16), gpu_autocast(torch.bfloat16):
+        yield
+
+
+def plan_inference(cfg: DictConfig, module: Any, roi: Callable[[], Sequence[int]], device: torch.device,
+                   precision: str = "32") -> InferencePlan:
     """The window batches (and the LDM's decoder slab) of this prediction, before any subject is read: on a GPU or a
     card named by `preflight=`, each `auto` the largest whose predicted call fits and each number checked; on the CPU
     the command's numbers, `auto` the window batch predict.py always used (4) and the model's own sampling windows
@@ -414,15 +438,16 @@ def plan_inference(cfg: DictConfig, module: Any, roi: Callable[[], Sequence[int]
         return InferencePlan(own["sw_batch_size"] or CPU_WINDOW_BATCH, own["sampling_window_batch_size"],
                              own["decode_slab_elements"], False)
     plans = []
-    if sliding_window_call(module, (1, 1, 1)) is not None:
-        plans.append(plan_sliding_window(module, roi(), given.sw_batch_size, memory))
-    if isinstance(module, DiffusionModule):
-        plans.append(plan_sampling(module, given.sampling_window_batch_size, memory))
-    plans.append(plan_decoding(module, given.decode_slab_elements, memory))
+    with emulated_precision(precision):
+        if sliding_window_call(module, (1, 1, 1)) is not None:
+            plans.append(plan_sliding_window(module, roi(), given.sw_batch_size, memory))
+        if isinstance(module, DiffusionModule):
+            plans.append(plan_sampling(module, given.sampling_window_batch_size, memory))
+        plans.append(plan_decoding(module, given.decode_slab_elements, memory))
     chosen = {plan.key: plan.batch for plan in plans if plan is not None}
     for plan in plans:
         if plan is not None:
-            log.info("%s", plan.line())
+            log.info("%s", plan.line(precision))
     if not chosen:
         log.info("inference preflight: %s runs no windowed network call to plan; %s", type(module).__name__,
                  memory.describe())

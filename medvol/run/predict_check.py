@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,25 @@ def pick_device(name: str) -> torch.device:
     if not (name == "cpu" or name.startswith("cuda")):
         raise MedvolError(f"`device` is {name!r}; expected auto, cpu, cuda or cuda:N")
     return torch.device(name)
+
+
+PRECISIONS = ("auto", "32", "bf16")
+
+
+def pick_precision(value: Any, device: torch.device, named: bool = False) -> str:
+    """The precision `precision=` gives the networks on `device`: `32` or `bf16` (autocast); auto: bf16 on a GPU that
+    has it, or for a card `preflight=` names (`named`: every card listed has it), else float32."""
+    text = str(value)
+    if text not in PRECISIONS:
+        raise MedvolError(f"`precision` is {value!r}; expected auto, 32 or bf16")
+    if text != "auto":
+        return text
+    return "bf16" if named or (device.type == "cuda" and torch.cuda.is_bf16_supported()) else "32"
+
+
+def autocast_for(precision: str, device: torch.device) -> AbstractContextManager:
+    """The networks' calls under `precision`: bf16 autocast on `device`'s kind, or nothing."""
+    return torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
 
 
 def check_samples(module: MedvolModule, num_samples: int) -> None:

@@ -42,12 +42,14 @@ from medvol.run.predict_batch import (
     part_positions,
 )
 from medvol.run.predict_check import (
+    autocast_for,
     check_inputs,
     check_predict,
     check_radiograph_input,
     check_samples,
     from_noise,
     pick_device,
+    pick_precision,
     window_roi,
 )
 from medvol.run.predict_config import input_geometry, with_geometry
@@ -83,6 +85,7 @@ def _predicted(cfg: DictConfig) -> dict[str, float]:
     output_format = check_output_format(str(cfg.get("output_format", "nifti")))
     output_dir = Path(str(cfg.output_dir)).expanduser()
     device = pick_device(str(cfg.device))
+    precision = pick_precision(cfg.get("precision", "auto"), device, named=bool(cfg.get("preflight")))
     module = trained.module(device)
     if hasattr(module, "progress"):
         # A generative model logs its walk (steps, windows) and its decoding (slabs) as it goes.
@@ -90,11 +93,21 @@ def _predicted(cfg: DictConfig) -> dict[str, float]:
     predictor = segmentation_predictor(cfg, module, run, checkpoints, decided_in, device)
     # The window batches and the decoder slab from the predicted peak of a call, before any subject is read (an
     # ensemble's members are called one after the other: the first stands for them).
-    plan = plan_inference(cfg, module, lambda: window_roi(cfg, run), device)
+    plan = plan_inference(cfg, module, lambda: window_roi(cfg, run), device, precision)
     if plan.named:
         # `preflight=<card>`: the plan for that card, nothing read or written.
         return {}
     plan.apply(module)
+    with autocast_for(precision, device):
+        return _outputs(cfg, module, predictor, run, checkpoints, overlap, output_format, output_dir, device,
+                        plan.sw_batch_size)
+
+
+def _outputs(
+    cfg: DictConfig, module: MedvolModule, predictor: Any, run: DictConfig, checkpoints: list[str], overlap: float,
+    output_format: str, output_dir: Path, device: torch.device, sw_batch_size: int,
+) -> dict[str, float]:
+    """The subjects' (or the samples') outputs written: the networks' calls under predict.py's precision."""
     num_samples = int(cfg.get("num_samples", 1))
     if from_noise(cfg):
         return noise_samples(module, cfg.get("spacing"), output_dir, num_samples, device)
@@ -116,7 +129,7 @@ def _predicted(cfg: DictConfig) -> dict[str, float]:
             # Not one subject this command could predict: a refusal, before any output.
             raise MedvolError(problems[todo[0]])
         window = SlidingWindow.of(
-            window_roi(cfg, run), overlap=overlap, mode=str(cfg.mode), batch_size=plan.sw_batch_size, device=device,
+            window_roi(cfg, run), overlap=overlap, mode=str(cfg.mode), batch_size=sw_batch_size, device=device,
         )
         writer = PredictionWriter(
             output_dir, protected=inputs.protected, output_format=output_format,
