@@ -152,9 +152,8 @@ def largest_fitting_batch(cfg: DictConfig, precision: str, first: Prediction, av
     batch known to fit and the smallest known not to (halving after `LINEAR_PROBES` probes): about four
     predictions."""
     known = {first.batch: first}
-    fitting = [b for b in known if _fits(known[b], available_gib)]
-    low = max(fitting, default=0)
-    high = first.batch if not fitting else MAX_FIT_BATCH + 1
+    # The largest batch known to fit (0: none yet) and the smallest known not to.
+    low, high = (first.batch, MAX_FIT_BATCH + 1) if _fits(first, available_gib) else (0, first.batch)
     probes = 0
     while high - low > 1:
         # A second point for the line: the batch doubled (it fits) or halved (it does not).
