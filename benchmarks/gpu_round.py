@@ -23,7 +23,9 @@ process group is killed, so one hang costs that step alone), inside a budget for
 
 Each step leaves `<work>/steps/NN-name.log` (its output) and `NN-name.json` (its commands, exit codes, seconds,
 limit, status and figures). After every step, `<out>/steps.tar.gz` holds all of them, `<out>/summary.json` every
-step's record, and `<out>/summary.md` the figures against the targets of docs/BENCHMARKS.md: a round stopped from
+step's record, and `<out>/summary.md` the figures against the targets of docs/BENCHMARKS.md, each memory figure
+beside its CPU prediction (`benchmarks/gpu_rounds/predicted.json`, written before the round by
+`benchmarks/gpu/gpu_estimates.py --json`) and each family's run beside its own preflight's line: a round stopped from
 outside still leaves what it finished. `--out` is `$OUT` where that is set (the device machine's folder that comes
 back, at most 8 files: hence one archive), else `outputs/gpu_round`.
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
@@ -63,6 +66,9 @@ LEAST = 10.0
 RERUN_BUDGET = 560.0
 # A dry run's limit for every step: a hang's bound on a shared CPU, not a speed.
 DRY_LIMIT = 600.0
+# Each benchmark row's peak predicted on the CPU before the round (`benchmarks/gpu/gpu_estimates.py --json`, the
+# preflight's emulation of the benchmark's own step), shown beside the measurement: no device time is spent on it.
+PREDICTED = ROOT / "benchmarks" / "gpu_rounds" / "predicted.json"
 
 
 @dataclass
@@ -296,10 +302,22 @@ def read_output(step: Step) -> dict[str, Any]:
     return json.loads(step.output.read_text())
 
 
-def check(name: str, value: float | None, target: str, met: bool, device: str) -> dict[str, Any]:
-    """One figure against its target; `met` is None where the figure is not a GPU's (a dry run's: the targets are
-    a GPU's)."""
-    return {"figure": name, "value": value, "target": target, "met": None if str(device).startswith("cpu") else met}
+def check(name: str, value: float | None, target: str, met: bool | None, device: str,
+          predicted: str | None = None) -> dict[str, Any]:
+    """One figure against its target (`met` None: a figure recorded without one) and, for a GPU's figure, the CPU's
+    prediction of it (`predicted`: a row of `PREDICTED`); `met` is None where the figure is not a GPU's (a dry run's:
+    the targets and the predictions are a GPU's)."""
+    cpu = str(device).startswith("cpu")
+    return {"figure": name, "value": value, "target": target, "met": None if cpu else met,
+            "predicted": None if cpu or predicted is None else predicted_peak(predicted)}
+
+
+def predicted_peak(row: str) -> float | None:
+    """The peak (GiB) `PREDICTED` holds for a row of `benchmarks/gpu/gpu_estimates.py`; None where it holds none."""
+    if not PREDICTED.is_file():
+        return None
+    found = (json.loads(PREDICTED.read_text()).get("rows") or {}).get(row) or {}
+    return found.get("peak_gib")
 
 
 def at_most(value: float | None, bound: float) -> bool:
@@ -338,7 +356,33 @@ def family_figures(step: Step) -> dict[str, Any]:
         "test metrics (no summary.json)"]
     missing += [pattern for pattern, files in found.items() if not files]
     return {"runs": runs, "predicted_files": len(predicted), "predicted": predicted[:6],
-            "outputs": {pattern: files[:3] for pattern, files in found.items()}, "missing": missing}
+            "outputs": {pattern: files[:3] for pattern, files in found.items()}, "missing": missing,
+            "preflight": preflight_figures(Path(step.record["log"]).read_text(errors="replace"), runs)
+            if step.record.get("log") else {}}
+
+
+# What medvol predicted in a family's own commands (their logs) before they ran: the training preflight's line of each
+# run (a cascade: of each stage, in order) and predict.py's inference preflight lines; and what predict.py measured.
+TRAINING_PREDICTED = re.compile(r"\bpreflight: predicted peak ([\d.]+) GiB per rank")
+INFERENCE_PREDICTED = re.compile(r"inference preflight: .*?: predicted peak ([\d.]+) (GiB|MiB) a call")
+PREDICT_MEASURED = re.compile(r"peak GPU memory: ([\d.]+) GiB")
+
+
+def preflight_figures(log: str, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Predicted beside measured for a family's commands (GiB): each run's training step (its run's peak, which also
+    holds its validation and test) and predict.py's largest planned call (its whole prediction's peak)."""
+    training = [float(v) for v in TRAINING_PREDICTED.findall(log)]
+    pairs = []
+    if len(training) == len(runs):
+        for predicted, (name, run) in zip(training, runs.items(), strict=True):
+            measured = run.get("peak_gpu_memory_mb")
+            pairs.append({"run": name, "predicted_gib": predicted,
+                          "measured_gib": None if measured is None else measured / 1024})
+    calls = [float(v) / (1024 if unit == "MiB" else 1) for v, unit in INFERENCE_PREDICTED.findall(log)]
+    measured = [float(v) for v in PREDICT_MEASURED.findall(log)]
+    return {"training": pairs, "training_lines": len(training),
+            "predict": {"predicted_gib": max(calls) if calls else None,
+                        "measured_gib": measured[-1] if measured else None}}
 
 
 def vqgan_figures(target: float) -> Callable[[Step], dict[str, Any]]:
@@ -349,6 +393,9 @@ def vqgan_figures(target: float) -> Callable[[Step], dict[str, Any]]:
         rate = data["patches_per_second"]
         data["checks"] = [check(f"CTPA VQ-GAN patches/s, {data['size']}^3, batch {data['batch']}", rate,
                                 f">= {target:g}", rate >= target, data["device"])]
+        if isinstance(data.get("peak_memory_gib"), float) and math.isfinite(data["peak_memory_gib"]):
+            data["checks"].append(check(f"CTPA VQ-GAN step memory, {data['size']}^3, batch {data['batch']} (GiB)",
+                                        data["peak_memory_gib"], "-", None, data["device"], f"vqgan-b{data['batch']}"))
         return data
 
     return figures
@@ -360,7 +407,7 @@ def ddpm_figures(step: Step) -> dict[str, Any]:
         return {}
     data["checks"] = [
         check(f"Fast-DDPM step memory, {data['size']}^3 (GiB)", data.get("peak_gib"), f"<= 4 GB ({4 * GB:.2f} GiB)",
-              at_most(data.get("peak_gib"), 4 * GB), data["device"]),
+              at_most(data.get("peak_gib"), 4 * GB), data["device"], "ddpm-seed-now"),
         check(f"Fast-DDPM step time, {data['size']}^3 (ms)", data["step_ms"], "<= 120", at_most(data["step_ms"], 120),
               data["device"]),
     ]
@@ -376,7 +423,8 @@ def xray2ct_stage_figures(step: Step) -> dict[str, Any]:
         # On the CPU the row holds the host's resident set, no GPU figure.
         peak = row["peak_mib"] / 1024 if "peak_mib" in row and data["device"] == "cuda" else None
         checks.append(check(f"X-ray-to-CT stage {row['stage']} training step, batch {row['batch']} (GiB)", peak,
-                            f"<= 40 GB ({40 * GB:.1f} GiB)", at_most(peak, 40 * GB), data["device"]))
+                            f"<= 40 GB ({40 * GB:.1f} GiB)", at_most(peak, 40 * GB), data["device"],
+                            f"xray2ct-stage{row['stage']}"))
     data["checks"] = checks
     return data
 
@@ -401,8 +449,9 @@ def ldm_figures(step: Step) -> dict[str, Any]:
     if train:
         # On the CPU the row holds the host's resident set, no GPU figure.
         peak = rows[train[-1]].get("peak_gib") if device == "cuda" else None
+        edge = train[-1][6:].split("x")[0]
         checks.append(check(f"LDM training step at {train[-1][6:]} latents (GiB)", peak,
-                            f"<= 40 GB ({40 * GB:.1f} GiB)", at_most(peak, 40 * GB), device))
+                            f"<= 40 GB ({40 * GB:.1f} GiB)", at_most(peak, 40 * GB), device, f"ldm-{edge}-fused"))
     if "generate:fast_ddpm_10" in rows:
         latent = "x".join(map(str, data["generate_latent"]))
         seconds = rows["generate:fast_ddpm_10"].get("total_s")
@@ -672,14 +721,17 @@ def markdown(summary: dict[str, Any]) -> str:
              f"{summary['seconds']:.0f} s of the {summary['budget_s']:.0f} s budget, "
              f"device {device or 'not read yet'}, "
              f"commit {summary['commit']}", "",
-             "| figure | target | value | met |", "|---|---|---|---|"]
+             *predictions_made(summary["dry_run"]),
+             "| figure | target | predicted on the CPU | value | met |", "|---|---|---|---|---|"]
     for record in summary["steps"]:
         # A step that gave no figures (timed out, failed, skipped) misses its targets: listed, not met.
         missing = [{"figure": name, "target": target, "value": None, "met": None if summary["dry_run"] else False}
                    for name, target in record.get("targets", [])]
         for c in (record.get("figures") or {}).get("checks") or missing:
             met = "-" if c["met"] is None else "yes" if c["met"] else "**no**"
-            lines.append(f"| {c['figure']} | {c['target']} | {value(c['value'])} | {met} |")
+            lines.append(f"| {c['figure']} | {c['target']} | {value(c.get('predicted'))} | {value(c['value'])} | "
+                         f"{met} |")
+    lines += preflight_table(summary["steps"])
     lines += ["", "| step | status | seconds | limit | figures |", "|---|---|---|---|---|"]
     for record in summary["steps"]:
         step = Step(record["step"], record["phase"], [], record["limit_s"], record=record)
@@ -690,6 +742,37 @@ def markdown(summary: dict[str, Any]) -> str:
         lines += ["", "Not passed; again, on the same machine while it is warm:", "",
                   f"    python3 benchmarks/gpu_round.py {rerun(again)}"]
     return "\n".join(lines) + "\n"
+
+
+def predictions_made(dry: bool) -> list[str]:
+    """Where the predicted column comes from: the commit, day and command of `PREDICTED`."""
+    if dry or not PREDICTED.is_file():
+        return []
+    made = json.loads(PREDICTED.read_text())
+    return [f"Predicted on the CPU at commit {str(made.get('commit'))[:10]} on {made.get('date')}: "
+            f"`{made.get('command')}`.", ""]
+
+
+def preflight_table(records: list[dict[str, Any]]) -> list[str]:
+    """The families' own predictions beside their measurements (GiB): the training preflight of each run against the
+    run's peak (training, validation and test), predict.py's largest planned call against its whole prediction's
+    peak; empty where no family ran on a GPU."""
+    rows = []
+    for record in records:
+        found = (record.get("figures") or {}).get("preflight") or {}
+        family = record["step"].removeprefix("family-")
+        for pair in found.get("training") or []:
+            rows.append(f"| {family} {pair['run']} | train.py's step | {value(pair['predicted_gib'])} | "
+                        f"{value(pair['measured_gib'])} |")
+        predict = found.get("predict") or {}
+        if predict.get("predicted_gib") is not None:
+            rows.append(f"| {family} | predict.py's largest call | {value(predict['predicted_gib'])} | "
+                        f"{value(predict.get('measured_gib'))} |")
+    if not rows:
+        return []
+    return ["", "The families' preflights, predicted before each command ran, beside its measured peak (GiB; a run's "
+                "peak also holds its validation and test, predict.py's the whole prediction):", "",
+            "| run | what | predicted | measured |", "|---|---|---|---|", *rows]
 
 
 def rerun(records: list[dict[str, Any]]) -> str:

@@ -4,6 +4,7 @@ round at toy size on the CPU (`--dry-run`), so that the script a GPU loan runs c
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tarfile
@@ -188,7 +189,7 @@ def test_a_step_that_gave_no_figures_shows_its_targets_not_met(tmp_path):
               "figures": {}, "targets": steps["ldm-generate"].targets}
     summary = {"started": "now", "dry_run": False, "budget_s": 530.0, "seconds": 1.0, "commit": None,
                "steps": [record]}
-    assert "| LDM volume generated (10 steps) and decoded, 128x128x152 latent (s) | <= 8 | - | **no** |" in (
+    assert "| LDM volume generated (10 steps) and decoded, 128x128x152 latent (s) | <= 8 | - | - | **no** |" in (
         gpu_round.markdown(summary))
 
 
@@ -396,3 +397,56 @@ def test_the_vqgan_layout_row_is_the_batch_1_step_without_channels_last_and_hold
     step.record = {"figures": step.figures(step)}
     assert "checks" not in step.record["figures"]
     assert gpu_round.brief(step) == "bf16-mixed: 14.2 patches/s, 70 ms a step"
+
+
+def test_a_gpu_figure_stands_beside_its_cpu_prediction_and_a_cpu_figure_beside_none(tmp_path, monkeypatch):
+    """Issue 60 item 6: each memory figure of the round shows the CPU's prediction of the same step
+    (benchmarks/gpu_rounds/predicted.json, written by benchmarks/gpu/gpu_estimates.py --json)."""
+    predicted = tmp_path / "predicted.json"
+    predicted.write_text(json.dumps({"rows": {"ddpm-seed-now": {"peak_gib": 3.26}, "xray2ct-stage2": {"peak_gib": 12.98},
+                                              "ldm-128-fused": {"peak_gib": 23.95}, "vqgan-b4": {"peak_gib": 13.87}}}))
+    monkeypatch.setattr(gpu_round, "PREDICTED", predicted)
+    ddpm = figures_of(tmp_path, gpu_round.ddpm_figures, {"size": 128, "peak_gib": 5.74, "step_ms": 162.0,
+                                                        "device": "cuda"})
+    assert [c["predicted"] for c in ddpm["checks"]] == [3.26, None]
+    stages = {"device": "cuda", "stages": [{"stage": 2, "batch": 8, "peak_mib": 13.08 * 1024}]}
+    assert [c["predicted"] for c in figures_of(tmp_path, gpu_round.xray2ct_stage_figures, stages)["checks"]] == [12.98]
+    ldm = {"device": "cuda", "generate_latent": [128, 128, 152], "rows": {"train:128x128x128": {"peak_gib": 24.0}}}
+    assert [c["predicted"] for c in figures_of(tmp_path, gpu_round.ldm_figures, ldm)["checks"]] == [23.95]
+    vqgan = {"patches_per_second": 16.9, "batch": 4, "size": 128, "device": "NVIDIA H100", "peak_memory_gib": 13.91}
+    checks = figures_of(tmp_path, gpu_round.vqgan_figures(40.0), vqgan)["checks"]
+    assert [(c["predicted"], c["value"], c["met"]) for c in checks] == [(None, 16.9, False), (13.87, 13.91, None)]
+    record = {"step": "ddpm-seed", "phase": "benchmarks", "limit_s": 75.0, "status": "passed", "seconds": 9.0,
+              "figures": ddpm, "targets": []}
+    summary = {"started": "now", "dry_run": False, "budget_s": 530.0, "seconds": 9.0, "commit": None,
+               "steps": [record]}
+    assert "| Fast-DDPM step memory, 128^3 (GiB) | <= 4 GB (3.73 GiB) | 3.26 | 5.74 | **no** |" in (
+        gpu_round.markdown(summary))
+    cpu = figures_of(tmp_path, gpu_round.ddpm_figures, {"size": 16, "peak_gib": 0.1, "step_ms": 9.0, "device": "cpu"})
+    assert [c["predicted"] for c in cpu["checks"]] == [None, None]
+
+
+def test_the_families_preflight_lines_stand_beside_their_runs_measured_peaks(tmp_path, caplog):
+    """The lines train.py's and predict.py's preflights print (made here by their own code) are read from a family
+    step's log and paired with each run's measured peak, a cascade's stages in order."""
+    from medvol.run.inference_preflight import Memory, WindowPlan
+    from medvol.run.preflight import preflight
+    from tests.test_preflight import SMALL_DDPM, composed
+
+    with caplog.at_level("INFO", logger="medvol"):
+        preflight(composed(tmp_path, [*SMALL_DDPM, "preflight=H100"]))
+    training = [r.getMessage() for r in caplog.records if r.getMessage().startswith("preflight:")]
+    call = WindowPlan("sw_batch_size", "auto", 29, 653 * 2**20, "on windows of 64x64x64", Memory("H100", 79.18, True))
+    log = "\n".join([*training, *training, "stage 2 trains", call.line("bf16"), "peak GPU memory: 40.20 GiB"])
+    runs = {"stage1": {"peak_gpu_memory_mb": 100.0}, "stage2": {"peak_gpu_memory_mb": 2048.0}}
+    found = gpu_round.preflight_figures(log, runs)
+    step_peak = float(re.search(r"predicted peak ([\d.]+) GiB", training[0]).group(1))
+    assert found["training"] == [{"run": "stage1", "predicted_gib": step_peak, "measured_gib": 100.0 / 1024},
+                                 {"run": "stage2", "predicted_gib": step_peak, "measured_gib": 2.0}]
+    # The line shows GiB to two decimals.
+    assert found["predict"] == {"predicted_gib": pytest.approx(653 / 1024, abs=0.005), "measured_gib": 40.2}
+    record = {"step": "family-xray2ct", "phase": "families", "limit_s": 150.0, "status": "passed", "seconds": 9.0,
+              "figures": {"preflight": found}}
+    table = gpu_round.preflight_table([record])
+    assert "| xray2ct stage2 | train.py's step | " in "\n".join(table)
+    assert "| xray2ct | predict.py's largest call | 0.64 | 40.2 |" in table

@@ -34,6 +34,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for a direct run
 from benchmarks.common import table_header  # noqa: E402
+from benchmarks.gpu_round import commit  # noqa: E402
 from medvol.core.cuda_emulation import (  # noqa: E402
     as_fake,
     cuda_autocast_policy,
@@ -356,7 +357,9 @@ def main() -> None:
     for line in derived(results, args.reduce):
         print(line)
     if args.json:
-        args.json.write_text(json.dumps({"reduce": args.reduce, "rows": results}, indent=1))
+        # The commit and day they were predicted at: benchmarks/gpu_round.py shows them beside its measurements.
+        made = {"commit": commit(), "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+        args.json.write_text(json.dumps({**made, "reduce": args.reduce, "rows": results}, indent=1) + "\n")
 
 
 def derived(results: dict[str, dict[str, Any]], reduce: int) -> list[str]:
