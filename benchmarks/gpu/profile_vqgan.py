@@ -13,10 +13,11 @@ backward pass and Adam step, the discriminators' backward pass and Adam step. Fo
 mark each network's forward pass, so the table gives, per part, its time (CPU time of the ops
 on the CPU; on a GPU the CUDA kernel time too) and how often it ran per step; "losses, rest"
 is `gan_losses` minus the networks' forward passes (the loss arithmetic and the gradient
-through the discriminators). On a GPU the host syncs (device-to-host copies and stream or
-device synchronisations) and kernel launches per step are counted as well: launches that
-the GPU outruns are the launch overhead `torch.compile` removes. `--json FILE` writes the parts and the top ops by
-their own time (on a GPU: the CUDA kernels'), per step and as a share of the whole (benchmarks/gpu_round.py keeps it).
+through the discriminators). On a GPU the host syncs (every call that makes the host wait, by
+`torch.cuda.set_sync_debug_mode`, with the line that made it) and kernel launches per step are counted as well:
+launches that the GPU outruns are the launch overhead `torch.compile` removes. `--json FILE` writes the parts and the
+top ops by their own time (on a GPU: the CUDA kernels'), per step and as a share of the whole (benchmarks/gpu_round.py
+keeps it).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -38,7 +41,6 @@ NETWORKS = ("encoder", "codebook", "decoder", "image_discriminator", "video_disc
 PHASES = ("losses", "discriminator backward", "discriminator Adam step", "generator backward", "generator Adam step")
 # Kernels (or, on the CPU, ops) listed by their own time in `--json`.
 TOP = 15
-SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "aten::_local_scalar_dense")
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC")
 
 
@@ -75,6 +77,27 @@ def profiled_step(model, opt_ae: torch.optim.Optimizer, opt_disc: torch.optim.Op
         opt_ae.zero_grad(set_to_none=True)
 
 
+def synchronizing_calls(model: torch.nn.Module, opt_ae: Any, opt_disc: Any, x: torch.Tensor, steps: int
+                        ) -> dict[str, int]:
+    """The calls that make the host wait for the device in `steps` steps, by the line of Python that made them: each
+    warning of `torch.cuda.set_sync_debug_mode("warn")` (a `.item()`, a device-to-host copy, a tensor read as a bool,
+    a synchronize), counted once per call, unlike the profiler's events (an `.item()` is a copy and a stream
+    synchronisation there)."""
+    counts: dict[str, int] = defaultdict(int)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                profiled_step(model, opt_ae, opt_disc, x)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for warning in caught:
+        if "synchronizing" in str(warning.message):
+            counts[f"{Path(warning.filename).name}:{warning.lineno}"] += 1
+    return dict(counts)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=128, help="patch edge in voxels")
@@ -105,6 +128,7 @@ def main() -> None:
                 profiled_step(model, opt_ae, opt_disc, x)
             if cuda:
                 torch.cuda.synchronize(device)
+        syncs = synchronizing_calls(model, opt_ae, opt_disc, x, args.steps) if cuda else {}
     if args.trace:
         prof.export_chrome_trace(args.trace)
 
@@ -135,9 +159,12 @@ def main() -> None:
                 print(f"| - forward {network} | {f_cpu:.1f} | {f_gpu:.1f} | {f_count / args.steps:g} |")
             print(f"| - losses, rest | {cpu - forward['cpu']:.1f} | {gpu - forward['gpu']:.1f} | |")
     if cuda:
-        syncs = sum(averages[k].count for k in SYNCS if k in averages) / args.steps
         launches = sum(averages[k].count for k in LAUNCHES if k in averages) / args.steps
-        print(f"\nhost syncs and device-to-host copies per step: {syncs:g}; kernel launches per step: {launches:g}")
+        per_step = sum(syncs.values()) / args.steps
+        print(f"\nsynchronizing CUDA calls per step (torch.cuda.set_sync_debug_mode): {per_step:g}; kernel "
+              f"launches per step: {launches:g}")
+        for where, count in sorted(syncs.items(), key=lambda item: -item[1])[:10]:
+            print(f"  {count / args.steps:g} a step: {where}")
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
     print("\nTop ops by self time (all profiled steps):\n")
     print(prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=40))
@@ -153,6 +180,8 @@ def main() -> None:
             "device": torch.cuda.get_device_name(device) if cuda else "cpu", "batch": args.batch, "size": args.size,
             "precision": args.precision, "steps": args.steps, "time": "CUDA kernels' own" if cuda else "ops' own CPU",
             "parts": parts, "top": top,
+            **({"syncs_per_step": sum(syncs.values()) / args.steps,
+                "syncs_by_line": {k: v / args.steps for k, v in syncs.items()}} if cuda else {}),
         }, indent=1))
 
 
