@@ -1,5 +1,5 @@
 """The GPU round: one command that proves every model family on one CUDA GPU and measures the rows of
-docs/BENCHMARKS.md that no GPU has filled yet, within 9 minutes (docs/BENCHMARKS.md, "The GPU round").
+docs/BENCHMARKS.md that no GPU has filled yet, within 9 minutes (docs/gpu_round.md).
 
     python3 benchmarks/gpu_round.py                        # on a machine with one CUDA GPU
     python3 benchmarks/gpu_round.py --dry-run --out DIR    # every step at toy size on the CPU (make test-slow)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The wheels the GPU machine lacks, for benchmarks/gpu_round.py (docs/BENCHMARKS.md, "The GPU round").
+# The wheels the GPU machine lacks, for benchmarks/gpu_round.py (docs/gpu_round.md).
 #
 #   bash benchmarks/gpu_round_wheels.sh          # here, with PyPI reachable: fills .whl/ (ignored by git)
 #

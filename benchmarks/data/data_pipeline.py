@@ -332,7 +332,7 @@ def main() -> None:
 
 
 def report(results: dict) -> None:
-    """The Markdown tables of docs/BENCHMARKS.md."""
+    """The Markdown tables of docs/benchmarks/data.md."""
     if results["modes"]:
         throughput_table(results["modes"])
     if results.get("train"):

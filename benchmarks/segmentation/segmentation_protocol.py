@@ -4,7 +4,7 @@
         [--arms medvol16,medvol32,nnunet] [--budgets steps,wall] [--seeds 0,1,2] [--steps 1250]
         [--iterations 250] [--subjects 48] [--nnunet-venv /work/nnunet-venv] [--cores 1] [--cpus 0]
         [--out outputs/benchmarks/segmentation-protocol]
-        [--docs docs/BENCHMARKS.md]
+        [--docs docs/benchmarks/segmentation.md]
 
 The datasets (real anatomy: the MNI152 templates inside nilearn's wheel, deformed per subject,
 `datamodules.sources.brain_lesions`):
@@ -19,7 +19,7 @@ The datasets (real anatomy: the MNI152 templates inside nilearn's wheel, deforme
 
 `tissue` and `thick` are at the spacings that keep nnU-Net's 1,250 steps under 30 minutes a core: chosen from 100
 steps (65 s and 48 s for 50 steps and 10 validation batches), then measured whole beside another run: 28.1 minutes
-at 5 mm, 21.5 at 4 x 4 x 12/16 mm (docs/BENCHMARKS.md). At 4 mm, `tissue` would take brats's 53-58 minutes.
+at 5 mm, 21.5 at 4 x 4 x 12/16 mm (docs/benchmarks/segmentation.md). At 4 mm, `tissue` would take brats's 53-58 minutes.
 
 Every arm sees the same files, the same split (15% test, 15% validation: nnU-Net's fold 0 in `splits_final.json`)
 and is scored the same way: the test subjects' masks from the FINAL checkpoint, mirrored, without post-processing,
