@@ -63,6 +63,7 @@ from datamodules.sources.phantom import make_phantom  # noqa: E402
 from lightning_modules.segmentation.segmentation import Segmenter  # noqa: E402
 from medvol.run.bundle import DESCRIPTION_PREFIX, PACKAGES_KEY, SOURCE_KEY  # noqa: E402
 from medvol.run.exporting import write_networks  # noqa: E402
+from medvol.run.inference_preflight import CPU_WINDOW_BATCH  # noqa: E402
 
 BRATS_REGIONS = {"WT": [1, 2, 3], "TC": [1, 3], "ET": [3]}
 LPS_AFFINE = np.array([[-1.2, 0, 0, 30.0], [0, -0.9, 0, 21.0], [0, 0, 2.5, -40.0], [0, 0, 0, 1]])
@@ -287,15 +288,13 @@ def with_small_regions(ckpt: Path, files: list[Path], shares: dict[str, float]) 
     found by bisection) for a model of regions (a sigmoid channel each): a model that predicts every structure, small
     ones included."""
     from monai.transforms import Compose
-    from omegaconf import OmegaConf
 
     from datamodules.pipeline.transforms import TransformSettings, deterministic_transforms
     from medvol.run.bundle import inference_settings
-    from medvol.run.predict_config import recovered_run
-    from medvol.run.trained_model import load_module
+    from medvol.run.trained_run import open_trained_run
 
-    run_config = recovered_run(OmegaConf.create({"ckpt_path": str(ckpt), "model": {}}))
-    module = load_module(run_config, str(ckpt), torch.device("cpu")).eval()
+    trained = open_trained_run(str(ckpt))
+    run_config, module = trained.config, trained.module(torch.device("cpu"))
     settings = TransformSettings.from_config(inference_settings(module, run_config))
     image = Compose(deterministic_transforms(settings, ["image"], None))({"image": [str(f) for f in files]})["image"]
     brain = (image != 0).any(0)
@@ -453,17 +452,18 @@ def stage_agreement(ckpt: Path, bundle: Path, channels: Path, scan: Path) -> lis
 
     from medvol.core.build import build
     from medvol.run.predict_check import check_predict, window_roi
-    from medvol.run.predict_config import input_geometry, recovered_run, with_geometry
+    from medvol.run.predict_config import input_geometry, with_geometry
     from medvol.run.predict_inputs import find_inputs
     from medvol.run.predicting import label_file_values, segmentation_predictor
-    from medvol.run.trained_model import load_module
+    from medvol.run.trained_run import open_trained_run
     from medvol.volumes.sliding_window import SlidingWindow
     from medvol.volumes.source_grid import logits_to_source_grid
 
     cfg = predict_config(ckpt, channels)
-    run = recovered_run(cfg)
+    trained = open_trained_run(str(ckpt), cfg.get("model"))
+    run = trained.config
     overlap = check_predict(cfg, run)
-    module = load_module(run, str(ckpt), torch.device("cpu"))
+    module = trained.module(torch.device("cpu"))
     module = segmentation_predictor(cfg, module, run, [str(ckpt)], None, torch.device("cpu"))
     geometry = input_geometry(None, module.training_data, module.refines_resolution)
     run = with_geometry(run, geometry)
@@ -487,8 +487,8 @@ def stage_agreement(ckpt: Path, bundle: Path, channels: Path, scan: Path) -> lis
         theirs[name] = (torch.as_tensor(np.asarray(data["image"])).clone(), np.asarray(data["image"].affine))
     rows = [(f"preprocessing: {name}", difference(ours[name], theirs[name])) for name in ours if name in theirs]
     image = ours["EnsureTyped"][0][None]
-    window = SlidingWindow.of(window_roi(cfg, run), overlap=overlap, mode=str(cfg.mode),
-                              batch_size=int(cfg.sw_batch_size))
+    window = SlidingWindow.of(window_roi(cfg.roi, run), overlap=overlap, mode=str(cfg.mode),
+                              batch_size=CPU_WINDOW_BATCH if cfg.sw_batch_size == "auto" else int(cfg.sw_batch_size))
     scheme, threshold = module.scheme, float(module.scheme.threshold)
     with torch.no_grad():
         logits = module.logits(image, window, module.tta)

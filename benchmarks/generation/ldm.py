@@ -203,11 +203,10 @@ def snapping(ckpt: str) -> None:
     from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
 
     from medvol.core.build import build as build_config
-    from medvol.run.predict_config import run_config
-    from medvol.run.trained_model import load_module
+    from medvol.run.trained_run import open_trained_run
 
-    run = run_config(ckpt)
-    module = load_module(run, ckpt, torch.device("cpu"))
+    trained = open_trained_run(ckpt)
+    run, module = trained.config, trained.module(torch.device("cpu"))
     datamodule = build_config(run.dataset)
     datamodule.setup("test")
     for split in ("val", "test"):
@@ -274,10 +273,9 @@ def profile_error(volumes: torch.Tensor, training: torch.Tensor) -> tuple[float,
 def sampled(ckpt: Path, count: int, window: list[int] | None) -> tuple[torch.Tensor, float]:
     """`count` whole 48^3 samples (model units) of an LDM checkpoint, by latent windows or the whole latent at once,
     and the seconds per sample."""
-    from medvol.run.predict_config import run_config
-    from medvol.run.trained_model import load_module
+    from medvol.run.trained_run import open_trained_run
 
-    module = load_module(run_config(str(ckpt)), str(ckpt), torch.device("cpu"))
+    module = open_trained_run(str(ckpt)).module(torch.device("cpu"))
     module.hparams.sample_size = [ANATOMY_GRID] * 3
     module.sampling_window = None if window is None else tuple(window)
     began = time.perf_counter()

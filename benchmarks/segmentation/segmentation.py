@@ -534,19 +534,19 @@ def profile(args: argparse.Namespace) -> None:
     import statistics
 
     import torch
-    from omegaconf import OmegaConf, open_dict
+    from omegaconf import open_dict
 
     from lightning_modules.segmentation.patch_sampling import cut_patches, patch_origins
     from medvol.core.build import build, build_model
-    from medvol.run.predict_config import recovered_run
     from medvol.run.predict_inputs import batches, dataset_subjects
+    from medvol.run.trained_run import open_trained_run
     from medvol.volumes.prediction_writer import PredictionWriter
     from medvol.volumes.source_grid import logits_to_source_grid
 
     torch.set_num_threads(1)
     run_dir = Path(args.run).resolve()
     best = json.loads((run_dir / "summary.json").read_text())["best_checkpoint"]
-    run = recovered_run(OmegaConf.create({"ckpt_path": best, "model": {}}))
+    run = open_trained_run(best).config
     with open_dict(run):
         run.dataset.cache, run.dataset.num_workers = "none", 0
     module = build_model(run.model)
@@ -673,14 +673,14 @@ def medvol_step(run_dir: Path, deep_supervision: bool, repeats: int) -> dict:
     """Seconds of one planned medvol training step (forward, loss, backward, optimizer) on random data of the plan's
     batch x patch, with or without the deep-supervision heads (median of `repeats` after one warm-up)."""
     import torch
-    from omegaconf import OmegaConf, open_dict
+    from omegaconf import open_dict
 
     from medvol.core.build import build_model
-    from medvol.run.predict_config import recovered_run
+    from medvol.run.trained_run import open_trained_run
 
     torch.set_num_threads(1)
     best = json.loads((run_dir / "summary.json").read_text())["best_checkpoint"]
-    run = recovered_run(OmegaConf.create({"ckpt_path": best, "model": {}}))
+    run = open_trained_run(best).config
     with open_dict(run):
         run.model.deep_supervision = deep_supervision
     module = build_model(run.model).train()
@@ -709,11 +709,11 @@ def same_step(args: argparse.Namespace) -> None:
     supervision, `training_loss`) with nnU-Net's initial weights, its optimizer and the run's gradient clip. Prints the
     output norm per head, the gradients' largest relative difference, and the losses step by step."""
     import torch
-    from omegaconf import OmegaConf, open_dict
+    from omegaconf import open_dict
 
     from benchmarks.segmentation.nnunet_plans import dynunet_parameter, load_nnunet_weights, nested_regions
     from medvol.core.build import build_model
-    from medvol.run.predict_config import recovered_run
+    from medvol.run.trained_run import open_trained_run
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
@@ -724,7 +724,7 @@ def same_step(args: argparse.Namespace) -> None:
                        check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         theirs = torch.load(record_file, weights_only=True)
     best = json.loads((Path(args.run).resolve() / "summary.json").read_text())["best_checkpoint"]
-    run = recovered_run(OmegaConf.create({"ckpt_path": best, "model": {}}))
+    run = open_trained_run(best).config
     with open_dict(run):
         run.model.deep_supervision = True
     module = build_model(run.model).train()

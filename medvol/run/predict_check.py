@@ -7,11 +7,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_modules.base import MedvolModule, class_path
 from medvol.core.build import target_class
@@ -21,6 +22,7 @@ from medvol.run.predict_batch import failure_reason
 from medvol.run.predict_config import window_size
 from medvol.run.predict_inputs import Inputs
 from medvol.volumes.dicom_io import refuse_non_series_subjects
+from medvol.volumes.prediction_writer import check_output_format
 from medvol.volumes.sliding_window import BLEND_MODES
 from medvol.volumes.volume_reader import check_volume_file
 
@@ -28,6 +30,60 @@ SPLITS = ("train", "val", "test")
 DEFAULT_OVERLAP = 0.25
 # torchmetrics' SSIM window: a Gaussian of sigma 1.5 (its default) spans int(3.5 * 1.5 + 0.5) * 2 + 1 voxels.
 SSIM_GAUSSIAN = 11
+
+
+# The outputs beside each subject's main one, by the command key that asks for them.
+EXTRAS = {"codes": "codes", "probabilities": "save_probabilities"}
+
+
+@dataclass(frozen=True)
+class PredictRequest:
+    """What the command asks of predict.py, checked and typed once, before the model is built: every later stage
+    reads these values rather than the command's config (only the inputs' search reads it, for the dataset it
+    names)."""
+
+    output_dir: Path
+    output_format: str
+    device: torch.device
+    precision: str
+    overlap: float
+    mode: str
+    roi: list[int] | None
+    num_samples: int
+    from_noise: bool
+    source: Path | None
+    spacing: Any
+    num_parts: Any
+    part_id: Any
+    continue_prediction: bool
+    segment_codes: dict[str, Any] | None
+    extras: tuple[str, ...]
+
+
+def predict_request(cfg: DictConfig, run: DictConfig) -> PredictRequest:
+    """The command's values checked against the run (`check_predict`, the output format, the device, the precision,
+    the window): one line and exit 2 for the first that is wrong."""
+    overlap = check_predict(cfg, run)
+    device = pick_device(str(cfg.device))
+    codes = OmegaConf.to_container(cfg.segment_codes) if cfg.get("segment_codes") else None
+    return PredictRequest(
+        output_dir=Path(str(cfg.output_dir)).expanduser(),
+        output_format=check_output_format(str(cfg.get("output_format", "nifti"))),
+        device=device,
+        precision=pick_precision(cfg.get("precision", "auto"), device, named=bool(cfg.get("preflight"))),
+        overlap=overlap,
+        mode=str(cfg.mode),
+        roi=list(cfg.roi) if cfg.get("roi") is not None else None,
+        num_samples=int(cfg.get("num_samples", 1)),
+        from_noise=from_noise(cfg),
+        source=Path(str(cfg.input)).expanduser() if cfg.input is not None else None,
+        spacing=cfg.get("spacing"),
+        num_parts=cfg.get("num_parts"),
+        part_id=cfg.get("part_id"),
+        continue_prediction=bool(cfg.get("continue_prediction", True)),
+        segment_codes=codes if isinstance(codes, dict) else None,
+        extras=tuple(name for name, key in EXTRAS.items() if cfg.get(key)),
+    )
 
 
 def check_predict(cfg: DictConfig, run: DictConfig) -> float:
@@ -169,9 +225,9 @@ def smallest_input(module: MedvolModule) -> tuple[tuple[int, int, int], str] | N
     return sizes, f"its per-subject SSIM's {SSIM_GAUSSIAN}-voxel Gaussian window, ssim_kernel_size {int(kernel)}"
 
 
-def window_roi(cfg: DictConfig, run: DictConfig) -> list[int]:
-    """The sliding window: `roi=[D,H,W]`, or the run's training patch or volume size."""
-    roi = list(cfg.roi) if cfg.roi is not None else window_size(run)
+def window_roi(roi: Sequence[int] | None, run: DictConfig) -> list[int]:
+    """The sliding window: `roi=[D,H,W]` (`roi`), or the run's training patch or volume size."""
+    roi = list(roi) if roi is not None else window_size(run)
     if len(roi) != 3 or min(int(r) for r in roi) < 1:
         raise MedvolError(f"`roi` is {roi}; expected three positive window sizes [D, H, W] or null")
     return roi

@@ -1,9 +1,10 @@
-"""predict.py's first stage: the run's config recovered from its checkpoint and merged with the command's.
+"""A trained run's settings as a reader sees them: the run's config recovered from its record (`run_config`, which
+`medvol.run.trained_run` opens a run with), the command's `dataset=` read as the run preprocessed, the training window,
+and the geometry inputs are resampled to (`input_geometry`).
 
 The model family and its preprocessing come from the checkpoint's run (its record, `<run>/run.json` or a cascade
 stage's `<run>/stage<k>/run.json`; `medvol.run.run_record`); `model.*` and `dataset.*` given to `predict.py` are
-merged on top, and
-the inputs are resampled to the geometry the model was trained at (`input_geometry`).
+merged on top.
 """
 
 from __future__ import annotations
@@ -75,16 +76,6 @@ def run_config(ckpt_path: str, named: tuple[str, ...] = ()) -> DictConfig:
             )
         record, source = legacy_record(config_file, run_dir, paths), config_file
     return settled(record, paths, source, named=named, folder=folder)
-
-
-def recovered_run(cfg: DictConfig) -> DictConfig:
-    """The checkpoint's run config with the command's `model.*` merged on top and the model's settings resolved."""
-    own = cfg.get("model") or {}
-    run = merged(run_config(str(cfg.ckpt_path), ("model",) if own.get("_target_") else ()), {"model": own})
-    # The command's own `model.*` may interpolate the run's values: resolved before a dataset override.
-    with open_dict(run):
-        run.model = OmegaConf.create(OmegaConf.to_container(run.model, resolve=True))
-    return run
 
 
 def merged(base: DictConfig, override: Any) -> DictConfig:

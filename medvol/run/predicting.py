@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from datamodules.sources.nifti import LABEL_FILE_VALUES
 from lightning_modules.base import MedvolModule
@@ -42,14 +42,12 @@ from medvol.run.predict_batch import (
     part_positions,
 )
 from medvol.run.predict_check import (
+    PredictRequest,
     autocast_for,
     check_inputs,
-    check_predict,
     check_radiograph_input,
     check_samples,
-    from_noise,
-    pick_device,
-    pick_precision,
+    predict_request,
     window_roi,
 )
 from medvol.run.predict_config import input_geometry, with_geometry
@@ -58,7 +56,7 @@ from medvol.run.radiographs import ct_from_radiographs
 from medvol.run.resolvers import run_dir_of_checkpoint
 from medvol.run.trained_model import mean_metrics
 from medvol.run.trained_run import open_trained_run
-from medvol.volumes.prediction_writer import PredictionWriter, check_output_format
+from medvol.volumes.prediction_writer import PredictionWriter
 from medvol.volumes.sliding_window import SlidingWindow
 
 log = logging.getLogger("medvol")
@@ -78,67 +76,62 @@ def predict(cfg: DictConfig) -> dict[str, float]:
 
 def _predicted(cfg: DictConfig) -> dict[str, float]:
     checkpoints, decided_in = member_checkpoints(cfg)
-    cfg = with_checkpoint(cfg, checkpoints[0])
     trained = open_trained_run(checkpoints[0], cfg.get("model"))
     run = trained.config
-    overlap = check_predict(cfg, run)
-    output_format = check_output_format(str(cfg.get("output_format", "nifti")))
-    output_dir = Path(str(cfg.output_dir)).expanduser()
-    device = pick_device(str(cfg.device))
-    precision = pick_precision(cfg.get("precision", "auto"), device, named=bool(cfg.get("preflight")))
-    module = trained.module(device)
+    request = predict_request(cfg, run)
+    module = trained.module(request.device)
     if hasattr(module, "progress"):
         # A generative model logs its walk (steps, windows) and its decoding (slabs) as it goes.
         module.progress = True
-    predictor = segmentation_predictor(cfg, module, run, checkpoints, decided_in, device)
+    predictor = segmentation_predictor(cfg, module, run, checkpoints, decided_in, request.device)
     # The window batches and the decoder slab from the predicted peak of a call, before any subject is read (an
     # ensemble's members are called one after the other: the first stands for them).
-    plan = plan_inference(cfg, module, lambda: window_roi(cfg, run), device, precision)
+    plan = plan_inference(cfg, module, lambda: window_roi(request.roi, run), request.device, request.precision)
     if plan.named:
         # `preflight=<card>`: the plan for that card, nothing read or written.
         return {}
     plan.apply(module)
-    with autocast_for(precision, device):
-        return _outputs(cfg, module, predictor, run, checkpoints, overlap, output_format, output_dir, device,
-                        plan.sw_batch_size)
+    with autocast_for(request.precision, request.device):
+        if request.from_noise:
+            return noise_samples(module, request.spacing, request.output_dir, request.num_samples, request.device)
+        check_samples(module, request.num_samples)
+        if request.source is not None and "xray" in module.generation_inputs():
+            return from_radiographs(module, run, request.source, request.output_dir, request.num_samples,
+                                    request.device)
+        # The inputs the command names (a file, a folder, a split or a dataset), read at the model's geometry.
+        geometry = input_geometry(request.spacing, module.training_data, module.refines_resolution)
+        run = with_geometry(run, geometry)
+        return _outputs(cfg, module, predictor, run, checkpoints, request, geometry, plan.sw_batch_size)
 
 
 def _outputs(
-    cfg: DictConfig, module: MedvolModule, predictor: Any, run: DictConfig, checkpoints: list[str], overlap: float,
-    output_format: str, output_dir: Path, device: torch.device, sw_batch_size: int,
+    cfg: DictConfig, module: MedvolModule, predictor: Any, run: DictConfig, checkpoints: list[str],
+    request: PredictRequest, geometry: dict[str, Any], sw_batch_size: int,
 ) -> dict[str, float]:
-    """The subjects' (or the samples') outputs written: the networks' calls under predict.py's precision."""
-    num_samples = int(cfg.get("num_samples", 1))
-    if from_noise(cfg):
-        return noise_samples(module, cfg.get("spacing"), output_dir, num_samples, device)
-    check_samples(module, num_samples)
-    if cfg.input is not None and "xray" in module.generation_inputs():
-        return from_radiographs(module, run, Path(str(cfg.input)).expanduser(), output_dir, num_samples, device)
-    geometry = input_geometry(cfg.get("spacing"), module.training_data, module.refines_resolution)
-    run = with_geometry(run, geometry)
+    """Every subject's outputs written (this job's part of them, those not done already), one at a time."""
+    output_dir, device = request.output_dir, request.device
     with tempfile.TemporaryDirectory() as scratch:
         inputs = find_inputs(cfg, run, module.generation_inputs(), Path(scratch), geometry)
         subjects = [str(record["subject"]) for record in inputs.records]
-        num_parts, part_id = job_part(cfg.get("num_parts"), cfg.get("part_id"))
+        num_parts, part_id = job_part(request.num_parts, request.part_id)
         share = part_positions(subjects, num_parts, part_id)
         records = DoneRecords(output_dir, checkpoint_identity(checkpoints))
-        done = {i for i in share if records.read(subjects[i])} if cfg.get("continue_prediction", True) else set()
+        done = {i for i in share if records.read(subjects[i])} if request.continue_prediction else set()
         todo = [i for i in share if i not in done]
-        refine, problems = check_inputs(inputs, run, module, geometry, output_format, todo)
+        refine, problems = check_inputs(inputs, run, module, geometry, request.output_format, todo)
         if todo and len(problems) == len(todo) and not done:
             # Not one subject this command could predict: a refusal, before any output.
             raise MedvolError(problems[todo[0]])
         window = SlidingWindow.of(
-            window_roi(cfg, run), overlap=overlap, mode=str(cfg.mode), batch_size=sw_batch_size, device=device,
+            window_roi(request.roi, run), overlap=request.overlap, mode=request.mode, batch_size=sw_batch_size,
+            device=device,
         )
         writer = PredictionWriter(
-            output_dir, protected=inputs.protected, output_format=output_format,
-            segment_codes=OmegaConf.to_container(cfg.segment_codes) if cfg.get("segment_codes") else None,
+            output_dir, protected=inputs.protected, output_format=request.output_format,
+            segment_codes=request.segment_codes,
             channels={key: run.dataset.get(f"{key}_modalities") for key in ("image", "cond")},
             nnunet_names=inputs.nnunet_names,
         )
-        extras = ["codes"] if cfg.codes else []
-        extras += ["probabilities"] if cfg.get("save_probabilities") else []
         with log_file(output_dir / LOG_FILE):
             log.info("predict: %s on %d subject(s) from %s", ", ".join(checkpoints), len(subjects), inputs.where)
             if num_parts > 1:
@@ -150,8 +143,8 @@ def _outputs(
             if hasattr(module, "postprocessing"):
                 log.info("%s", module.postprocessing_note or module.postprocessing.describe())
             failed = predict_subjects(
-                predictor, inputs, window, writer, num_samples, refine, extras, label_file_values(module), todo,
-                problems, records,
+                predictor, inputs, window, writer, request.num_samples, refine, request.extras,
+                label_file_values(module), todo, problems, records,
             )
             if failed and len(failed) == len(todo) and not done:
                 # Not one subject could be predicted (an output that would replace an input, say): a refusal.
@@ -192,14 +185,6 @@ def member_checkpoints(cfg: DictConfig) -> tuple[list[str], Path | None]:
     if not paths:
         raise MedvolError("`ckpt_path` is an empty list; expected one checkpoint or several")
     return paths, None
-
-
-def with_checkpoint(cfg: DictConfig, checkpoint: str) -> DictConfig:
-    """`cfg` naming one checkpoint (the first member's: its run gives the preprocessing)."""
-    cfg = cfg.copy()
-    with open_dict(cfg):
-        cfg.ckpt_path = checkpoint
-    return cfg
 
 
 def segmentation_predictor(

@@ -7,18 +7,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-from omegaconf import DictConfig
-
-from lightning_modules.base import MedvolModule
-from medvol.run.trained_run import open_trained_run
-
-
-def load_module(run: DictConfig, ckpt_path: str, device: torch.device) -> MedvolModule:
-    """`ckpt_path`'s model under the settings `run` (the benchmarks' way in; medvol opens a run with
-    `open_trained_run`)."""
-    return open_trained_run(ckpt_path, config=run).module(device)
-
 
 def mean_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     """Per metric, the mean over the subjects where it is finite (HD95 is NaN for an empty mask)."""

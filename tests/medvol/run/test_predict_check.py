@@ -54,11 +54,11 @@ def test_only_an_unconditional_generator_runs_with_no_input_at_all():
 
 
 def test_the_window_is_the_training_patch_unless_roi_is_given_and_three_positive_sizes():
-    assert window_roi(command(), RUN) == [8, 8, 8]
-    assert window_roi(command(roi=[4, 6, 8]), RUN) == [4, 6, 8]
+    assert window_roi(command().roi, RUN) == [8, 8, 8]
+    assert window_roi(command(roi=[4, 6, 8]).roi, RUN) == [4, 6, 8]
     for roi in ([8, 8], [8, 0, 8]):
         with pytest.raises(MedvolError, match="`roi` is"):
-            window_roi(command(roi=roi), RUN)
+            window_roi(command(roi=roi).roi, RUN)
 
 
 def test_a_device_is_named_as_torch_names_it_and_cuda_without_a_gpu_is_refused():
