@@ -28,7 +28,7 @@ from pytorch_lightning.strategies import SingleDeviceStrategy
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
-import medvol.run.predicting
+import medvol.run.predict_check
 
 ACCELERATOR = torch.device("cpu", 0)
 # What a CUDA tensor says, so that a failure reads like the one a GPU gives.
@@ -108,6 +108,6 @@ def accelerator(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     with monkeypatch.context() as patch:
         patch.setattr(SingleDeviceStrategy, "root_device", property(root_device))
-        patch.setattr(medvol.run.predicting, "pick_device", lambda name: ACCELERATOR)
+        patch.setattr(medvol.run.predict_check, "pick_device", lambda name: ACCELERATOR)
         with Accelerated():
             yield

@@ -91,7 +91,8 @@ def test_the_default_config_print_is_compact_and_reads_back_as_the_composed_conf
     console = Console(record=True, width=100)
     print_config_tree(cfg, console)
     text = console.export_text()
-    assert len(text.splitlines()) <= 66, text
+    # 67 lines since the hardware group holds `fit` (issue 60): one screen still.
+    assert len(text.splitlines()) <= 68, text
     # Every block is flow-style YAML: read back, it is the composed config, every leaf value included.
     read_back = {name: yaml.safe_load("{" + body + "}") for name, body in _blocks(text).items()}
     composed = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k,
