@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,22 +39,29 @@ from tests.lightning_modules.diffusion.test_windowed_sampling import _xray_stage
 CPU = torch.device("cpu")
 
 
-def test_a_conv_nets_predicted_window_peak_is_its_hand_counted_weights_windows_and_two_activations():
+def conv_net_call() -> tuple[nn.Module, Callable]:
+    """Two 3D convolutions around a ReLU, 1 -> 8 -> 2 channels, and its call on `count` windows of 16^3."""
     net = nn.Sequential(nn.Conv3d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv3d(8, 2, 3, padding=1))
 
     def call(count: int):
         window = torch.randn(count, 1, 16, 16, 16)
         return [window], lambda: net(window)
 
-    def blocks(nbytes: int) -> int:
-        return -(-nbytes // 512) * 512
+    return net, call
 
-    # Weights and biases (float32, each in 512-byte blocks), the windows, and at the peak the first convolution's
-    # output beside the ReLU's (the ReLU is not in place): 8 channels of 16^3 each, per window.
-    weights = blocks(8 * 27 * 4) + blocks(8 * 4) + blocks(2 * 8 * 27 * 4) + blocks(2 * 4)
+
+def conv_net_weights(element_bytes: int) -> int:
+    """The conv net's weights and biases at `element_bytes` a value, each tensor in the allocator's 512-byte blocks."""
+    return sum(-(-numel * element_bytes // 512) * 512 for numel in (8 * 27, 8, 2 * 8 * 27, 2))
+
+
+def test_a_conv_nets_predicted_window_peak_is_its_hand_counted_weights_windows_and_two_activations():
+    net, call = conv_net_call()
+    # Weights and biases (float32), the windows, and at the peak the first convolution's output beside the ReLU's
+    # (the ReLU is not in place): 8 channels of 16^3 each, per window.
     for count in (1, 4):
         voxels = count * 16**3
-        assert call_peak(net, call, count) == weights + voxels * 4 + 2 * 8 * voxels * 4
+        assert call_peak(net, call, count) == conv_net_weights(4) + voxels * 4 + 2 * 8 * voxels * 4
     assert all(type(p) is nn.Parameter and not p.is_meta for p in net.parameters())  # the net's own weights, back
 
 
@@ -61,23 +69,14 @@ def test_under_bf16_autocast_the_conv_nets_activations_are_counted_in_bf16():
     """predict.py's `precision=bf16` (auto on a GPU): the convolutions run in bf16 as CUDA's autocast runs them, so the
     two activations alive at the peak take 2 bytes a value; the weights and the windows stay float32, and autocast
     keeps a bf16 copy of each weight for the rest of predict.py's autocast region (the window's cast is freed)."""
-    net = nn.Sequential(nn.Conv3d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv3d(8, 2, 3, padding=1))
-
-    def call(count: int):
-        window = torch.randn(count, 1, 16, 16, 16)
-        return [window], lambda: net(window)
-
-    def blocks(nbytes: int) -> int:
-        return -(-nbytes // 512) * 512
-
-    weights = blocks(8 * 27 * 4) + blocks(8 * 4) + blocks(2 * 8 * 27 * 4) + blocks(2 * 4)
-    casts = blocks(8 * 27 * 2) + blocks(8 * 2) + blocks(2 * 8 * 27 * 2) + blocks(2 * 2)
+    net, call = conv_net_call()
     with emulated_precision("bf16"):
         for count in (1, 4):
             voxels = count * 16**3
-            assert call_peak(net, call, count) == weights + casts + voxels * 4 + 2 * 8 * voxels * 2
+            assert call_peak(net, call, count) == (conv_net_weights(4) + conv_net_weights(2) + voxels * 4
+                                                   + 2 * 8 * voxels * 2)
     with emulated_precision("32"):
-        assert call_peak(net, call, 1) == weights + 16**3 * 4 + 2 * 8 * 16**3 * 4
+        assert call_peak(net, call, 1) == conv_net_weights(4) + 16**3 * 4 + 2 * 8 * 16**3 * 4
 
 
 def tiny_vqgan(tmp_path: Path):
