@@ -1,5 +1,5 @@
-"""The shell commands of README.md and docs/**/*.md, as a reader sees them: every code block (fenced, or indented by four
-spaces), its language, its lines joined across trailing backslashes, and the `doc-test` markers before it.
+"""The shell commands of README.md and docs/**/*.md, as a reader sees them: every code block (fenced, or indented by
+four spaces), its language, its lines joined across trailing backslashes, and the `doc-test` markers before it.
 
 A marker is an HTML comment on the lines just above a block (a reader of the rendered page does not see it):
 

@@ -403,8 +403,8 @@ def test_a_gpu_figure_stands_beside_its_cpu_prediction_and_a_cpu_figure_beside_n
     """Issue 60 item 6: each memory figure of the round shows the CPU's prediction of the same step
     (benchmarks/gpu_rounds/predicted.json, written by benchmarks/gpu/gpu_estimates.py --json)."""
     predicted = tmp_path / "predicted.json"
-    predicted.write_text(json.dumps({"rows": {"ddpm-seed-now": {"peak_gib": 3.26}, "xray2ct-stage2": {"peak_gib": 12.98},
-                                              "ldm-128-fused": {"peak_gib": 23.95}, "vqgan-b4": {"peak_gib": 13.87}}}))
+    rows = {"ddpm-seed-now": 3.26, "xray2ct-stage2": 12.98, "ldm-128-fused": 23.95, "vqgan-b4": 13.87}
+    predicted.write_text(json.dumps({"rows": {key: {"peak_gib": peak} for key, peak in rows.items()}}))
     monkeypatch.setattr(gpu_round, "PREDICTED", predicted)
     ddpm = figures_of(tmp_path, gpu_round.ddpm_figures, {"size": 128, "peak_gib": 5.74, "step_ms": 162.0,
                                                         "device": "cuda"})
