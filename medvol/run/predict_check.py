@@ -38,9 +38,9 @@ EXTRAS = {"codes": "codes", "probabilities": "save_probabilities"}
 
 @dataclass(frozen=True)
 class PredictRequest:
-    """What the command asks of predict.py, checked and typed once, before the model is built: every later stage
-    reads these values rather than the command's config (only the inputs' search reads it, for the dataset it
-    names)."""
+    """What the command asks of predict.py, checked and typed once, before the model is built (the job's part, checked
+    with the subjects it splits, by `predict_batch.job_part`): every later stage reads these values rather than the
+    command's config (only the inputs' search reads it, for the dataset it names)."""
 
     output_dir: Path
     output_format: str
@@ -73,7 +73,7 @@ def predict_request(cfg: DictConfig, run: DictConfig) -> PredictRequest:
         precision=pick_precision(cfg.get("precision", "auto"), device, named=bool(cfg.get("preflight"))),
         overlap=overlap,
         mode=str(cfg.mode),
-        roi=list(cfg.roi) if cfg.get("roi") is not None else None,
+        roi=window_roi(cfg.roi, run) if cfg.get("roi") is not None else None,
         num_samples=int(cfg.get("num_samples", 1)),
         from_noise=from_noise(cfg),
         source=Path(str(cfg.input)).expanduser() if cfg.input is not None else None,

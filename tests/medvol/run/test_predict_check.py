@@ -69,3 +69,16 @@ def test_a_device_is_named_as_torch_names_it_and_cuda_without_a_gpu_is_refused()
         assert pick_device("auto") == torch.device("cpu")
         with pytest.raises(MedvolError, match="no CUDA device is visible"):
             pick_device("cuda:0")
+
+
+def test_the_request_holds_the_commands_values_checked_once_and_refuses_a_bad_window_first(tmp_path):
+    from medvol.run.predict_check import predict_request
+
+    given = {"output_dir": str(tmp_path / "out"), "device": "cpu", "codes": True, "save_probabilities": False}
+    request = predict_request(command(roi=[4, 6, 8], **given), RUN)
+    assert (request.roi, request.overlap, request.device, request.precision) == ([4, 6, 8], 0.5, torch.device("cpu"),
+                                                                                 "32")
+    assert request.extras == ("codes",) and request.source is not None and not request.from_noise
+    assert predict_request(command(**given), RUN).roi is None  # the run's own window, resolved where it is used
+    with pytest.raises(MedvolError, match=r"^`roi` is \[8, 0, 8\]"):
+        predict_request(command(roi=[8, 0, 8], **given), RUN)
