@@ -24,11 +24,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lightning_modules.base import DATA_KEY, MedvolModule
+from lightning_modules.base import MedvolModule
 from medvol.core.build import build_model, target_class
 from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes
 from medvol.run.predict_config import merged, run_config
-from medvol.run.resolvers import run_dir_of_checkpoint
 from medvol.run.run_record import check_restored
 from medvol.run.settings_bounds import check_checkpoint_settings
 
@@ -48,16 +47,6 @@ class TrainedRun:
     config: DictConfig
     checkpoint: Mapping[str, Any]
     restored: dict[str, Any]
-
-    @property
-    def run_dir(self) -> Path | None:
-        """The run folder the checkpoint was written in (its post-processing, volume ranges, split)."""
-        return run_dir_of_checkpoint(self.ckpt_path)
-
-    @property
-    def training_data(self) -> dict[str, Any]:
-        """What the run recorded of its training data (spacing, orientation, intensities); empty for an old run."""
-        return dict(self.checkpoint.get(DATA_KEY) or {})
 
     def module(self, device: torch.device) -> MedvolModule:
         """The run's model with the checkpoint's weights, in eval mode on `device`."""
