@@ -265,6 +265,11 @@ def test_the_precision_is_bf16_on_a_gpu_or_a_named_card_and_float32_on_the_cpu()
 
     assert pick_precision("auto", CPU) == "32" and pick_precision(32, CPU) == "32"
     assert pick_precision("auto", CPU, named=True) == "bf16" and pick_precision("bf16", CPU) == "bf16"
+    # On a GPU (played: a CUDA device whose bf16 support is asked of torch), auto is bf16 where the card has it.
+    for supported, expected in ((True, "bf16"), (False, "32")):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.cuda, "is_bf16_supported", lambda *a, answer=supported, **k: answer)
+            assert pick_precision("auto", torch.device("cuda")) == expected
     with pytest.raises(MedvolError, match=r"^`precision` is 'fp8'; expected auto, 32 or bf16$"):
         pick_precision("fp8", CPU)
 
