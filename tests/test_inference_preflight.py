@@ -124,14 +124,14 @@ def test_an_explicit_batch_that_fits_is_kept_and_one_that_does_not_is_refused_na
 def test_on_the_cpu_auto_keeps_todays_batches_and_nothing_is_measured(tmp_path, monkeypatch):
     module = tiny_vqgan(tmp_path)
     monkeypatch.setattr("medvol.run.inference_preflight.call_peak", lambda *a: pytest.fail("measured on the CPU"))
-    cfg = OmegaConf.create({"sw_batch_size": "auto", "sampling_window_batch_size": "auto", "preflight": None})
-    plan = plan_inference(cfg, module, lambda: [16, 16, 16], CPU)
+    sizes = {"sw_batch_size": "auto", "sampling_window_batch_size": "auto"}
+    plan = plan_inference(module, sizes, CPU, roi=[16, 16, 16])
     assert (plan.sw_batch_size, plan.sampling_window_batch_size, plan.named) == (CPU_WINDOW_BATCH, None, False)
-    cfg.sw_batch_size, cfg.sampling_window_batch_size = 7, 3
-    assert plan_inference(cfg, module, lambda: [16, 16, 16], CPU).sw_batch_size == 7
-    cfg.sw_batch_size = 65
+    sizes = {"sw_batch_size": 7, "sampling_window_batch_size": 3}
+    assert plan_inference(module, sizes, CPU, roi=[16, 16, 16]).sw_batch_size == 7
+    sizes["sw_batch_size"] = 65
     with pytest.raises(MedvolError, match=r"`sw_batch_size` is 65; expected auto or a whole number in \[1, 64\]"):
-        plan_inference(cfg, module, lambda: [16, 16, 16], CPU)
+        plan_inference(module, sizes, CPU, roi=[16, 16, 16])
 
 
 def test_the_xray_to_ct_walks_window_batch_comes_from_the_prediction_below_the_cap(tmp_path):
@@ -164,8 +164,9 @@ def test_a_fast_ddpm_sampling_window_costs_its_hand_counted_six_volumes_and_no_w
 
 def test_the_planned_sampling_batch_is_the_one_the_walk_runs_with(tmp_path):
     module = _xray_stage_two(tmp_path, crop_size=8).eval()
-    cfg = OmegaConf.create({"sw_batch_size": "auto", "sampling_window_batch_size": "auto", "preflight": "0.01GiB"})
-    plan = plan_inference(cfg, module, lambda: pytest.fail("X-ray-to-CT runs no sliding window"), CPU)
+    sizes = {"sw_batch_size": "auto", "sampling_window_batch_size": "auto"}
+    # No window (roi None): X-ray-to-CT runs no sliding window, so none is asked for.
+    plan = plan_inference(module, sizes, CPU, card="0.01GiB")
     assert plan.named and plan.sampling_window_batch_size == plan_sampling(
         module, "auto", Memory("0.01GiB", 0.01, True)).batch
 
@@ -190,8 +191,7 @@ def test_the_ldms_decoder_slab_is_the_largest_power_of_two_whose_decoding_fits_a
     assert slabs == sorted(slabs) and slabs[0] < slabs[-1], slabs
     with pytest.raises(MedvolError, match="no slab keeps the decoder's activations on the device"):
         plan_decoding(module, "auto", Memory("card", 2 / 1024, True))
-    cfg = OmegaConf.create({"preflight": "8GB"})
-    plan_inference(cfg, module, lambda: pytest.fail("no sliding window"), CPU).apply(module)
+    plan_inference(module, {}, CPU, card="8GB").apply(module)
     card = card_named("8GB")
     assert module.hparams.decode_slab_elements == plan_decoding(module, "auto", Memory(card.name, card.memory_gib,
                                                                                       True)).batch
@@ -246,7 +246,7 @@ def test_on_a_gpu_the_window_runs_with_the_planned_batch_and_one_line_says_so(vq
 
     # The CPU stands in for a GPU with 15 MiB free: the plan is what a GPU's free memory would give.
     memory = Memory("GPU", 0.015, False)
-    monkeypatch.setattr(inference_preflight, "device_memory", lambda cfg, device: memory)
+    monkeypatch.setattr(inference_preflight, "device_memory", lambda card, device: memory)
     expected = plan_sliding_window(tiny_vqgan(tmp_path / "m"), [16, 16, 16], "auto", memory)
     batches = []
     run_window = SlidingWindow.__call__

@@ -20,7 +20,7 @@ import torch
 from torchmetrics.functional.image import structural_similarity_index_measure
 
 from datamodules.pipeline.check import check_record
-from medvol.run.predict_check import smallest_input
+from medvol.run.predict_job import smallest_input
 from medvol.run.predicting import predict
 from tests.conftest import ROOT, subprocess_env
 from tests.dicom_series import ramp, write_series

@@ -451,25 +451,22 @@ def stage_agreement(ckpt: Path, bundle: Path, channels: Path, scan: Path) -> lis
     from monai.data import MetaTensor
 
     from medvol.core.build import build
-    from medvol.run.predict_check import check_predict, window_roi
-    from medvol.run.predict_config import input_geometry, with_geometry
+    from medvol.run.ensemble import predictor
+    from medvol.run.predict_check import predict_request
     from medvol.run.predict_inputs import find_inputs
-    from medvol.run.predicting import label_file_values, segmentation_predictor
-    from medvol.run.trained_run import open_trained_run
+    from medvol.run.predict_job import label_file_values
+    from medvol.run.trained_run import open_trained_runs
     from medvol.volumes.sliding_window import SlidingWindow
     from medvol.volumes.source_grid import logits_to_source_grid
 
     cfg = predict_config(ckpt, channels)
-    trained = open_trained_run(str(ckpt), cfg.get("model"))
-    run = trained.config
-    overlap = check_predict(cfg, run)
-    module = trained.module(torch.device("cpu"))
-    module = segmentation_predictor(cfg, module, run, [str(ckpt)], None, torch.device("cpu"))
-    geometry = input_geometry(None, module.training_data, module.refines_resolution)
-    run = with_geometry(run, geometry)
+    runs = open_trained_runs(str(ckpt), model=cfg.get("model"))
+    run = runs.first.config
+    request = predict_request(cfg, run)
+    module = predictor(runs, torch.device("cpu"), request.tta, request.postprocessing)
     subject = scan.name.removesuffix(".gz").removesuffix(".nii")
     with tempfile.TemporaryDirectory() as scratch:
-        inputs = find_inputs(cfg, run, module.generation_inputs(), Path(scratch), geometry)
+        inputs = find_inputs(request, run, module, Path(scratch))
         item = dict(next(r for r in inputs.records if str(r["subject"]) == subject))
         ours = {}
         for transform in build(inputs.config).deterministic("test"):
@@ -487,8 +484,9 @@ def stage_agreement(ckpt: Path, bundle: Path, channels: Path, scan: Path) -> lis
         theirs[name] = (torch.as_tensor(np.asarray(data["image"])).clone(), np.asarray(data["image"].affine))
     rows = [(f"preprocessing: {name}", difference(ours[name], theirs[name])) for name in ours if name in theirs]
     image = ours["EnsureTyped"][0][None]
-    window = SlidingWindow.of(window_roi(cfg.roi, run), overlap=overlap, mode=str(cfg.mode),
-                              batch_size=CPU_WINDOW_BATCH if cfg.sw_batch_size == "auto" else int(cfg.sw_batch_size))
+    batch_size = request.sizes["sw_batch_size"]
+    window = SlidingWindow.of(request.roi, overlap=request.overlap, mode=request.mode,
+                              batch_size=CPU_WINDOW_BATCH if batch_size == "auto" else int(batch_size))
     scheme, threshold = module.scheme, float(module.scheme.threshold)
     with torch.no_grad():
         logits = module.logits(image, window, module.tta)

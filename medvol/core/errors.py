@@ -16,3 +16,11 @@ def refusal_within(err: BaseException) -> MedvolError | None:
             return cause
         cause = cause.__cause__ or cause.__context__
     return None
+
+
+def failure_reason(err: BaseException) -> str:
+    """A subject's failure in one line: medvol's own refusal, else the exception's type and first line."""
+    if isinstance(err, MedvolError):
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    first = (str(err).strip().splitlines() or [""])[0][:300]
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__

@@ -46,7 +46,7 @@ from lightning_modules.base import MedvolModule
 from medvol.core.errors import MedvolError
 from medvol.run.predict_config import input_geometry, with_geometry
 from medvol.run.predict_inputs import file_transforms
-from medvol.run.predicting import label_file_values
+from medvol.run.predict_job import label_file_values
 from medvol.run.resolvers import run_dir_of_checkpoint
 from medvol.volumes.plan import ANISOTROPY, PLAN_FILE, read_plan
 from medvol.volumes.prediction_writer import mask_dtype

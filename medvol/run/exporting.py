@@ -28,9 +28,9 @@ from lightning_modules.base import ExportedNetwork, MedvolModule, class_path
 from medvol.core.checkpoint_read import TRUST_KEY, checkpoints_trusted
 from medvol.core.errors import MedvolError
 from medvol.run.bundle import inference_settings, traced, write_bundle
+from medvol.run.ensemble import predictor
 from medvol.run.predict_config import window_size
-from medvol.run.predicting import segmentation_predictor
-from medvol.run.trained_run import open_trained_run
+from medvol.run.trained_run import open_trained_runs
 
 log = logging.getLogger("medvol")
 
@@ -58,12 +58,10 @@ def _exported(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("ckpt_path") is None:
         raise MedvolError("`ckpt_path` is not set; expected a checkpoint of a medvol run (<run>/checkpoints/last.ckpt)")
     ckpt = str(cfg.ckpt_path)
-    trained = open_trained_run(ckpt, cfg.get("model"))
-    run = trained.config
-    module = trained.module(torch.device("cpu"))
-    if hasattr(module, "probabilities"):
-        # Mirroring as the command's `tta` says, and the post-processing of the run, as predict.py applies them.
-        module = segmentation_predictor(cfg, module, run, [ckpt], None, torch.device("cpu"))
+    runs = open_trained_runs(ckpt, model=cfg.get("model"))
+    run = runs.first.config
+    # Mirroring as the command's `tta` says, and the post-processing of the run, as predict.py applies them.
+    module = predictor(runs, torch.device("cpu"), cfg.get("tta"), cfg.get("postprocessing"))
     size = window_size(run)
     family = type(module).__name__
     started = time.perf_counter()

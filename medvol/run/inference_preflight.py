@@ -25,19 +25,19 @@ a few float32 copies of the volume, 64 MiB each at 256^3).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
 from lightning_modules.diffusion.diffusion_module import DiffusionModule
 from medvol.core.errors import MedvolError
 from medvol.core.gpu_cards import GIB, card_named
+from medvol.run.predict_config import NO_WINDOW
 from medvol.run.preflight import MARGIN
-from medvol.run.settings_bounds import AUTO, MAX_WINDOW_BATCH, check_predict_sizes
+from medvol.run.settings_bounds import AUTO, MAX_WINDOW_BATCH, PredictSizes, check_predict_sizes
 from medvol.volumes.mirroring import SPATIAL_AXES, MirrorAveraged
 
 log = logging.getLogger("medvol")
@@ -78,12 +78,11 @@ class WindowPlan:
                 f"{amount(self.peak)} a call {shown} (+{MARGIN:.0%} margin); {self.memory.describe()}")
 
 
-def device_memory(cfg: DictConfig, device: torch.device) -> Memory | None:
-    """The card named by `preflight=`, else the free memory of the GPU predict.py runs on; None on the CPU."""
-    named = cfg.get("preflight")
-    if named:
-        card = card_named(str(named))
-        return Memory(card.name, card.memory_gib, True)
+def device_memory(card: str | None, device: torch.device) -> Memory | None:
+    """The card named by `preflight=` (`card`), else the free memory of the GPU predict.py runs on; None on the CPU."""
+    if card:
+        named = card_named(card)
+        return Memory(named.name, named.memory_gib, True)
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
@@ -410,7 +409,6 @@ class InferencePlan:
             module.hparams.decode_slab_elements = self.decode_slab_elements
 
 
-KEYS = ("sw_batch_size", "sampling_window_batch_size", "decode_slab_elements")
 
 
 @contextmanager
@@ -425,22 +423,25 @@ def emulated_precision(precision: str) -> Iterator[None]:
         yield
 
 
-def plan_inference(cfg: DictConfig, module: Any, roi: Callable[[], Sequence[int]], device: torch.device,
-                   precision: str = "32") -> InferencePlan:
-    """The window batches (and the LDM's decoder slab) of this prediction, before any subject is read: on a GPU or a
-    card named by `preflight=`, each `auto` the largest whose predicted call fits and each number checked; on the CPU
-    the command's numbers, `auto` the window batch predict.py always used (4) and the model's own sampling windows
-    and slab. One log line per planned call. `roi` gives the sliding window (read only for a family that runs one)."""
-    given = check_predict_sizes({key: cfg.get(key, AUTO) for key in KEYS}, "predict.py")
-    memory = device_memory(cfg, device)
-    own = {key: None if getattr(given, key) == AUTO else int(getattr(given, key)) for key in KEYS}
+def plan_inference(module: Any, sizes: Mapping[str, Any], device: torch.device, precision: str = "32",
+                   card: str | None = None, roi: Sequence[int] | None = None) -> InferencePlan:
+    """The window batches (and the LDM's decoder slab) of this prediction, before any subject is read: on a GPU or the
+    `card` `preflight=` names, each `auto` of `sizes` the largest whose predicted call fits and each number checked; on
+    the CPU the command's numbers, `auto` the window batch predict.py always used (4) and the model's own sampling
+    windows and slab. One log line per planned call. `roi` is the sliding window (read only for a family that runs
+    one)."""
+    given = check_predict_sizes(sizes, "predict.py")
+    memory = device_memory(card, device)
+    own = {key: None if getattr(given, key) == AUTO else int(getattr(given, key)) for key in PredictSizes.model_fields}
     if memory is None:
         return InferencePlan(own["sw_batch_size"] or CPU_WINDOW_BATCH, own["sampling_window_batch_size"],
                              own["decode_slab_elements"], False)
     plans = []
     with emulated_precision(precision):
         if sliding_window_call(module, (1, 1, 1)) is not None:
-            plans.append(plan_sliding_window(module, roi(), given.sw_batch_size, memory))
+            if roi is None:
+                raise MedvolError(NO_WINDOW)
+            plans.append(plan_sliding_window(module, roi, given.sw_batch_size, memory))
         if isinstance(module, DiffusionModule):
             plans.append(plan_sampling(module, given.sampling_window_batch_size, memory))
         plans.append(plan_decoding(module, given.decode_slab_elements, memory))

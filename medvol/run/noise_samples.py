@@ -8,18 +8,26 @@ the training data's units (HU for CT, from the record's intensity scaling).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from lightning_modules.base import MedvolModule
+from medvol.core.console import log_file
 from medvol.core.errors import MedvolError
 from medvol.run.generation import intensity_record, with_target_units
+from medvol.run.predict_batch import LOG_FILE, peak_memory
 from medvol.run.predict_config import input_geometry
 from medvol.volumes.prediction_writer import PredictionWriter
+
+if TYPE_CHECKING:
+    from medvol.run.predict_check import PredictRequest
+
+log = logging.getLogger("medvol")
 
 SUBJECT = "sample"
 
@@ -62,3 +70,14 @@ def write_noise_samples(module: MedvolModule, geometry: Mapping[str, Any], num_s
         batch = noise_batch(spacing, volume.shape[2:], intensity_record(module))
         writer.write({"volumes": {str(draw): volume}}, batch)
     return num_samples
+
+
+def noise_samples(request: PredictRequest, module: MedvolModule) -> dict[str, float]:
+    """The request's `num_samples` volumes from noise alone, for an unconditional generator given no input, logged
+    beside them."""
+    with log_file(request.output_dir / LOG_FILE):
+        geometry = noise_geometry(request.spacing, module.training_data)
+        count = write_noise_samples(module, geometry, request.num_samples, request.output_dir)
+        log.info("generated %d sample%s -> %s", count, "s" if count != 1 else "", request.output_dir)
+        log.info(peak_memory(request.device))
+    return {}

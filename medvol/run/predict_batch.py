@@ -15,20 +15,27 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from medvol.core.errors import MedvolError
 from medvol.core.file_data import read_json
 from medvol.core.run_files import replace_in
 from medvol.core.subject_names import SubjectFiles
+from medvol.run.trained_model import mean_metrics
 
 log = logging.getLogger("medvol")
 
 RECORDS = ".predicted"
+# Beside the outputs, as train.py writes train.log in its run: what the console showed (predict.py logs to
+# stdout) plus the library warnings the console drops.
+LOG_FILE = "predict.log"
 # predict.py's exit status when the job ran to its end but some subjects failed (2: refused before any output).
 SUBJECTS_FAILED = 3
 
@@ -147,9 +154,26 @@ class SubjectLog:
         return f"[{self.count}/{self.total}] {subject}: {state}; about {duration(left)} left"
 
 
-def failure_reason(err: BaseException) -> str:
-    """A subject's failure in one line: medvol's own refusal, else the exception's type and first line."""
-    if isinstance(err, MedvolError):
-        return str(err).splitlines()[0] if str(err) else type(err).__name__
-    first = (str(err).strip().splitlines() or [""])[0][:300]
-    return f"{type(err).__name__}: {first}" if first else type(err).__name__
+def peak_memory(device: torch.device) -> str:
+    """The most memory the prediction held: on a GPU its allocated peak, else the process's peak resident set."""
+    if device.type == "cuda":
+        return f"peak GPU memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+    return f"peak host memory: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+
+
+def summary_line(
+    rows: list[dict[str, Any]], count: int, output_dir: Path, failed: Mapping[str, str] | None = None,
+    total: int | None = None,
+) -> str:
+    """`predicted N subjects -> DIR` (`N of M` where some of the `total` failed), the mean of every per-subject metric,
+    and a line per failed subject with its reason."""
+    means = [f"{name} {value:.4g}" for name, value in mean_metrics(rows).items()]
+    metrics = f"; mean {', '.join(means)}" if means else ""
+    failed = failed or {}
+    total = count if total is None else total
+    counted = f"{count} of {total}" if failed else str(count)
+    lines = [f"predicted {counted} subject{'s' if total != 1 else ''} -> {output_dir}{metrics}"]
+    if failed:
+        lines[0] += f"; {len(failed)} failed:"
+        lines += [f"  failed: {subject}: {reason}" for subject, reason in failed.items()]
+    return "\n".join(lines)

@@ -1,11 +1,11 @@
-"""predict.py's checks in one place: the command's values, the model's kind and the inputs' headers are checked
-before the first file is written, each refusal one line naming the key and what was expected. A bad value of the
-command stops it; an input the model cannot take is that subject's failure (`check_inputs`)."""
+"""predict.py's command read once: every value the later stages use checked and typed into one `PredictRequest`,
+against the opened run (`medvol.run.trained_run`), before the model is built; each refusal one line naming the key and
+what was expected. No later stage reads the command's config."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,22 +14,15 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_modules.base import MedvolModule, class_path
 from medvol.core.build import target_class
 from medvol.core.errors import MedvolError
-from medvol.run.generation import check_input_channels, check_refinable
-from medvol.run.predict_batch import failure_reason
-from medvol.run.predict_config import window_size
-from medvol.run.predict_inputs import Inputs
-from medvol.volumes.dicom_io import refuse_non_series_subjects
+from medvol.run.predict_config import own_window, window_size
+from medvol.run.settings_bounds import AUTO, PredictSizes, check_predict_sizes
 from medvol.volumes.prediction_writer import check_output_format
 from medvol.volumes.sliding_window import BLEND_MODES
-from medvol.volumes.volume_reader import check_volume_file
 
 SPLITS = ("train", "val", "test")
 DEFAULT_OVERLAP = 0.25
-# torchmetrics' SSIM window: a Gaussian of sigma 1.5 (its default) spans int(3.5 * 1.5 + 0.5) * 2 + 1 voxels.
-SSIM_GAUSSIAN = 11
 
 
 # The outputs beside each subject's main one, by the command key that asks for them.
@@ -38,9 +31,13 @@ EXTRAS = {"codes": "codes", "probabilities": "save_probabilities"}
 
 @dataclass(frozen=True)
 class PredictRequest:
-    """What the command asks of predict.py, checked and typed once, before the model is built (the job's part, checked
-    with the subjects it splits, by `predict_batch.job_part`): every later stage reads these values rather than the
-    command's config (only the inputs' search reads it, for the dataset it names)."""
+    """What the command asks of predict.py, checked and typed once against the opened run, before the model is built
+    (the job's part is checked with the subjects it splits, by `predict_batch.job_part`; the spacing with the inputs'
+    geometry, by `predict_config.input_geometry`): every later stage reads these values, never the command's config.
+
+    `roi` is the sliding window (`roi=[D,H,W]` or the run's training size; None where the run names none), `sizes`
+    the window batches and decoder slab (`auto` or a number), `card` the GPU `preflight=` names (None: the device's
+    own), `dataset` the command's `dataset=...` (None: the run's)."""
 
     output_dir: Path
     output_format: str
@@ -49,40 +46,63 @@ class PredictRequest:
     overlap: float
     mode: str
     roi: list[int] | None
+    sizes: dict[str, Any]
+    card: str | None
     num_samples: int
     from_noise: bool
     source: Path | None
+    split: str | None
+    dataset: DictConfig | None
+    keep_crop: bool
+    series: str | None
+    covariates: Path | None
     spacing: Any
     num_parts: Any
     part_id: Any
     continue_prediction: bool
     segment_codes: dict[str, Any] | None
     extras: tuple[str, ...]
+    tta: bool | None
+    postprocessing: Any
+    save_probabilities: bool
 
 
 def predict_request(cfg: DictConfig, run: DictConfig) -> PredictRequest:
     """The command's values checked against the run (`check_predict`, the output format, the device, the precision,
-    the window): one line and exit 2 for the first that is wrong."""
+    the window and its batches): one line and exit 2 for the first that is wrong."""
     overlap = check_predict(cfg, run)
     device = pick_device(str(cfg.device))
     codes = OmegaConf.to_container(cfg.segment_codes) if cfg.get("segment_codes") else None
+    card = cfg.get("preflight")
+    sizes = check_predict_sizes({key: cfg.get(key, AUTO) for key in PredictSizes.model_fields}, "predict.py")
+    dataset, covariates = cfg.get("dataset"), cfg.get("covariates")
     return PredictRequest(
         output_dir=Path(str(cfg.output_dir)).expanduser(),
         output_format=check_output_format(str(cfg.get("output_format", "nifti"))),
         device=device,
-        precision=pick_precision(cfg.get("precision", "auto"), device, named=bool(cfg.get("preflight"))),
+        precision=pick_precision(cfg.get("precision", "auto"), device, named=bool(card)),
         overlap=overlap,
         mode=str(cfg.mode),
-        roi=window_roi(cfg.roi, run) if cfg.get("roi") is not None else None,
+        roi=window_roi(cfg.roi, run) if cfg.get("roi") is not None else own_window(run),
+        sizes=sizes.model_dump(),
+        card=str(card) if card else None,
         num_samples=int(cfg.get("num_samples", 1)),
         from_noise=from_noise(cfg),
         source=Path(str(cfg.input)).expanduser() if cfg.input is not None else None,
+        split=str(cfg.split) if cfg.split is not None else None,
+        dataset=dataset if dataset else None,
+        keep_crop=bool(cfg.get("keep_crop", False)),
+        series=str(cfg.series) if cfg.get("series") is not None else None,
+        covariates=Path(str(covariates)).expanduser() if covariates else None,
         spacing=cfg.get("spacing"),
         num_parts=cfg.get("num_parts"),
         part_id=cfg.get("part_id"),
         continue_prediction=bool(cfg.get("continue_prediction", True)),
         segment_codes=codes if isinstance(codes, dict) else None,
         extras=tuple(name for name, key in EXTRAS.items() if cfg.get(key)),
+        tta=bool(cfg.tta) if cfg.get("tta") is not None else None,
+        postprocessing=cfg.get("postprocessing"),
+        save_probabilities=bool(cfg.get("save_probabilities", False)),
     )
 
 
@@ -145,84 +165,6 @@ def pick_precision(value: Any, device: torch.device, named: bool = False) -> str
 def autocast_for(precision: str, device: torch.device) -> AbstractContextManager:
     """The networks' calls under `precision`: bf16 autocast on `device`'s kind, or nothing."""
     return torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
-
-
-def check_samples(module: MedvolModule, num_samples: int) -> None:
-    """Several samples only from a generative model (one that names the batch keys it generates from)."""
-    if num_samples > 1 and not module.generation_inputs():
-        raise MedvolError(
-            f"`num_samples`={num_samples}: {class_path(module)} is not generative (its outputs are not samples); "
-            "use num_samples=1"
-        )
-
-
-def check_radiograph_input(source: Path) -> None:
-    """A model that generates a CT from radiographs reads a folder of them."""
-    if not source.is_dir():
-        raise MedvolError(
-            f"`input`: {source} is not a folder; the model generates a CT from radiographs, expected a folder of "
-            "<subject>_ap.nii.gz and <subject>_lateral.nii.gz files"
-        )
-
-
-def check_inputs(
-    inputs: Inputs, run: DictConfig, module: MedvolModule, geometry: Mapping[str, Any], output_format: str = "nifti",
-    positions: Sequence[int] | None = None,
-) -> tuple[bool, dict[int, str]]:
-    """Each input's header against the model (a 3D volume of the size the model takes, channels; a coarse scan for a
-    model that refines resolution; DICOM series for DICOM outputs), before the first file is written: return whether
-    the outputs go on the model's grid (refined), and per position of `inputs.records` (those of `positions`, default
-    all) that fails, its one-line reason."""
-    generation = module.generation_inputs()
-    image_channels = len(run.dataset.image_modalities) if run.dataset.get("image_modalities") is not None else None
-    expected = {**({"image": image_channels} if image_channels and not inputs.condition_only else {}), **generation}
-    refine = inputs.condition_only and module.refines_resolution
-    smallest = smallest_input(module)
-    problems = {}
-    for position in range(len(inputs.records)) if positions is None else positions:
-        record = [inputs.records[position]]
-        try:
-            check_input_sizes(inputs, smallest, record)
-            check_input_channels(record, expected, inputs.where)
-            if output_format == "dicom":
-                refuse_non_series_subjects(record)
-            if refine:
-                for key in generation:
-                    check_refinable(record, key, geometry, inputs.where)
-        except Exception as err:  # noqa: BLE001 - a file no reader can open is that subject's failure, in one line
-            problems[position] = failure_reason(err)
-    return refine, problems
-
-
-def check_input_sizes(
-    inputs: Inputs, smallest: tuple[tuple[int, int, int], str] | None = None,
-    records: Sequence[Mapping[str, Any]] | None = None,
-) -> None:
-    """Input files' headers (those of `records`, default every input), before the first output is written: a 3D
-    volume holding all its voxels, within the memory budget as read and on the grid its dataset resamples it to (a
-    header of 10^12 voxels, or of few voxels 120 mm wide), and on that grid at least `smallest` ((D, H, W), why) where
-    the model needs as many."""
-    transforms = inputs.config.get("transforms") or {}
-    spacing, orientation = transforms.get("spacing"), transforms.get("orientation")
-    for record in inputs.records if records is None else records:
-        for path in (record.get("files") or {}).values():
-            if path is not None:
-                check_volume_file(path, spacing, orientation, inputs.config.get("series"), smallest)
-
-
-def smallest_input(module: MedvolModule) -> tuple[tuple[int, int, int], str] | None:
-    """The fewest voxels per axis (D, H, W) a whole volume needs in `module` at predict, and why; None where any size
-    goes (the sliding window pads a volume smaller than its window: the network itself takes every size).
-
-    A family that scores each subject by SSIM on the whole volume (`ssim_kernel_size`, torchmetrics' Gaussian SSIM)
-    needs its window to fit: torchmetrics reflects half its 11-voxel Gaussian at each edge of D and H (more voxels
-    than that), and along W only half of `ssim_kernel_size`, where the padded axis must still span the Gaussian."""
-    kernel = (getattr(module, "hparams", None) or {}).get("ssim_kernel_size")
-    if not kernel:
-        return None
-    half = int(kernel) // 2
-    sizes = (SSIM_GAUSSIAN // 2 + 1, SSIM_GAUSSIAN // 2 + 1, max(half + 1, SSIM_GAUSSIAN - 2 * half))
-    return sizes, f"its per-subject SSIM's {SSIM_GAUSSIAN}-voxel Gaussian window, ssim_kernel_size {int(kernel)}"
 
 
 def window_roi(roi: Sequence[int] | None, run: DictConfig) -> list[int]:

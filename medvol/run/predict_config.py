@@ -24,6 +24,8 @@ from medvol.run.run_record import RECORD_FILE, legacy_record, read_record, settl
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
+# Where a run's config names no training size to slide a window of.
+NO_WINDOW = "`roi`: the run's config names no patch or volume size; set `roi=[D,H,W]`"
 # The keys of a dataset config that name the model's channels.
 MODALITY_KEYS = ("image_modalities", "cond_modalities")
 
@@ -123,6 +125,14 @@ def with_run_transforms(run_dataset: DictConfig, chosen: DictConfig) -> DictConf
 
 def window_size(cfg: DictConfig) -> list[int]:
     """The training patch or volume size of a run: the sliding window for whole volumes."""
+    size = own_window(cfg)
+    if size is None:
+        raise MedvolError(NO_WINDOW)
+    return size
+
+
+def own_window(cfg: DictConfig) -> list[int] | None:
+    """The training patch or volume size of a run, or None where its config names none."""
     dataset, model = cfg.dataset, cfg.model
     transforms = dataset.get("transforms") or {}
     for size in (
@@ -135,7 +145,7 @@ def window_size(cfg: DictConfig) -> list[int]:
             return [int(s) for s in size]
     if dataset.get("size"):
         return [int(dataset.size)] * 3
-    raise MedvolError("`roi`: the run's config names no patch or volume size; set `roi=[D,H,W]`")
+    return None
 
 
 def input_geometry(spacing: Any, record: Mapping[str, Any] | None, refines: bool = False) -> dict[str, Any]:

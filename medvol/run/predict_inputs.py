@@ -1,4 +1,4 @@
-"""predict.py's second stage: the inputs found (files, a folder, a dataset's split) and their outputs guarded.
+"""predict.py's inputs found (files, a folder, a dataset's split) and their outputs guarded.
 
 Inputs are NIfTI files (one file per subject, its channels the model's), BraTS case folders, or a dataset: the
 run's own with `split=test`, or another chosen with `dataset=...`. They are preprocessed with the run's
@@ -13,20 +13,24 @@ import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch.utils.data import Dataset, default_collate
 
 from datamodules.sources.brats import BratsDataModule, case_folders
 from datamodules.sources.nnunet_raw import NnunetDataModule
+from lightning_modules.base import MedvolModule
 from medvol.core.build import build, target_class
 from medvol.core.errors import MedvolError, refusal_within
 from medvol.run.channel_files import CHANNEL_FILE, channel_groups, files_per_subject
 from medvol.run.generation import check_condition_files, lacks_targets, modality_field, without_targets
 from medvol.run.planning import plan_path
-from medvol.run.predict_config import merged, with_run_transforms
+from medvol.run.predict_config import input_geometry, merged, with_geometry, with_run_transforms
 from medvol.volumes.dicom_io import series_folders, series_geometry
+
+if TYPE_CHECKING:
+    from medvol.run.predict_check import PredictRequest
 
 log = logging.getLogger("medvol")
 
@@ -111,6 +115,8 @@ class Inputs:
     protected: list[Path] = field(default_factory=list)
     # Read as an nnU-Net folder (`<case>_0000.nii.gz` files, a raw dataset): label maps named as nnU-Net names them.
     nnunet_names: bool = False
+    # The `dataset.transforms` geometry the inputs are resampled to (`input_geometry`).
+    geometry: dict[str, Any] = field(default_factory=dict)
 
 
 def model_covariates(run: DictConfig) -> list[str]:
@@ -158,15 +164,14 @@ def covariate_table(path: Path, names: list[str], subjects: list[str]) -> dict[s
 
 
 def input_covariates(
-    cfg: DictConfig, run: DictConfig, source: Path, subjects: list[str]
+    given: Path | None, run: DictConfig, source: Path, subjects: list[str]
 ) -> tuple[list[str], dict[str, list[float]]]:
     """The covariate names the model takes and, per input file's subject, their values: from `covariates`, else
     from `covariates.csv` beside the inputs; none for a model without covariates."""
     names = model_covariates(run)
     if not names:
         return [], {}
-    given = cfg.get("covariates")
-    path = Path(str(given)).expanduser() if given else (source if source.is_dir() else source.parent) / COVARIATE_FILE
+    path = given if given is not None else (source if source.is_dir() else source.parent) / COVARIATE_FILE
     if not path.is_file():
         where = f"no file at {path}" if given else f"none given and no {COVARIATE_FILE} beside the inputs ({path})"
         raise MedvolError(
@@ -296,27 +301,29 @@ def batches(dataset: Dataset) -> Iterator[dict[str, Any]]:
         yield subject_batch(dataset, index)
 
 
-def find_inputs(
-    cfg: DictConfig, run: DictConfig, generation: Mapping[str, int], scratch: Path, geometry: Mapping[str, Any]
-) -> Inputs:
-    """The subjects `input` (a file or a folder) or the dataset names, the output folder checked against theirs."""
-    output_dir = Path(str(cfg.output_dir)).expanduser()
-    override = cfg.get("dataset")
+def find_inputs(request: PredictRequest, run: DictConfig, module: MedvolModule, scratch: Path) -> Inputs:
+    """The subjects the request's `input` (a file or a folder) or dataset names, read at the model's geometry
+    (`input_geometry`: the training spacing, or the request's `spacing`), the output folder checked against theirs."""
+    geometry = input_geometry(request.spacing, module.training_data, module.refines_resolution)
+    run = with_geometry(run, geometry)
+    generation = module.generation_inputs()
+    output_dir = request.output_dir
+    override = request.dataset
     if override is not None and override.get("_target_"):
         override = with_run_transforms(run.dataset, override)
-    if cfg.input is None:
-        split = str(cfg.split) if cfg.split is not None else None
-        inputs = dataset_subjects(run, override, split, bool(cfg.keep_crop), generation)
+    if request.source is None:
+        inputs = dataset_subjects(run, override, request.split, request.keep_crop, generation)
         check_output_dir(output_dir, [Path(str(inputs.config.root))] if inputs.config.get("root") else [])
         inputs.nnunet_names = issubclass(target_class(str(inputs.config._target_)), NnunetDataModule)
+        inputs.geometry = geometry
         return inputs
-    source = Path(str(cfg.input)).expanduser()
+    source = request.source
     if source.is_dir():
         check_output_dir(output_dir, [source])
     cases = case_folders(source)
     if cases:
-        inputs = dataset_subjects(run, brats_dataset(run, source, cases), None, bool(cfg.keep_crop), generation)
-        inputs.where = "input"
+        inputs = dataset_subjects(run, brats_dataset(run, source, cases), None, request.keep_crop, generation)
+        inputs.where, inputs.geometry = "input", geometry
         return inputs
     files = input_files(source)
     # A generative model's input files are its condition (a T1 for a T1 -> T2 model).
@@ -325,15 +332,15 @@ def find_inputs(
         modality_field(key)
     # Several series in a folder, gaps, mixed slices: refused for every input before the first is read.
     for folder in (f for f in files if f.is_dir()):
-        series_geometry(folder, cfg.get("series"))
+        series_geometry(folder, request.series)
     # nnU-Net's <case>_XXXX files of one case are one subject's channels, as training took them.
     groups = channel_groups(files, files_per_subject(run, plan_path(run))) if key == "image" else files
     subjects = list(groups) if isinstance(groups, dict) else [subject_of(f) for f in groups]
-    names, covariates = input_covariates(cfg, run, source, subjects) if not generation else ([], {})
+    names, covariates = input_covariates(request.covariates, run, source, subjects) if not generation else ([], {})
     inputs = file_dataset(
-        groups, run, override, scratch / "inputs.csv", geometry, key, cfg.get("series"), names, covariates
+        groups, run, override, scratch / "inputs.csv", geometry, key, request.series, names, covariates
     )
     # A file's outputs may go next to it (`<subject>_<name>.nii.gz`); the writer refuses to replace an input.
-    inputs.where, inputs.protected = "input", files
+    inputs.where, inputs.protected, inputs.geometry = "input", files, geometry
     inputs.nnunet_names = isinstance(groups, dict) and all(CHANNEL_FILE.match(f.name) for f in files)
     return inputs

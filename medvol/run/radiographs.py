@@ -25,10 +25,11 @@ scaled without the window's offset), as `medvol.run.generation.sampled_outputs` 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nibabel as nib
 import numpy as np
@@ -36,11 +37,19 @@ import torch
 from omegaconf import DictConfig
 
 from lightning_modules.base import MedvolModule
+from medvol.core.console import log_file
 from medvol.core.errors import MedvolError
 from medvol.run.generation import sampled_outputs
+from medvol.run.predict_batch import LOG_FILE, peak_memory, summary_line
+from medvol.run.predict_inputs import check_output_dir
 from medvol.volumes.dicom_radiograph import read_radiograph
 from medvol.volumes.projection import VIEW_FRAME, view_pixel_spacing
 from medvol.volumes.volume_budget import load_nifti
+
+if TYPE_CHECKING:
+    from medvol.run.predict_check import PredictRequest
+
+log = logging.getLogger("medvol")
 
 # The files a view may be: a 2D NIfTI, or a DICOM radiograph (CR, DX) as `medvol.volumes.dicom_radiograph` reads it.
 RADIOGRAPH_SUFFIXES = (".nii.gz", ".nii", ".dcm")
@@ -265,3 +274,19 @@ def ct_from_radiographs(
             hounsfield = in_hounsfield(volume[0, 0], outputs["window"], geometry.output_range, name in spreads)
             nib.save(nib.Nifti1Image(hounsfield, geometry.affine()), str(output_dir / f"{subject}_{name}.nii.gz"))
     return len(views)
+
+
+def radiograph_cts(request: PredictRequest, module: MedvolModule, run: DictConfig) -> dict[str, float]:
+    """A CT for each subject of the request's folder of radiographs (`ct_from_radiographs`), logged beside them."""
+    source, output_dir = request.source, request.output_dir
+    if source is None or not source.is_dir():
+        raise MedvolError(
+            f"`input`: {source} is not a folder; the model generates a CT from radiographs, expected a folder of "
+            "<subject>_ap.nii.gz and <subject>_lateral.nii.gz files"
+        )
+    check_output_dir(output_dir, [source])
+    with log_file(output_dir / LOG_FILE):
+        count = ct_from_radiographs(module, run, source, output_dir, request.device, request.num_samples)
+        log.info(summary_line([], count, output_dir))
+        log.info(peak_memory(request.device))
+    return {}

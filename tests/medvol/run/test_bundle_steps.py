@@ -29,7 +29,7 @@ from datamodules.sources.nifti import LABEL_FILE_VALUES
 from lightning_modules.segmentation.postprocessing import Postprocessing, keep_largest
 from lightning_modules.segmentation.segmentation import Segmenter
 from medvol.run.bundle import DESCRIPTION_PREFIX, SOURCE_KEY, BundleSteps, step
-from medvol.run.predicting import label_file_values
+from medvol.run.predict_job import label_file_values
 from medvol.volumes.source_grid import logits_to_source_grid
 
 SHAPE = (30, 26, 20)

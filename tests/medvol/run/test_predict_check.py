@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -79,6 +81,17 @@ def test_the_request_holds_the_commands_values_checked_once_and_refuses_a_bad_wi
     assert (request.roi, request.overlap, request.device, request.precision) == ([4, 6, 8], 0.5, torch.device("cpu"),
                                                                                  "32")
     assert request.extras == ("codes",) and request.source is not None and not request.from_noise
-    assert predict_request(command(**given), RUN).roi is None  # the run's own window, resolved where it is used
+    # The run's own window where the command gives none; None where the run names none (refused where a window runs).
+    assert predict_request(command(**given), RUN).roi == [8, 8, 8]
+    assert predict_request(command(**given), OmegaConf.create({"model": {"_target_": SEGMENTER}, "dataset": {}})
+                           ).roi is None
+    # The values the later stages read, typed: a series named by digits is a name, a covariates file a path.
+    typed = predict_request(command(**given, series=2, covariates="~/c.csv", tta=0, split="test",
+                                    sw_batch_size=3, preflight="H100"), RUN)
+    assert (typed.series, typed.covariates, typed.tta, typed.split, typed.card) == (
+        "2", Path("~/c.csv").expanduser(), False, "test", "H100")
+    assert typed.sizes == {"sw_batch_size": 3, "sampling_window_batch_size": "auto", "decode_slab_elements": "auto"}
+    with pytest.raises(MedvolError, match=r"^predict.py: `sw_batch_size` is 0; expected auto or a whole number"):
+        predict_request(command(**given, sw_batch_size=0), RUN)
     with pytest.raises(MedvolError, match=r"^`roi` is \[8, 0, 8\]"):
         predict_request(command(roi=[8, 0, 8], **given), RUN)
