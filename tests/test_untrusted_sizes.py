@@ -86,17 +86,23 @@ def scan(path: Path, shape=(16, 16, 16), zooms=(6.0, 6.0, 6.0), dtype=np.int16) 
 
 
 def test_an_input_of_few_120_mm_voxels_is_refused_before_predict_resamples_it_to_the_training_spacing(
-    phantom_run, tmp_path
+    phantom_run, tmp_path, monkeypatch
 ):
     # 32^3 voxels of 120 mm (under 50 kB) become 621^3 at the model's 6 mm: 14 GB for MONAI's Spacing. Beside a
     # genuine scan, predicted as a batch job: the coarse one is a failed subject, refused from its header with the
-    # memory capped, and the genuine one is written.
+    # memory capped before any subject is read (its transforms never run), and the genuine one is written.
+    from medvol.run import predict_job
+
     scan(tmp_path / "scans" / "a_genuine.nii.gz")
     coarse = scan(tmp_path / "scans" / "b_coarse.nii.gz", (32, 32, 32), (120.0, 120.0, 120.0))
     assert coarse.stat().st_size < 50_000
     out = tmp_path / "out"
+    read = []
+    subject_batch = predict_job.subject_batch
+    monkeypatch.setattr(predict_job, "subject_batch", lambda dataset, i: read.append(i) or subject_batch(dataset, i))
     line = one_line_refusal(predict, predict_cfg(f"ckpt_path={phantom_run}/checkpoints/last.ckpt",
                                                  f"input={coarse.parent}", f"output_dir={out}"))
+    assert read == [0], read
     assert line.startswith(f"1 of 2 subjects failed (b_coarse); listed in {out / 'predict.log'}")
     reason = next(r for r in (out / "predict.log").read_text().splitlines() if "failed: b_coarse: " in r)
     assert f"{coarse}: resampled from 120x120x120 mm voxels to 6x6x6 mm it becomes 621x621x621 = " in reason
