@@ -66,7 +66,8 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def _linked_run(argv: list[str]) -> None:
-    from medvol.run.training import command_ckpt_path, refuse_a_linked_run
+    from medvol.run.resume import refuse_a_linked_run
+    from medvol.run.training import command_ckpt_path
 
     refuse_a_linked_run(command_ckpt_path(argv))
 

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, open_dict
 import medvol.run.resolvers  # noqa: F401 - resolvers the configs use
 from medvol.core.errors import MedvolError
 from medvol.run import preflight as preflight_module
-from medvol.run import training
+from medvol.run import run_data, training
 from medvol.run.run_record import read_record
 from medvol.volumes.network_topology import pool_and_conv_props
 from medvol.volumes.plan import DataFingerprint, make_plan, write_plan
@@ -52,7 +52,7 @@ def test_a_named_card_prints_the_prediction_and_reads_no_data(tmp_path, monkeypa
     def no_data(*args, **kwargs):
         raise AssertionError("data was built after a named card's preflight")
 
-    monkeypatch.setattr(training, "build", no_data)
+    monkeypatch.setattr(run_data, "build", no_data)
     with caplog.at_level("INFO", logger="medvol"):
         assert training.run(cfg) == {}
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("preflight:")]
@@ -188,9 +188,9 @@ def test_a_plan_from_the_data_is_predicted_once_planned_and_no_plan_is_written(t
     # The network is the one the run plans on a GPU (nnU-Net's 32 base filters there, 16 on this CPU), as a run that
     # plans writes it.
     cfg = compose_cfg(run_dir, box_cases(tmp_path / "raw")[:-1], tiny=False)
-    datamodule = training.build(cfg.dataset)
-    on_the_cpu, _ = training.planned(cfg, datamodule, "cpu", write=False)
-    planned, _ = training.planned(cfg, datamodule, "gpu")
+    datamodule = run_data.build(cfg.dataset)
+    on_the_cpu, _ = run_data.planned(cfg, datamodule, "cpu", write=False)
+    planned, _ = run_data.planned(cfg, datamodule, "gpu")
     assert (run_dir / "plan.json").is_file()
     for key in ("features", "strides", "kernels", "patch_size", "num_classes"):
         assert seen[0][0].model[key] == planned.model[key], key
@@ -211,7 +211,7 @@ def test_a_run_folders_plan_json_is_the_network_predicted_before_any_data(tmp_pa
     def no_data(*args, **kwargs):
         raise AssertionError("data was built: the plan.json was known before the data")
 
-    monkeypatch.setattr(training, "build", no_data)
+    monkeypatch.setattr(run_data, "build", no_data)
     assert training.run(cfg) == {}
     assert [seen[0][0].model[k] for k in ("features", "strides", "patch_size", "num_classes")] == [
         plan["features"], plan["strides"], plan["patch_size"], 3]
@@ -288,13 +288,13 @@ def test_fits_batch_is_recorded_in_the_run_and_a_resume_keeps_it(tmp_path, monke
         peaks.append(preflight_module.predict(changed, "32-true").peak / 2**30 * (1 + preflight_module.MARGIN))
     on_a_gpu_of(monkeypatch, sum(peaks) / 2)
     batches = []
-    original = training._run
+    original = training.fit_run
 
     def recording(cfg, *args):
         batches.append(int(cfg.dataset.batch_size))
         return original(cfg, *args)
 
-    monkeypatch.setattr(training, "_run", recording)
+    monkeypatch.setattr(training, "fit_run", recording)
     training.run(cfg)
     record = read_record(run_dir)
     assert batches == [3] and record is not None and record.values["dataset"]["batch_size"] == 3

@@ -20,7 +20,7 @@ from datamodules.sources.example_data import write_nifti_folder
 from lightning_modules.base import MODEL_KEY, class_path
 from medvol.core.build import build
 from medvol.core.errors import MedvolError
-from medvol.run import training
+from medvol.run import fitting, run_data, training
 from medvol.run.checkpoint_check import check_checkpoint_family, check_checkpoint_shapes
 from medvol.run.override_check import EXTRAS, extra_error, override_error
 from medvol.run.refusal import RunDirectoryBefore
@@ -100,13 +100,15 @@ def test_each_refusal_is_found_before_anything_is_built_or_printed(tmp_path, mon
     overrides, expected = _refused_commands(tmp_path)[name]
     cfg = compose_cfg(tmp_path / "run", ["hardware=cpu", *overrides, "print_config=true"], tiny=False)
     built: list[str] = []
-    original = training.build
+    original = run_data.build
 
     def spy(node, **kwargs):
         built.append(str(node.get("_target_")))
         return original(node, **kwargs)
 
-    monkeypatch.setattr(training, "build", spy)
+    # The data are built where they are planned, the callbacks and loggers where the model is fitted.
+    monkeypatch.setattr(run_data, "build", spy)
+    monkeypatch.setattr(fitting, "build", spy)
     caplog.set_level("INFO")
     with pytest.raises(MedvolError, match=re.escape(expected)):
         training.run(cfg)

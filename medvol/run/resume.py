@@ -14,6 +14,7 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from medvol.core.run_files import refuse_links
 from medvol.run.resolvers import run_dir_of_checkpoint
 from medvol.run.run_record import RECORD_FILE, Record, command_overrides, legacy_record, read_record, settled
 
@@ -34,6 +35,9 @@ def resumed(cfg: DictConfig) -> tuple[DictConfig, Path | None]:
     """(the config to run, the record it came from): the run's record with this command's changes where `cfg`'s
     `ckpt_path` lies in a run of this Hydra job's making; else (`cfg`, None)."""
     run_dir = run_dir_of_checkpoint(cfg.get("ckpt_path"))
+    if run_dir is not None:
+        # A run folder holding a symbolic link anywhere is refused before anything is written (`refuse_a_linked_run`).
+        refuse_links(run_dir)
     if run_dir is None or not HydraConfig.initialized():
         return cfg, None
     tree = OmegaConf.to_container(cfg.paths, resolve=True)
@@ -44,3 +48,11 @@ def resumed(cfg: DictConfig) -> tuple[DictConfig, Path | None]:
         return cfg, None
     record, source = found
     return settled(record, paths, source, command=command_overrides(), builds_all=True, folder=run_dir), source
+
+
+def refuse_a_linked_run(ckpt_path: str | None) -> None:
+    """A resume continues a run folder that may come from someone else: one that holds a symbolic link anywhere is
+    refused in one line before anything is written (`medvol.core.run_files`), as every writer refuses one too."""
+    run_dir = run_dir_of_checkpoint(ckpt_path)
+    if run_dir is not None:
+        refuse_links(run_dir)

@@ -13,7 +13,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from medvol.core.build import build, target_class
 from medvol.core.errors import MedvolError
+from medvol.run.checkpoint_check import check_checkpoint_family
 from medvol.run.resolvers import label_regions
+from medvol.run.world import World, check_launch, check_strategy, plan_world
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
@@ -214,3 +216,25 @@ def dataset_option(target: str) -> str | None:
         if OmegaConf.load(path).get("_target_") == target:
             return path.stem
     return None
+
+
+def check_config(cfg: DictConfig) -> World:
+    """Every check that needs no data or model built: bad values and checkpoints stop here, before anything is
+    written."""
+    return checked_config(cfg)[0]
+
+
+def checked_config(cfg: DictConfig) -> tuple[World, dict[str, Any] | None]:
+    """`check_config`'s checks; also the checkpoint `ckpt_path` names, read once (tensors memory-mapped) for the
+    shapes' check after planning."""
+    world = plan_world(cfg.trainer)
+    check_trainer(OmegaConf.to_container(cfg.trainer, resolve=True), world.accelerator)
+    check_run(cfg)
+    check_label_regions(cfg)
+    check_strategy(cfg.get("strategy"), world)
+    check_launch(world)
+    checkpoint = check_checkpoint_family(cfg.get("ckpt_path"), str(cfg.model._target_))
+    family = target_class(str(cfg.model._target_))
+    if hasattr(family, "check_settings"):
+        family.check_settings(cfg.model)
+    return world, checkpoint

@@ -55,7 +55,7 @@ def straight_and_resumed(tmp_path_factory) -> tuple[NoisyRegression, NoisyRegres
     tiny_trainer(root, max_epochs=2, enable_checkpointing=True, callbacks=[RNGState(), saving]).fit(straight, loader())
     scramble()
     resumed = NoisyRegression()
-    # As medvol resumes (medvol/run/training.py): the NumPy state is not a plain tensor.
+    # As medvol resumes (medvol/run/fitting.py): the NumPy state is not a plain tensor.
     tiny_trainer(root, max_epochs=2, callbacks=[RNGState()]).fit(
         resumed, loader(), ckpt_path=root / "checkpoints" / "epoch=0.ckpt", weights_only=True)
     return straight, resumed
