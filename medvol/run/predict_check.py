@@ -91,19 +91,30 @@ def predict_request(cfg: DictConfig, run: DictConfig) -> PredictRequest:
         source=Path(str(cfg.input)).expanduser() if cfg.input is not None else None,
         split=str(cfg.split) if cfg.split is not None else None,
         dataset=dataset if dataset else None,
-        keep_crop=bool(cfg.get("keep_crop", False)),
+        keep_crop=switch(cfg, "keep_crop", False),
         series=str(cfg.series) if cfg.get("series") is not None else None,
         covariates=Path(str(covariates)).expanduser() if covariates else None,
         spacing=cfg.get("spacing"),
         num_parts=cfg.get("num_parts"),
         part_id=cfg.get("part_id"),
-        continue_prediction=bool(cfg.get("continue_prediction", True)),
+        continue_prediction=switch(cfg, "continue_prediction", True),
         segment_codes=codes if isinstance(codes, dict) else None,
         extras=tuple(name for name, key in EXTRAS.items() if cfg.get(key)),
-        tta=bool(cfg.tta) if cfg.get("tta") is not None else None,
+        tta=switch(cfg, "tta", None),
         postprocessing=cfg.get("postprocessing"),
-        save_probabilities=bool(cfg.get("save_probabilities", False)),
+        save_probabilities=switch(cfg, "save_probabilities", False),
     )
+
+
+def switch(cfg: DictConfig, key: str, default: bool | None) -> bool | None:
+    """`key` as true or false (or null where its default is null), refused in one line otherwise."""
+    value = cfg.get(key, default)
+    if value is None and default is None:
+        return None
+    if not isinstance(value, bool):
+        allowed = "true, false or null" if default is None else "true or false"
+        raise MedvolError(f"`{key}` is {value!r}; expected {allowed}")
+    return value
 
 
 def check_predict(cfg: DictConfig, run: DictConfig) -> float:

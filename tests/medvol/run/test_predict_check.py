@@ -86,12 +86,17 @@ def test_the_request_holds_the_commands_values_checked_once_and_refuses_a_bad_wi
     assert predict_request(command(**given), OmegaConf.create({"model": {"_target_": SEGMENTER}, "dataset": {}})
                            ).roi is None
     # The values the later stages read, typed: a series named by digits is a name, a covariates file a path.
-    typed = predict_request(command(**given, series=2, covariates="~/c.csv", tta=0, split="test",
+    typed = predict_request(command(**given, series=2, covariates="~/c.csv", tta=False, split="test",
                                     sw_batch_size=3, preflight="H100"), RUN)
     assert (typed.series, typed.covariates, typed.tta, typed.split, typed.card) == (
         "2", Path("~/c.csv").expanduser(), False, "test", "H100")
     assert typed.sizes == {"sw_batch_size": 3, "sampling_window_batch_size": "auto", "decode_slab_elements": "auto"}
     with pytest.raises(MedvolError, match=r"^predict.py: `sw_batch_size` is 0; expected auto or a whole number"):
         predict_request(command(**given, sw_batch_size=0), RUN)
+    # A switch is true or false (`tta` also null: the model's own), never a word that Python finds true.
+    for key, value, expected in (("tta", "no", "true, false or null"), ("keep_crop", 1, "true or false"),
+                                 ("continue_prediction", None, "true or false")):
+        with pytest.raises(MedvolError, match=rf"^`{key}` is {value!r}; expected {expected}$"):
+            predict_request(command(**given, **{key: value}), RUN)
     with pytest.raises(MedvolError, match=r"^`roi` is \[8, 0, 8\]"):
         predict_request(command(roi=[8, 0, 8], **given), RUN)
