@@ -62,6 +62,10 @@ def main(cfg: DictConfig) -> float | None:
             log.makeRecord(log.name, logging.ERROR, __file__, 0, "run ended by %r", (err,), sys.exc_info())
         )
         raise
+    if cfg.get("preflight") and global_rank() == 0:
+        # A named card's preflight answers a question and runs nothing: what Hydra made for it (the run folder, or a
+        # resumed run's `.hydra/resume-<stamp>` and the lines added to its train.log) is taken back.
+        before.take_back()
     return sweep_objective(metrics, cfg.get("optimized_metric"), str(cfg.get("optimized_mode", "max")))
 
 

@@ -85,6 +85,20 @@ def test_train_py_refuses_in_one_line_with_exit_2_before_any_data(tmp_path):
     assert not (tmp_path / "split.json").exists()
 
 
+@pytest.mark.slow
+def test_train_py_with_a_named_card_prints_the_line_and_leaves_no_run_folder(tmp_path):
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *SMALL_DDPM, "preflight=H100", f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if "preflight: " in line]
+    assert len(lines) == 1 and "H100 has 79.18 GiB" in lines[0], done.stdout[-2000:]
+    # Not even Hydra's own folder (.hydra/, train.log) is left: the question ran nothing.
+    assert not run_dir.exists()
+
+
 FAMILIES = {
     "vqgan": ["model=vqgan", "dataset.size=32", "dataset.batch_size=1"],
     "ddpm": SMALL_DDPM,
