@@ -29,6 +29,7 @@ from medvol.core.checkpoint_read import TRUST_KEY, checkpoints_trusted
 from medvol.core.errors import MedvolError
 from medvol.run.bundle import inference_settings, traced, write_bundle
 from medvol.run.ensemble import predictor
+from medvol.run.predict_check import switch
 from medvol.run.predict_config import window_size
 from medvol.run.trained_run import open_trained_runs
 
@@ -55,13 +56,14 @@ def _exported(cfg: DictConfig) -> dict[str, Any]:
     check_exporter(chosen)
     output_dir = check_output_dir(cfg.get("output_dir"))
     opset = check_opset(cfg.get("opset", MIN_OPSET))
+    tta = switch(cfg, "tta", None)
     if cfg.get("ckpt_path") is None:
         raise MedvolError("`ckpt_path` is not set; expected a checkpoint of a medvol run (<run>/checkpoints/last.ckpt)")
     ckpt = str(cfg.ckpt_path)
     runs = open_trained_runs(ckpt, model=cfg.get("model"))
     run = runs.first.config
     # Mirroring as the command's `tta` says, and the post-processing of the run, as predict.py applies them.
-    module = predictor(runs, torch.device("cpu"), cfg.get("tta"), cfg.get("postprocessing"))
+    module = predictor(runs, torch.device("cpu"), tta, cfg.get("postprocessing"))
     size = window_size(run)
     family = type(module).__name__
     started = time.perf_counter()

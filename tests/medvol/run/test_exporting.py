@@ -121,6 +121,7 @@ def test_bad_settings_are_refused_in_one_line_before_the_checkpoint_is_read(tmp_
         ({"format": "tensorrt"}, r"`format` is 'tensorrt'; expected one of bundle, torchscript, onnx"),
         ({"output_dir": str(tmp_path / "taken")}, r"`output_dir`: .*taken exists; expected a new folder"),
         ({"opset": 13}, r"`opset` is 13; expected an ONNX opset of at least 17"),
+        ({"tta": "yes"}, r"`tta` is 'yes'; expected true, false or null"),
         ({"ckpt_path": None}, r"`ckpt_path` is not set"),
     ]
     for settings, message in cases:
