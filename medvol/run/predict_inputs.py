@@ -302,29 +302,45 @@ def batches(dataset: Dataset) -> Iterator[dict[str, Any]]:
 
 
 def find_inputs(request: PredictRequest, run: DictConfig, module: MedvolModule, scratch: Path) -> Inputs:
-    """The subjects the request's `input` (a file or a folder) or dataset names, read at the model's geometry
-    (`input_geometry`: the training spacing, or the request's `spacing`), the output folder checked against theirs."""
+    """The subjects the request's `input` (a file or a folder of files, BraTS case folders) or dataset names, read at
+    the model's geometry (`input_geometry`: the training spacing, or the request's `spacing`), the output folder
+    checked against theirs."""
     geometry = input_geometry(request.spacing, module.training_data, module.refines_resolution)
     run = with_geometry(run, geometry)
     generation = module.generation_inputs()
-    output_dir = request.output_dir
     override = request.dataset
     if override is not None and override.get("_target_"):
         override = with_run_transforms(run.dataset, override)
-    if request.source is None:
-        inputs = dataset_subjects(run, override, request.split, request.keep_crop, generation)
-        check_output_dir(output_dir, [Path(str(inputs.config.root))] if inputs.config.get("root") else [])
-        inputs.nnunet_names = issubclass(target_class(str(inputs.config._target_)), NnunetDataModule)
-        inputs.geometry = geometry
-        return inputs
     source = request.source
-    if source.is_dir():
-        check_output_dir(output_dir, [source])
-    cases = case_folders(source)
-    if cases:
-        inputs = dataset_subjects(run, brats_dataset(run, source, cases), None, request.keep_crop, generation)
-        inputs.where, inputs.geometry = "input", geometry
-        return inputs
+    if source is None:
+        inputs = split_inputs(run, override, request, generation)
+    else:
+        if source.is_dir():
+            check_output_dir(request.output_dir, [source])
+        cases = case_folders(source)
+        inputs = (
+            dataset_subjects(run, brats_dataset(run, source, cases), None, request.keep_crop, generation) if cases
+            else file_inputs(run, override, request, source, generation, scratch / "inputs.csv", geometry)
+        )
+        inputs.where = "input"
+    inputs.geometry = geometry
+    return inputs
+
+
+def split_inputs(run: DictConfig, override: Any, request: PredictRequest, generation: Mapping[str, int]) -> Inputs:
+    """The subjects of the run's dataset (or the one the request names): its `split`, or all of them."""
+    inputs = dataset_subjects(run, override, request.split, request.keep_crop, generation)
+    check_output_dir(request.output_dir, [Path(str(inputs.config.root))] if inputs.config.get("root") else [])
+    inputs.nnunet_names = issubclass(target_class(str(inputs.config._target_)), NnunetDataModule)
+    return inputs
+
+
+def file_inputs(
+    run: DictConfig, override: Any, request: PredictRequest, source: Path, generation: Mapping[str, int],
+    listing: Path, geometry: Mapping[str, Any],
+) -> Inputs:
+    """The input files `source` names (a file, a folder of them, DICOM series folders), one subject each or, for
+    nnU-Net's `<case>_XXXX` files, one per case; with a model's covariates beside them."""
     files = input_files(source)
     # A generative model's input files are its condition (a T1 for a T1 -> T2 model).
     key = next(iter(generation)) if generation else "image"
@@ -337,10 +353,8 @@ def find_inputs(request: PredictRequest, run: DictConfig, module: MedvolModule, 
     groups = channel_groups(files, files_per_subject(run, plan_path(run))) if key == "image" else files
     subjects = list(groups) if isinstance(groups, dict) else [subject_of(f) for f in groups]
     names, covariates = input_covariates(request.covariates, run, source, subjects) if not generation else ([], {})
-    inputs = file_dataset(
-        groups, run, override, scratch / "inputs.csv", geometry, key, request.series, names, covariates
-    )
+    inputs = file_dataset(groups, run, override, listing, geometry, key, request.series, names, covariates)
     # A file's outputs may go next to it (`<subject>_<name>.nii.gz`); the writer refuses to replace an input.
-    inputs.where, inputs.protected, inputs.geometry = "input", files, geometry
+    inputs.protected = files
     inputs.nnunet_names = isinstance(groups, dict) and all(CHANNEL_FILE.match(f.name) for f in files)
     return inputs
