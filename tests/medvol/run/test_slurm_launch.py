@@ -62,6 +62,9 @@ def test_submitit_launcher_runs_a_ddp_sweep_as_slurm_jobs(tmp_path):
 
 
 @pytest.mark.slow
+# Two runs (the job, then its requeue) of two ranks each: 190 s on an idle machine, past the default 300 s beside the
+# other slow worker; the test's own waits bound it below this.
+@pytest.mark.timeout(900)
 def test_sigusr1_saves_requeues_and_the_job_resumes_in_its_run_dir(tmp_path):
     from tests.conftest import TINY
 
