@@ -31,7 +31,7 @@ from medvol.run.inference_preflight import (
     sliding_window_call,
 )
 from medvol.run.preflight import MARGIN
-from medvol.run.settings_bounds import MAX_WINDOW_BATCH
+from medvol.run.settings_bounds import MAX_WINDOW_BATCH, PredictSizes, check_predict_sizes
 from medvol.run.training import run
 from tests.conftest import ROOT, TINY_COMMON, TINY_MODEL, compose_cfg, subprocess_env
 from tests.lightning_modules.diffusion.test_windowed_sampling import _xray_stage_two
@@ -124,14 +124,12 @@ def test_an_explicit_batch_that_fits_is_kept_and_one_that_does_not_is_refused_na
 def test_on_the_cpu_auto_keeps_todays_batches_and_nothing_is_measured(tmp_path, monkeypatch):
     module = tiny_vqgan(tmp_path)
     monkeypatch.setattr("medvol.run.inference_preflight.call_peak", lambda *a: pytest.fail("measured on the CPU"))
-    sizes = {"sw_batch_size": "auto", "sampling_window_batch_size": "auto"}
-    plan = plan_inference(module, sizes, CPU, roi=[16, 16, 16])
+    plan = plan_inference(module, PredictSizes(), CPU, roi=[16, 16, 16])
     assert (plan.sw_batch_size, plan.sampling_window_batch_size, plan.named) == (CPU_WINDOW_BATCH, None, False)
-    sizes = {"sw_batch_size": 7, "sampling_window_batch_size": 3}
+    sizes = check_predict_sizes({"sw_batch_size": 7, "sampling_window_batch_size": 3}, "predict.py")
     assert plan_inference(module, sizes, CPU, roi=[16, 16, 16]).sw_batch_size == 7
-    sizes["sw_batch_size"] = 65
     with pytest.raises(MedvolError, match=r"`sw_batch_size` is 65; expected auto or a whole number in \[1, 64\]"):
-        plan_inference(module, sizes, CPU, roi=[16, 16, 16])
+        check_predict_sizes({"sw_batch_size": 65}, "predict.py")
 
 
 def test_the_xray_to_ct_walks_window_batch_comes_from_the_prediction_below_the_cap(tmp_path):
@@ -164,7 +162,7 @@ def test_a_fast_ddpm_sampling_window_costs_its_hand_counted_six_volumes_and_no_w
 
 def test_the_planned_sampling_batch_is_the_one_the_walk_runs_with(tmp_path):
     module = _xray_stage_two(tmp_path, crop_size=8).eval()
-    sizes = {"sw_batch_size": "auto", "sampling_window_batch_size": "auto"}
+    sizes = PredictSizes()
     # No window (roi None): X-ray-to-CT runs no sliding window, so none is asked for.
     plan = plan_inference(module, sizes, CPU, card="0.01GiB")
     assert plan.named and plan.sampling_window_batch_size == plan_sampling(
@@ -191,7 +189,7 @@ def test_the_ldms_decoder_slab_is_the_largest_power_of_two_whose_decoding_fits_a
     assert slabs == sorted(slabs) and slabs[0] < slabs[-1], slabs
     with pytest.raises(MedvolError, match="no slab keeps the decoder's activations on the device"):
         plan_decoding(module, "auto", Memory("card", 2 / 1024, True))
-    plan_inference(module, {}, CPU, card="8GB").apply(module)
+    plan_inference(module, PredictSizes(), CPU, card="8GB").apply(module)
     card = card_named("8GB")
     assert module.hparams.decode_slab_elements == plan_decoding(module, "auto", Memory(card.name, card.memory_gib,
                                                                                       True)).batch

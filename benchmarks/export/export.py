@@ -484,7 +484,7 @@ def stage_agreement(ckpt: Path, bundle: Path, channels: Path, scan: Path) -> lis
         theirs[name] = (torch.as_tensor(np.asarray(data["image"])).clone(), np.asarray(data["image"].affine))
     rows = [(f"preprocessing: {name}", difference(ours[name], theirs[name])) for name in ours if name in theirs]
     image = ours["EnsureTyped"][0][None]
-    batch_size = request.sizes["sw_batch_size"]
+    batch_size = request.sizes.sw_batch_size
     window = SlidingWindow.of(request.roi, overlap=request.overlap, mode=request.mode,
                               batch_size=CPU_WINDOW_BATCH if batch_size == "auto" else int(batch_size))
     scheme, threshold = module.scheme, float(module.scheme.threshold)

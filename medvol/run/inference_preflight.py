@@ -25,7 +25,7 @@ a few float32 copies of the volume, 64 MiB each at 256^3).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +37,7 @@ from medvol.core.errors import MedvolError
 from medvol.core.gpu_cards import GIB, card_named
 from medvol.run.predict_config import NO_WINDOW
 from medvol.run.preflight import MARGIN
-from medvol.run.settings_bounds import AUTO, MAX_WINDOW_BATCH, PredictSizes, check_predict_sizes
+from medvol.run.settings_bounds import AUTO, MAX_WINDOW_BATCH, PredictSizes
 from medvol.volumes.mirroring import SPATIAL_AXES, MirrorAveraged
 
 log = logging.getLogger("medvol")
@@ -423,14 +423,13 @@ def emulated_precision(precision: str) -> Iterator[None]:
         yield
 
 
-def plan_inference(module: Any, sizes: Mapping[str, Any], device: torch.device, precision: str = "32",
+def plan_inference(module: Any, given: PredictSizes, device: torch.device, precision: str = "32",
                    card: str | None = None, roi: Sequence[int] | None = None) -> InferencePlan:
     """The window batches (and the LDM's decoder slab) of this prediction, before any subject is read: on a GPU or the
-    `card` `preflight=` names, each `auto` of `sizes` the largest whose predicted call fits and each number checked; on
-    the CPU the command's numbers, `auto` the window batch predict.py always used (4) and the model's own sampling
-    windows and slab. One log line per planned call. `roi` is the sliding window (read only for a family that runs
-    one)."""
-    given = check_predict_sizes(sizes, "predict.py")
+    `card` `preflight=` names, each `auto` of `given` (checked already, by the request) the largest whose predicted call
+    fits and each number checked; on the CPU the command's numbers, `auto` the window batch predict.py always used (4)
+    and the model's own sampling windows and slab. One log line per planned call. `roi` is the sliding window (read
+    only for a family that runs one)."""
     memory = device_memory(card, device)
     own = {key: None if getattr(given, key) == AUTO else int(getattr(given, key)) for key in PredictSizes.model_fields}
     if memory is None:

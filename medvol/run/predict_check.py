@@ -46,7 +46,7 @@ class PredictRequest:
     overlap: float
     mode: str
     roi: list[int] | None
-    sizes: dict[str, Any]
+    sizes: PredictSizes
     card: str | None
     num_samples: int
     from_noise: bool
@@ -84,7 +84,7 @@ def predict_request(cfg: DictConfig, run: DictConfig) -> PredictRequest:
         overlap=overlap,
         mode=str(cfg.mode),
         roi=window_roi(cfg.roi, run) if cfg.get("roi") is not None else own_window(run),
-        sizes=sizes.model_dump(),
+        sizes=sizes,
         card=str(card) if card else None,
         num_samples=int(cfg.get("num_samples", 1)),
         from_noise=from_noise(cfg),

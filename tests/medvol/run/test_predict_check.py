@@ -90,7 +90,8 @@ def test_the_request_holds_the_commands_values_checked_once_and_refuses_a_bad_wi
                                     sw_batch_size=3, preflight="H100"), RUN)
     assert (typed.series, typed.covariates, typed.tta, typed.split, typed.card) == (
         "2", Path("~/c.csv").expanduser(), False, "test", "H100")
-    assert typed.sizes == {"sw_batch_size": 3, "sampling_window_batch_size": "auto", "decode_slab_elements": "auto"}
+    assert typed.sizes.model_dump() == {"sw_batch_size": 3, "sampling_window_batch_size": "auto",
+                                      "decode_slab_elements": "auto"}
     with pytest.raises(MedvolError, match=r"^predict.py: `sw_batch_size` is 0; expected auto or a whole number"):
         predict_request(command(**given, sw_batch_size=0), RUN)
     # A switch is true or false (`tta` also null: the model's own), never a word that Python finds true.
